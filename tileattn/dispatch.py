@@ -42,6 +42,10 @@ class Backend:
     def not_supported_reasons(self, inp: AttentionInputs) -> List[str]:
         return list(self.available())
 
+    def auto_refusal(self, inp: AttentionInputs) -> List[str]:
+        """Reasons "auto" must not pick this backend even though it could run the call."""
+        return []
+
     def forward(self, inp: AttentionInputs):
         raise NotImplementedError
 
@@ -106,6 +110,6 @@ def select(inp: AttentionInputs, backend: str = "auto") -> Backend:
             )
         return chosen
     for b in list_backends():
-        if b.auto and not b.not_supported_reasons(inp):
+        if b.auto and not b.not_supported_reasons(inp) and not b.auto_refusal(inp):
             return b
     raise NoBackendError("tileattn: no backend supports this call:\n" + _format_reasons(explain(inp)))
