@@ -24,21 +24,24 @@ class ReferenceBackend(Backend):
 
     def backward(self, inp: AttentionInputs, out, lse, dout, need_dbias: bool):
         cdt = inp.acc_dtype()
-        with torch.enable_grad():
-            leaves = [t.detach().to(cdt).requires_grad_() for t in (inp.q, inp.k, inp.v)]
-            bias = None
-            if need_dbias:
-                bias = inp.bias.detach().to(cdt).requires_grad_()
-                leaves.append(bias)
+        primals = [t.detach().to(cdt) for t in (inp.q, inp.k, inp.v)]
+        if need_dbias:
+            primals.append(inp.bias.detach().to(cdt))
+
+        def attention(q, k, v, *maybe_bias):
             sub = make_inputs(
-                leaves[0], leaves[1], leaves[2], layout=inp.layout, num_heads=inp.heads_q,
+                q, k, v, layout=inp.layout, num_heads=inp.heads_q,
                 scale=inp.scale, causal=inp.causal, window=inp.window, mask=inp.mask,
-                bias=bias if need_dbias else inp.bias, alibi_slopes=inp.alibi_slopes, softcap=inp.softcap,
-                dropout_p=inp.dropout_p, seed=inp.seed, cu_seqlens_q=inp.cu_seqlens_q,
-                cu_seqlens_k=inp.cu_seqlens_k,
+                bias=maybe_bias[0] if need_dbias else inp.bias, alibi_slopes=inp.alibi_slopes,
+                softcap=inp.softcap, dropout_p=inp.dropout_p, seed=inp.seed,
+                cu_seqlens_q=inp.cu_seqlens_q, cu_seqlens_k=inp.cu_seqlens_k,
             )
-            ref = reference_from_inputs(sub, compute_dtype=cdt)
-            grads = torch.autograd.grad(ref, leaves, dout.to(cdt))
+            return reference_from_inputs(sub, compute_dtype=cdt)
+
+        # torch.func.vjp, not torch.autograd.grad: this runs inside a torch.library custom op, where
+        # the autograd dispatch keys are excluded and plain autograd records no graph.
+        _, pullback = torch.func.vjp(attention, *primals)
+        grads = pullback(dout.to(cdt))
         dq, dk, dv = (g.to(inp.dtype) for g in grads[:3])
         dbias = grads[3].to(inp.bias.dtype) if need_dbias else None
         return dq, dk, dv, dbias
