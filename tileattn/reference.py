@@ -94,10 +94,13 @@ def _dense(inp: AttentionInputs, q, k, v, batch_index, cdtype):
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
     s = s.expand(bsz, hq, sq, sk)
-    lse = torch.logsumexp(s, dim=-1)
-    empty = torch.isneginf(lse)
-    # Rows that see no key give exactly zero, not NaN: shift them by 0 instead of -inf.
-    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+    # Rows that see no key (every score -inf, from masks or from a -inf bias) output exactly 0 and
+    # LSE -inf. Their log-sum-exp is taken over zeros instead, so that neither the forward nor the
+    # logsumexp backward meets -inf - (-inf) = NaN (which would leak into dq, dk and dbias).
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    lse = torch.logsumexp(s.masked_fill(empty, 0.0), dim=-1, keepdim=True)
+    p = torch.exp(s - lse)
+    lse = lse.squeeze(-1).masked_fill(empty.squeeze(-1), -math.inf)
     if inp.dropout_p > 0:
         keep_drop = torch.empty(p.shape, dtype=torch.bool, device=dev)
         heads = torch.arange(hq, device=dev)

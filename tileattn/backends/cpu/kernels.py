@@ -135,7 +135,9 @@ def backward(
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qb)
         dq_acc.mul_(prob.scale)
         dq[:, i0:i1].copy_(dq_acc.view(hkv, g, bm, d).flatten(0, 1))
-    dk.mul_(prob.scale / prob.q_factor)
+    # dK was accumulated against the pre-scaled q block; with scale = 0 that block is all zeros and
+    # so is dK (the true gradient, scale * dS^T q, is zero too).
+    dk.mul_(prob.scale / prob.q_factor if prob.q_factor != 0 else 0.0)
 
 
 def _accumulate_bias_grad(dbias, ds, hkv, g, i0, i1, j0, j1):
