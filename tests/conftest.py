@@ -1,0 +1,102 @@
+"""Shared helpers for the tileattn test suite.
+
+Every correctness check goes through :func:`tileattn.testing.check_against_reference` (FlashAttention's
+rule: at most 2x the error of plain same-dtype math, plus a floor), via :func:`assert_matches_reference`,
+which also insists that the expected verdicts exist, so a check can never pass by comparing nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+import tileattn
+from tileattn.spec import to_canonical, user_shape
+from tileattn.testing import check_against_reference
+
+# A user's tuned tile cache or backend override must not change what the tests exercise.
+os.environ.pop("TILEATTN_BACKEND", None)
+os.environ["TILEATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tileattn-test-cache-")
+
+#: Engines that run on CPU tensors. The Triton engine has its own test file.
+CPU_BACKENDS = ("cpu", "reference")
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    return request.param
+
+
+def attention_fn(backend: str):
+    """``flash_attention`` pinned to one backend, with the signature check_against_reference expects."""
+
+    def run(q, k, v, **kwargs):
+        return tileattn.flash_attention(q, k, v, backend=backend, **kwargs)
+
+    run.__name__ = f"flash_attention[{backend}]"
+    return run
+
+
+def assert_matches_reference(backend, q, k, v, grad=True, **kwargs):
+    """Forward (and backward) of ``backend`` within FlashAttention's error bound of the fp64 oracle."""
+    verdicts = check_against_reference(attention_fn(backend), q, k, v, grad=grad, **kwargs)
+    expected = ["out"]
+    if kwargs.get("return_lse"):
+        expected.append("lse")
+    if grad:
+        expected += ["dq", "dk", "dv"]
+        bias = kwargs.get("bias")
+        if bias is not None and bias.requires_grad:
+            expected.append("dbias")
+    names = [v.name for v in verdicts]
+    assert names == expected, f"verdicts {names}, expected {expected}"
+    failed = [str(v) for v in verdicts if not v.ok]
+    assert not failed, f"{backend}: " + " | ".join(failed)
+    return verdicts
+
+
+def make_qkv(b=2, hq=2, hkv=None, sq=16, sk=None, d=32, dv=None, dtype=torch.float32, layout="BNSD",
+             seed=0, requires_grad=False):
+    """Random q, k, v in ``layout`` (contiguous in that layout). Defaults: hkv=hq, sk=sq, dv=d."""
+    hkv = hq if hkv is None else hkv
+    sk = sq if sk is None else sk
+    dv = d if dv is None else dv
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(h, s, e):
+        t = torch.randn(user_shape(layout, b, h, s, e), generator=gen, dtype=torch.float32)
+        return t.to(dtype).requires_grad_(requires_grad)
+
+    return rand(hq, sq, d), rand(hkv, sk, d), rand(hkv, sk, dv)
+
+
+def strided_view(x: torch.Tensor, layout: str, num_heads: int) -> torch.Tensor:
+    """The same values as ``x`` (a tensor in ``layout``) but as a non-contiguous view in that layout.
+
+    The data is stored in another layout (BNSD storage viewed as BSND, etc.) and every view also
+    skips every other element of the head dim except the last-dim stride, which stays 1.
+    """
+    canon = to_canonical(x, layout, num_heads)  # (B, H, S, D)
+    b, h, s, d = canon.shape
+    # Storage: (S, B, H, 2*D) with the real data in the first D columns: nothing is contiguous.
+    storage = torch.zeros(s, b, h, 2 * d, dtype=x.dtype)
+    storage[..., :d] = canon.detach().permute(2, 0, 1, 3)
+    canon_view = storage[..., :d].permute(1, 2, 0, 3)  # (B, H, S, D), strided
+    if layout == "BNSD":
+        view = canon_view
+    elif layout == "BSND":
+        view = canon_view.transpose(1, 2)
+    elif layout in ("BSH", "SBH"):
+        # A width-H*D view needs heads and dims adjacent: store (S, B, H*D) rows padded to 2*H*D.
+        wide = torch.zeros(s, b, 2 * h * d, dtype=x.dtype)
+        wide[..., : h * d] = canon.detach().permute(2, 0, 1, 3).reshape(s, b, h * d)
+        sbh = wide[..., : h * d]
+        view = sbh if layout == "SBH" else sbh.transpose(0, 1)
+    else:
+        raise ValueError(layout)
+    assert not view.is_contiguous() and view.stride(-1) == 1
+    assert torch.equal(view, x.detach())
+    return view.requires_grad_(x.requires_grad)
