@@ -83,8 +83,8 @@ for S, sb, npk, fpk, tn, tf in rows:
 # %% [markdown]
 # What the numbers say (each line is checked):
 #
-# * naive attention needs at least one full `B x H x S x S` fp32 matrix; in fact about two
-#   (`scores` and `probs` are alive at the same time inside `softmax`);
+# * naive attention needs at least one full `B x H x S x S` fp32 matrix; in fact two or three
+#   (`q @ k^T`, its scaled copy and `probs` can all be alive at once);
 # * its peak grows about 4x per doubling of `S`;
 # * the tiled version's peak stays a small fraction of it.
 

@@ -85,25 +85,15 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-_MALLOC_TUNED = False
+def _return_free_memory_to_os() -> None:
+    """Ask glibc to give freed heap pages back to the OS (``malloc_trim``).
 
-
-def _malloc_returns_memory_at_once() -> None:
-    """Make glibc hand every block >= 64 KiB straight back to the OS when it is freed.
-
-    Otherwise malloc keeps freed blocks for reuse and the resident-set high-water mark would miss
-    (or hide) the memory a step really needed. ``M_MMAP_THRESHOLD`` = -3 in glibc's mallopt.
+    Otherwise a block freed by an earlier step could be reused without touching new pages, and the
+    resident-set high-water mark would miss memory the measured step really needed. (Setting
+    ``M_MMAP_THRESHOLD`` instead would do it too, but makes every later tile allocation a slow
+    ``mmap`` and would distort the timings.)
     """
-    global _MALLOC_TUNED
-    if not _MALLOC_TUNED:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)
-        _MALLOC_TUNED = True
-
-
-if Path("/proc/self/clear_refs").exists():
-    # Before the tutorial allocates anything, so no freed block sits in malloc's reuse lists.
-    _malloc_returns_memory_at_once()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def peak_memory(fn):
@@ -114,7 +104,7 @@ def peak_memory(fn):
     """
     if not Path("/proc/self/clear_refs").exists():
         raise RuntimeError("peak_memory needs Linux /proc/self/clear_refs; not supported on this system")
-    _malloc_returns_memory_at_once()
+    _return_free_memory_to_os()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status_bytes("VmRSS")
