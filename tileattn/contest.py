@@ -1,0 +1,382 @@
+"""``tileattn contest``: score an attention kernel against the baseline and tileattn, keep a leaderboard.
+
+A submission is a Python file defining ``attention(q, k, v, causal=False)``; the rules are in
+``hub/contest/RULES.md``. Scoring a submission:
+
+1. A worker subprocess (``python -m tileattn.contest _worker ...``) imports the submission, so a crash,
+   a hang or a ``sys.exit`` in it cannot take the scorer down. The whole worker runs under a wall-clock
+   limit; past it the worker's process group is killed and the submission is rejected.
+2. Correctness: on inputs drawn from a fresh seed (recorded with the result, so a run can be replayed
+   with ``--seed``), the output must pass FlashAttention's rule (:mod:`tileattn.testing`): max error
+   against the fp64 reference at most 2x the error of plain PyTorch math in the inputs' dtype, plus a
+   small floor. The output must also have q's shape and dtype and leave the inputs unmodified.
+3. Timing: for each timed shape, the submission, the baseline and tileattn run round-robin (so machine
+   noise hits all three alike); the median of the repeats is kept.
+4. Score: the geometric mean over the timed shapes of ``baseline time / submission time``.
+
+Any failure in 1-2 rejects the submission with the reason and no score. Accepted or not, the result
+is appended to ``leaderboard.csv`` and ``LEADERBOARD.md`` is re-rendered from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BASELINE = REPO_ROOT / "hub" / "contest" / "baseline.py"
+DEFAULT_LEADERBOARD = REPO_ROOT / "hub" / "contest" / "leaderboard"
+DEFAULT_TIME_LIMIT_S = 600.0
+CSV_FIELDS = ["time_utc", "name", "submission", "status", "reason", "score", "vs_tileattn", "seed", "shapes", "details"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+    dtype: str  # "fp32" or "fp16"
+    timed: bool = True  # False: checked for correctness only
+
+    def label(self) -> str:
+        return (f"{self.batch}x{self.heads}x{self.seqlen}x{self.head_dim} {self.dtype}"
+                + (" causal" if self.causal else ""))
+
+
+#: The contest shapes (q, k and v are all (B, H, S, D), Sq == Sk). Untimed ones catch kernels that
+#: assume S is a multiple of their tile size or that the head dim is 64.
+SHAPES = (
+    Shape(1, 8, 1024, 64, False, "fp32"),
+    Shape(1, 8, 2048, 64, True, "fp32"),
+    Shape(2, 4, 1024, 128, True, "fp16"),
+    Shape(1, 2, 200, 64, True, "fp32", timed=False),
+    Shape(2, 3, 77, 32, False, "fp32", timed=False),
+    Shape(1, 2, 129, 80, True, "fp16", timed=False),
+)
+#: ``--small`` (or ``TILEATTN_SMALL=1``): the same kinds of shapes, seconds instead of minutes.
+SMALL_SHAPES = (
+    Shape(1, 2, 256, 32, False, "fp32"),
+    Shape(1, 2, 256, 32, True, "fp32"),
+    Shape(1, 2, 128, 64, True, "fp16"),
+    Shape(1, 2, 77, 32, True, "fp32", timed=False),
+)
+REPEATS, SMALL_REPEATS = 5, 3
+
+
+def contest_shapes(small: bool):
+    return SMALL_SHAPES if small else SHAPES
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: runs inside the subprocess, imports the submission, checks and times it.
+
+
+def _load_module(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, "attention", None)
+    if not callable(fn):
+        raise AttributeError(f"{path} defines no callable attention(q, k, v, causal=False)")
+    return fn
+
+
+def _inputs(shape: Shape, seed: int):
+    import torch
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[shape.dtype]
+    gen = torch.Generator().manual_seed(seed)
+    dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    return [torch.randn(dims, generator=gen).to(dtype) for _ in range(3)]
+
+
+def _check(fn, shape: Shape, seed: int) -> Optional[str]:
+    """None when ``fn`` is correct on ``shape``; otherwise the reason it is not."""
+    import torch
+
+    from .reference import reference
+    from .testing import judge
+
+    q, k, v = _inputs(shape, seed)
+    copies = [t.clone() for t in (q, k, v)]
+    out = fn(q, k, v, causal=shape.causal)
+    if not isinstance(out, torch.Tensor):
+        return f"{shape.label()}: attention returned {type(out).__name__}; expected a torch.Tensor"
+    if out.shape != q.shape or out.dtype != q.dtype:
+        return (f"{shape.label()}: output shape {tuple(out.shape)} dtype {out.dtype}; "
+                f"expected {tuple(q.shape)} {q.dtype}")
+    if any(not torch.equal(a, b) for a, b in zip((q, k, v), copies)):
+        return f"{shape.label()}: the submission modified its inputs"
+    oracle = reference(q, k, v, causal=shape.causal, compute_dtype=torch.float64)
+    plain = reference(q, k, v, causal=shape.causal)
+    verdict = judge("out", out, oracle, plain, q.dtype)
+    if verdict.ok:
+        return None
+    return (f"{shape.label()}: wrong result: max error {verdict.error:.3e} exceeds the tolerance "
+            f"{verdict.tolerance:.3e} (2x plain-math error {verdict.baseline_error:.3e} + floor)")
+
+
+def _time(contenders: dict, shape: Shape, seed: int, repeats: int) -> dict:
+    q, k, v = _inputs(shape, seed)
+    for fn in contenders.values():
+        fn(q, k, v, causal=shape.causal)  # warm-up
+    samples = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn(q, k, v, causal=shape.causal)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _tileattn_attention(q, k, v, causal=False):
+    from .api import flash_attention
+
+    return flash_attention(q, k, v, causal=causal)
+
+
+def _worker(args) -> int:
+    result = {"status": "rejected", "reason": "", "shapes": []}
+    out_path = Path(args.out)
+
+    def finish(code):
+        out_path.write_text(json.dumps(result))
+        return code
+
+    try:
+        submission = _load_module(Path(args.submission), "contest_submission")
+    except BaseException as exc:  # a submission that fails to import is rejected, whatever it raised
+        result["reason"] = f"import failed: {type(exc).__name__}: {exc}"
+        return finish(0)
+    small = args.small
+    seed = int(args.seed)
+    for i, shape in enumerate(contest_shapes(small)):
+        try:
+            reason = _check(submission, shape, seed + i)
+        except BaseException as exc:
+            reason = f"{shape.label()}: attention raised {type(exc).__name__}: {exc}"
+        if reason is not None:
+            result["reason"] = reason
+            return finish(0)
+    baseline = _load_module(Path(args.baseline), "contest_baseline")
+    contenders = {"submission": submission, "baseline": baseline, "tileattn": _tileattn_attention}
+    for i, shape in enumerate(contest_shapes(small)):
+        if shape.timed:
+            times = _time(contenders, shape, seed + 1000 + i, SMALL_REPEATS if small else REPEATS)
+            result["shapes"].append({"shape": shape.label(), **times})
+    result["status"] = "accepted"
+    return finish(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scorer: runs the worker under a time limit and records the outcome.
+
+
+@dataclass
+class Outcome:
+    status: str  # "accepted" or "rejected"
+    reason: str
+    seed: int
+    shapes: List[dict]
+
+    @property
+    def score(self) -> Optional[float]:
+        return _geomean([s["baseline"] / s["submission"] for s in self.shapes]) if self.accepted else None
+
+    @property
+    def vs_tileattn(self) -> Optional[float]:
+        return _geomean([s["tileattn"] / s["submission"] for s in self.shapes]) if self.accepted else None
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == "accepted"
+
+
+def _geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT_TIME_LIMIT_S,
+                     seed=None, small=False) -> Outcome:
+    """Check and time ``submission`` in a subprocess; never raises for a bad submission."""
+    submission, baseline = Path(submission), Path(baseline)
+    for what, path in (("SUBMISSION", submission), ("--baseline", baseline)):
+        if not path.is_file():
+            raise ValueError(f"tileattn contest: argument '{what}': got {str(path)!r}, which is not a file; "
+                             "expected a Python file defining attention(q, k, v, causal=False)")
+    if not time_limit_s > 0:
+        raise ValueError(f"tileattn contest: argument '--time-limit': got {time_limit_s}; expected seconds > 0")
+    seed = secrets.randbits(31) if seed is None else int(seed)
+    with tempfile.TemporaryDirectory(prefix="tileattn-contest-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "tileattn.contest", "_worker", "--submission", str(submission.resolve()),
+               "--baseline", str(baseline.resolve()), "--seed", str(seed), "--out", str(out)]
+        if small:
+            cmd.append("--small")
+        # Its own session, so a timeout can kill the submission's children too; cwd is a scratch dir
+        # so files the submission writes land there.
+        proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True)
+        try:
+            log, _ = proc.communicate(timeout=time_limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return Outcome("rejected", f"timed out: still running after the {time_limit_s:g} s limit", seed, [])
+        if not out.exists():
+            tail = " | ".join((log or "").strip().splitlines()[-3:])
+            return Outcome("rejected", f"crashed: worker exited with status {proc.returncode} "
+                           f"before reporting ({tail or 'no output'})", seed, [])
+        data = json.loads(out.read_text())
+    return Outcome(data["status"], data["reason"], seed, data["shapes"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The leaderboard.
+
+
+def record(outcome: Outcome, name: str, submission, leaderboard_dir=DEFAULT_LEADERBOARD) -> Path:
+    """Append ``outcome`` to ``leaderboard.csv`` in the directory and re-render ``LEADERBOARD.md``."""
+    root = Path(leaderboard_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    csv_path = root / "leaderboard.csv"
+    new = not csv_path.exists()
+    row = {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "name": name, "submission": Path(submission).name, "status": outcome.status, "reason": outcome.reason,
+        "score": "" if outcome.score is None else f"{outcome.score:.3f}",
+        "vs_tileattn": "" if outcome.vs_tileattn is None else f"{outcome.vs_tileattn:.3f}",
+        "seed": outcome.seed, "shapes": len(outcome.shapes),
+        "details": "; ".join(f"{s['shape']}: {s['submission'] * 1e3:.2f} ms (baseline {s['baseline'] * 1e3:.2f}, "
+                             f"tileattn {s['tileattn'] * 1e3:.2f})" for s in outcome.shapes),
+    }
+    with csv_path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+    (root / "LEADERBOARD.md").write_text(render(read_rows(root)))
+    return root
+
+
+def read_rows(leaderboard_dir) -> List[dict]:
+    path = Path(leaderboard_dir) / "leaderboard.csv"
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def render(rows: List[dict]) -> str:
+    """Markdown: accepted entries ranked by score (best first), then rejected ones with the reason."""
+    accepted = sorted((r for r in rows if r["status"] == "accepted"), key=lambda r: -float(r["score"]))
+    rejected = [r for r in rows if r["status"] != "accepted"]
+    lines = ["# Attention contest leaderboard", "",
+             "Score: geometric mean over the timed shapes of baseline time / submission time "
+             "(higher is better; see hub/contest/RULES.md).", "",
+             "| rank | name | score (x baseline) | x tileattn | submission | seed | when (UTC) |",
+             "|---:|---|---:|---:|---|---:|---|"]
+    for rank, r in enumerate(accepted, 1):
+        lines.append(f"| {rank} | {r['name']} | {r['score']} | {r['vs_tileattn']} | {r['submission']} | "
+                     f"{r['seed']} | {r['time_utc']} |")
+    if rejected:
+        lines += ["", "## Rejected", "", "| name | submission | reason | when (UTC) |", "|---|---|---|---|"]
+        for r in rejected:
+            reason = r["reason"].replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {r['name']} | {r['submission']} | {reason} | {r['time_utc']} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _cmd_score(args) -> int:
+    small = args.small or os.environ.get("TILEATTN_SMALL") == "1"
+    try:
+        outcome = score_submission(args.submission, args.baseline, args.time_limit, args.seed, small)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    name = args.name or Path(args.submission).stem
+    print(f"submission {args.submission} ({name}), seed {outcome.seed}: {outcome.status.upper()}")
+    if not outcome.accepted:
+        print(f"  reason: {outcome.reason}")
+    for s in outcome.shapes:
+        print(f"  {s['shape']:<28} submission {s['submission'] * 1e3:9.2f} ms   baseline {s['baseline'] * 1e3:9.2f} ms"
+              f"   tileattn {s['tileattn'] * 1e3:9.2f} ms")
+    if outcome.accepted:
+        print(f"  score {outcome.score:.3f} (x baseline), {outcome.vs_tileattn:.3f} x tileattn")
+    root = record(outcome, name, args.submission, args.leaderboard)
+    print(f"  recorded in {root / 'leaderboard.csv'} and {root / 'LEADERBOARD.md'}")
+    return 0 if outcome.accepted else 1
+
+
+def _cmd_leaderboard(args) -> int:
+    print(render(read_rows(args.leaderboard)), end="")
+    return 0
+
+
+def add_subparser(subparsers) -> argparse.ArgumentParser:
+    """Register ``tileattn contest`` (``score`` and ``leaderboard``) on the CLI's subparsers."""
+    help_text = "score an attention kernel against the baseline and tileattn; show the leaderboard"
+    p = subparsers.add_parser("contest", help=help_text, description=help_text)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    p.set_defaults(func=lambda a: (p.print_help(sys.stderr), 2)[1])
+
+    s = actions.add_parser("score", help="check, time and record a submission (exit 0 accepted, 1 rejected)")
+    s.add_argument("submission", help="Python file defining attention(q, k, v, causal=False)")
+    s.add_argument("--name", default=None, help="name on the leaderboard (default: the file's stem)")
+    s.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory "
+                   f"(default {DEFAULT_LEADERBOARD})")
+    s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+                   help=f"seconds for the whole check and timing run (default {DEFAULT_TIME_LIMIT_S:g})")
+    s.add_argument("--seed", type=int, default=None, help="replay a run's inputs (default: a fresh seed)")
+    s.add_argument("--baseline", default=str(DEFAULT_BASELINE), help="the baseline kernel file")
+    s.add_argument("--small", action="store_true", help="small shapes (also TILEATTN_SMALL=1): a quick trial")
+    s.set_defaults(func=_cmd_score)
+
+    b = actions.add_parser("leaderboard", help="print the leaderboard as Markdown")
+    b.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory")
+    b.set_defaults(func=_cmd_leaderboard)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tileattn.contest")
+    sub = parser.add_subparsers(dest="command")
+    add_subparser(sub)
+    w = sub.add_parser("_worker", help=argparse.SUPPRESS)
+    for flag in ("--submission", "--baseline", "--seed", "--out"):
+        w.add_argument(flag, required=True)
+    w.add_argument("--small", action="store_true")
+    w.set_defaults(func=_worker)
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
