@@ -273,7 +273,8 @@ def make_inputs(
 ) -> AttentionInputs:
     """Validate a call and build its :class:`AttentionInputs`. Raises before any compute."""
     if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
-        _fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
+        exc = ValueError if isinstance(layout, str) else TypeError
+        _fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
     layout = layout.upper()
     rank = _RANK[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -330,8 +331,10 @@ def make_inputs(
 
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         _fail(TypeError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
+    if not math.isfinite(scale):
+        _fail(ValueError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
     if not isinstance(causal, bool):
         _fail(TypeError, "causal", repr(causal), "True or False")
     if not isinstance(deterministic, bool):
@@ -371,9 +374,12 @@ def make_inputs(
         win.append(None if side < 0 else int(side))
     window = tuple(win)
 
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap < 0:
+    for name, value in (("softcap", softcap), ("dropout_p", dropout_p)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            _fail(TypeError, name, repr(value), "a float")
+    if not math.isfinite(softcap) or softcap < 0:
         _fail(ValueError, "softcap", repr(softcap), "a float > 0 (or 0 to disable)")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not (0.0 <= dropout_p < 1.0):
+    if not (0.0 <= dropout_p < 1.0):
         _fail(ValueError, "dropout_p", repr(dropout_p), "a float in [0, 1)")
     if seed is not None and generator is not None:
         _fail(ValueError, "seed/generator", "both", "at most one of them")
