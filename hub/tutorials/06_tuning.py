@@ -57,7 +57,7 @@ print(f"L1d {cache_bytes(1)} B, L2 {l2} B per core")
 
 # %%
 H, D = pick(4, 8), 64
-blocks = pick([32, 64, 128, 256], [32, 64, 128, 256, 512])
+blocks = pick([32, 128, 256], [32, 64, 128, 256, 512])
 print(f"{'block_m':>8} {'block_n':>8} {'working set':>12}  fits in L2?")
 for bm in blocks:
     for bn in blocks:
