@@ -9,6 +9,17 @@ from .api import explain, flash_attention
 from .dispatch import NoBackendError, get_backend, list_backends
 from .reference import reference
 from .spec import LAYOUTS
+from . import npu
+from .compat.flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+from .sdpa import patch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
@@ -20,5 +31,15 @@ __all__ = [
     "get_backend",
     "NoBackendError",
     "LAYOUTS",
+    "npu",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "scaled_dot_product_attention",
+    "patch_sdpa",
     "__version__",
 ]

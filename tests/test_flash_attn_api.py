@@ -1,0 +1,210 @@
+"""The flash-attn 2.x stand-in (tileattn.compat.flash_attn) against the exact reference."""
+
+import pytest
+import torch
+
+import tileattn
+import tileattn.compat.flash_attn as flash_attn
+from tileattn.compat.flash_attn import flash_attn_interface
+from tileattn.testing import check_against_reference
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+
+
+def _assert_all_ok(verdicts):
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)
+    assert verdicts, "no verdicts"
+
+
+def test_package_layout_mirrors_flash_attn():
+    assert flash_attn.flash_attn_interface is flash_attn_interface
+    for name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                 "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                 "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"):
+        assert getattr(flash_attn, name) is getattr(flash_attn_interface, name)
+    assert flash_attn.__version__.startswith("2.")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sq,sk", [(6, 6), (3, 9), (9, 4)])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1)), (True, (2, -1))])
+def test_flash_attn_func_matches_reference(dtype, sq, sk, causal, window):
+    q, k, v = _rand(2, sq, 4, 16, dtype=dtype), _rand(2, sk, 2, 16, dtype=dtype, seed=1), _rand(2, sk, 2, 16, dtype=dtype, seed=2)
+
+    def fa(q, k, v, **_):
+        return flash_attn.flash_attn_func(q, k, v, causal=causal, window_size=window)
+
+    tile_window = tuple(None if w < 0 else w for w in window)
+    _assert_all_ok(check_against_reference(fa, q, k, v, layout="BSND", causal=causal, window=tile_window))
+
+
+def test_flash_attn_func_softcap_alibi_scale_and_lse():
+    q, k, v = _rand(2, 5, 4, 8, dtype=torch.float64), _rand(2, 7, 4, 8, dtype=torch.float64, seed=1), _rand(2, 7, 4, 8, dtype=torch.float64, seed=2)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float32)
+
+    def fa(q, k, v, **_):
+        out, lse, _probs = flash_attn.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, softcap=2.0,
+                                                      alibi_slopes=slopes, return_attn_probs=True)
+        return out, lse
+
+    _assert_all_ok(check_against_reference(fa, q, k, v, layout="BSND", scale=0.3, causal=True, softcap=2.0,
+                                           alibi_slopes=slopes, return_lse=True))
+
+
+def test_return_attn_probs_are_the_softmax():
+    q, k, v = _rand(1, 4, 2, 8, dtype=torch.float64), _rand(1, 6, 2, 8, dtype=torch.float64, seed=1), _rand(1, 6, 2, 8, dtype=torch.float64, seed=2)
+    out, lse, probs = flash_attn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert probs.shape == (1, 2, 4, 6)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 2, 4, dtype=probs.dtype))
+    # bottom-right causal: query 0 sees keys 0..2 only
+    assert probs[0, :, 0, 3:].abs().max() == 0 and probs[0, :, 0, 2].min() > 0
+    torch.testing.assert_close(torch.einsum("bhij,bjhd->bihd", probs.double(), v), out)
+
+
+def test_dropout_is_seeded_by_torch_and_encoded_in_probs():
+    q, k, v = _rand(1, 8, 2, 8), _rand(1, 8, 2, 8, seed=1), _rand(1, 8, 2, 8, seed=2)
+    torch.manual_seed(3)
+    a, _, probs = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4, return_attn_probs=True)
+    torch.manual_seed(3)
+    b = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4)
+    torch.manual_seed(4)
+    c = flash_attn.flash_attn_func(q, k, v, dropout_p=0.4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    dropped = (probs < 0).float().mean().item()
+    assert 0.2 < dropped < 0.6
+    # out = dropout(P) v with kept weights scaled by 1 / (1 - p)
+    kept = torch.where(probs > 0, probs, torch.zeros_like(probs)) / 0.6
+    torch.testing.assert_close(torch.einsum("bhij,bjhd->bihd", kept, v), a, atol=1e-5, rtol=1e-5)
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_packed_functions_pass_views_and_match(monkeypatch):
+    qkv = _rand(2, 6, 3, 4, 8, dtype=torch.float64).requires_grad_(True)
+    seen = []
+    real = flash_attn_interface.flash_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q, k, v))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(flash_attn_interface, "flash_attention", spy)
+    out = flash_attn.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert all(_storage(t) == _storage(qkv) for t in seen[0])
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_(True) for i in range(3))
+    ref = flash_attn.flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(out)
+    (g_packed,) = torch.autograd.grad(out, qkv, dout)
+    g_sep = torch.autograd.grad(ref, (q, k, v), dout)
+    torch.testing.assert_close(g_packed, torch.stack(g_sep, dim=2))
+
+    q2 = _rand(2, 4, 4, 8, dtype=torch.float64, seed=5)
+    kv = _rand(2, 6, 2, 2, 8, dtype=torch.float64, seed=6)
+    seen.clear()
+    out2 = flash_attn.flash_attn_kvpacked_func(q2, kv, window_size=(2, 0))
+    assert _storage(seen[0][1]) == _storage(kv) and _storage(seen[0][2]) == _storage(kv)
+    torch.testing.assert_close(out2, flash_attn.flash_attn_func(q2, kv[:, :, 0], kv[:, :, 1], window_size=(2, 0)))
+
+
+def _varlen_inputs(dtype=torch.float64):
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 10], dtype=torch.int32)
+    return (_rand(8, 4, 8, dtype=dtype), _rand(10, 2, 8, dtype=dtype, seed=1), _rand(10, 2, 8, dtype=dtype, seed=2),
+            cu_q, cu_k)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (1, -1))])
+def test_varlen_matches_reference(causal, window):
+    q, k, v, cu_q, cu_k = _varlen_inputs(torch.float32)
+
+    def fa(q, k, v, **_):
+        return flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=causal, window_size=window,
+                                                 return_attn_probs=True)[:2]
+
+    tile_window = tuple(None if w < 0 else w for w in window)
+    _assert_all_ok(check_against_reference(fa, q, k, v, layout="TND", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                           causal=causal, window=tile_window, return_lse=True))
+
+
+def test_varlen_packed_variants_and_probs():
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    qkv = _rand(9, 3, 2, 8, dtype=torch.float64)
+    out, lse, probs = flash_attn.flash_attn_varlen_qkvpacked_func(qkv, cu, 5, causal=True, return_attn_probs=True)
+    ref = flash_attn.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 5, 5, causal=True)
+    torch.testing.assert_close(out, ref)
+    assert lse.shape == (2, 9) and probs.shape == (2, 2, 5, 5)
+    torch.testing.assert_close(probs[0, :, :4, :4].sum(-1), torch.ones(2, 4, dtype=probs.dtype))
+    assert probs[0, :, 4].abs().max() == 0  # sequence 0 has 4 queries: row 4 is padding
+    q = _rand(9, 2, 8, dtype=torch.float64, seed=3)
+    kv = qkv[:, 1:]
+    out2 = flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 5, 5)
+    torch.testing.assert_close(out2, flash_attn.flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu, cu, 5, 5))
+
+
+def test_kvcache_appends_in_place_and_matches_full_attention():
+    b, cap, hk, d = 3, 12, 2, 8
+    k_cache, v_cache = _rand(b, cap, hk, d, dtype=torch.float64), _rand(b, cap, hk, d, dtype=torch.float64, seed=1)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q = _rand(b, 2, 4, d, dtype=torch.float64, seed=2)
+    k_new, v_new = _rand(b, 2, hk, d, dtype=torch.float64, seed=3), _rand(b, 2, hk, d, dtype=torch.float64, seed=4)
+    lens = torch.tensor([3, 7, 0], dtype=torch.int32)
+    slopes = torch.tensor([0.3, 0.2, 0.1, 0.05])
+    out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True,
+                                                  window_size=(4, -1), softcap=3.0, alibi_slopes=slopes,
+                                                  return_softmax_lse=True)
+    assert out.shape == (b, 2, 4, d) and lse.shape == (b, 4, 2)
+    for i, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(k_cache[i, n:n + 2], k_new[i])
+        torch.testing.assert_close(v_cache[i, n:n + 2], v_new[i])
+        torch.testing.assert_close(k_cache[i, n + 2:], k_before[i, n + 2:])
+        torch.testing.assert_close(k_cache[i, :n], k_before[i, :n])
+        keys = torch.cat([k_before[i, :n], k_new[i]])[None]
+        vals = torch.cat([v_before[i, :n], v_new[i]])[None]
+        ro, rl = tileattn.reference(q[i:i + 1], keys, vals, layout="BSND", causal=True, window=(4, None), softcap=3.0,
+                                    alibi_slopes=slopes, return_lse=True)
+        torch.testing.assert_close(out[i:i + 1], ro)
+        torch.testing.assert_close(lse[i:i + 1], rl)
+    # equal lengths take the single-call path; without k/v nothing is written
+    snapshot = k_cache.clone()
+    out_eq = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, causal=True)
+    assert torch.equal(k_cache, snapshot)
+    torch.testing.assert_close(out_eq, tileattn.reference(q, k_cache[:, :5], v_cache[:, :5], layout="BSND", causal=True))
+
+
+@pytest.mark.parametrize("arg", ["rotary_cos", "cache_batch_idx", "cache_leftpad", "block_table"])
+def test_kvcache_refuses_unsupported_arguments(arg):
+    q, kc, vc = _rand(1, 1, 2, 8), _rand(1, 4, 2, 8), _rand(1, 4, 2, 8)
+    with pytest.raises(NotImplementedError, match=arg):
+        flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, **{arg: torch.zeros(1, dtype=torch.int32)})
+
+
+def test_kvcache_rejects_overflowing_append():
+    q, kc, vc = _rand(1, 1, 2, 8), _rand(1, 4, 2, 8), _rand(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn.flash_attn_with_kvcache(q, kc, vc, _rand(1, 2, 2, 8), _rand(1, 2, 2, 8), cache_seqlens=3)
+
+
+def test_bad_arguments_name_the_flash_attn_argument():
+    q = _rand(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="'qkv'.*size 3"):
+        flash_attn.flash_attn_qkvpacked_func(_rand(1, 4, 2, 2, 8))
+    with pytest.raises(ValueError, match="'kv'"):
+        flash_attn.flash_attn_kvpacked_func(q, _rand(1, 4, 3, 2, 8))
+    with pytest.raises(TypeError, match="'window_size'"):
+        flash_attn.flash_attn_func(q, q, q, window_size=3)
+    with pytest.raises(ValueError, match="'dropout_p'"):
+        flash_attn.flash_attn_func(q, q, q, dropout_p=1.0)
+    with pytest.raises(ValueError, match="'q'"):
+        flash_attn.flash_attn_func(q[0], q, q)
+    with pytest.raises(TypeError, match="'cu_seqlens_q'"):
+        flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4]), torch.tensor([0, 4], dtype=torch.int32), 4, 4)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, block_table=cu)

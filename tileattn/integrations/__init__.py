@@ -1,0 +1,1 @@
+"""Integrations of tileattn into other libraries (imported on demand, never by ``import tileattn``)."""
