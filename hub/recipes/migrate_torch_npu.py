@@ -1,0 +1,129 @@
+"""Recipe: run torch_npu attention code unchanged in meaning on tileattn.
+
+Code written for Ascend calls ``torch_npu.npu_fusion_attention``. ``tileattn.npu`` has the same
+signature, defaults and seven return values, so the migration is the import line:
+
+    try:
+        from torch_npu import npu_fusion_attention          # on an Ascend NPU
+    except ImportError:
+        from tileattn.npu import npu_fusion_attention       # anywhere PyTorch runs
+
+The functions below are written the way Ascend model code writes them (BSND with the compressed
+causal mask and ``sparse_mode=3``, a padding mask in BNSD, variable-length TND with cumulative
+``actual_seq_qlen``, a ``pse`` position bias). Each result is checked against ``tileattn.reference``
+given the torch_npu semantics spelled out in the comments, with FlashAttention's 2x accuracy rule.
+
+    python hub/recipes/migrate_torch_npu.py
+"""
+
+import math
+import os
+
+import torch
+
+import tileattn
+from tileattn.testing import check_against_reference, judge
+
+try:
+    from torch_npu import npu_fusion_attention
+except ImportError:
+    from tileattn.npu import npu_fusion_attention
+
+SMALL = os.environ.get("TILEATTN_SMALL") == "1"
+B, N, S, D = (2, 4, 128, 64) if SMALL else (2, 8, 1024, 128)
+CHECKS = []
+
+
+# ----- Model code as written for torch_npu (unchanged) ----------------------------------------------
+
+def causal_self_attention_bsnd(q, k, v):
+    # torch_npu: 1/True in atten_mask = masked OUT; sparse_mode=3 = causal from the bottom-right corner,
+    # with a fixed compressed 2048x2048 upper-triangular mask whatever the sequence length.
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    out = npu_fusion_attention(q, k, v, q.shape[2], "BSND", atten_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
+                               sparse_mode=3)
+    return out[0], out[1], out[2]
+
+
+def padded_attention_bnsd(q, k, v, key_lengths):
+    # Padding mask [B, 1, Sq, Sk], True where the key is padding (masked out).
+    sk = k.shape[2]
+    pad = torch.arange(sk)[None, :] >= key_lengths[:, None]
+    mask = pad[:, None, None, :].expand(-1, 1, q.shape[2], sk)
+    return npu_fusion_attention(q, k, v, q.shape[1], "BNSD", atten_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))[0]
+
+
+def varlen_attention_tnd(q, k, v, seq_lengths):
+    # TND packs sequences back to back; actual_seq_qlen/kvlen are CUMULATIVE end offsets ([2,2,2] -> [2,4,6]).
+    ends = torch.tensor(seq_lengths).cumsum(0).tolist()
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    return npu_fusion_attention(q, k, v, q.shape[1], "TND", atten_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
+                                actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=3)[0]
+
+
+def attention_with_pse(q, k, v, pse):
+    # pse is added to Q.K^T BEFORE the scale: softmax(scale * (pse + Q.K^T)).
+    return npu_fusion_attention(q, k, v, q.shape[1], "BNSD", pse=pse, scale=1.0 / math.sqrt(q.shape[-1]))[0]
+
+
+# ----- Checks: the same computation in tileattn's own terms --------------------------------------------
+
+def verify(name, out, q, k, v, **reference_kwargs):
+    oracle = tileattn.reference(q, k, v, compute_dtype=torch.float64, **reference_kwargs)
+    plain = tileattn.reference(q, k, v, **reference_kwargs)
+    verdict = judge(name, out, oracle, plain, q.dtype)
+    print("  ", verdict)
+    CHECKS.append(verdict.ok)
+
+
+def main():
+    torch.manual_seed(0)
+    print(f"npu_fusion_attention from {npu_fusion_attention.__module__}; B={B} N={N} S={S} D={D}")
+
+    q, k, v = (torch.randn(B, S, N, D) for _ in range(3))
+    out, softmax_max, softmax_sum = causal_self_attention_bsnd(q, k, v)
+    verify("BSND causal (sparse_mode=3)", out, q, k, v, layout="BSND", causal=True)
+    _, lse = tileattn.reference(q, k, v, layout="BSND", causal=True, return_lse=True)
+    # softmax_max/sum: [B, N, S, 8], the row max and the sum of exp(s - max), repeated 8 times.
+    stats_lse = softmax_max[..., 0] + torch.log(softmax_sum[..., 0])
+    stats_ok = softmax_max.shape == (B, N, S, 8) and torch.allclose(stats_lse, lse, atol=1e-4)
+    print(f"   softmax_max {tuple(softmax_max.shape)}: max + log(sum) equals the LSE: {stats_ok}")
+    CHECKS.append(stats_ok)
+
+    qb, kb, vb = (torch.randn(B, N, S, D) for _ in range(3))
+    lengths = torch.tensor([S, S // 2 + 3])
+    out = padded_attention_bnsd(qb, kb, vb, lengths)
+    keep = (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :]  # tileattn: True = take part
+    verify("BNSD key padding", out, qb, kb, vb, mask=keep)
+
+    seq_lengths = [S // 2, S // 4, S // 4 + 5]
+    total = sum(seq_lengths)
+    qt, kt, vt = (torch.randn(total, N, D) for _ in range(3))
+    out = varlen_attention_tnd(qt, kt, vt, seq_lengths)
+    cu = torch.tensor([0] + seq_lengths).cumsum(0).to(torch.int32)
+    verify("TND varlen causal", out, qt, kt, vt, layout="TND", cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+
+    pse = torch.randn(1, N, S, S)
+    out = attention_with_pse(qb, kb, vb, pse)
+    verify("BNSD pse", out, qb, kb, vb, bias=pse / math.sqrt(D))  # tileattn adds bias AFTER the scale
+
+    # Gradients flow through autograd, as with torch_npu on an NPU; the reference gets tileattn's terms.
+    verdicts = check_against_reference(lambda q_, k_, v_, **_: causal_self_attention_bsnd(q_, k_, v_)[0],
+                                       q, k, v, layout="BSND", causal=True)
+    for verdict in verdicts[1:]:
+        print("   gradient", verdict)
+    CHECKS.extend(verdict.ok for verdict in verdicts)
+
+    # The classic migration bug: torch_npu's scale defaults to 1.0, not 1/sqrt(D).
+    forgot_scale = npu_fusion_attention(qb, kb, vb, N, "BNSD")[0]
+    differs = (forgot_scale - tileattn.reference(qb, kb, vb)).abs().max().item()
+    print(f"   forgetting scale=1/sqrt(D) changes the output by {differs:.2f} (as on the NPU)")
+    CHECKS.append(differs > 1e-2)
+
+    if not all(CHECKS):
+        raise SystemExit(f"torch_npu migration recipe FAILED: {CHECKS.count(False)} check(s)")
+    print(f"torch_npu migration recipe passed ({len(CHECKS)} checks)")
+
+
+if __name__ == "__main__":
+    main()
