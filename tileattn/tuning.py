@@ -1,17 +1,33 @@
-"""Tile-configuration cache: winners of ``tileattn tune``, looked up by dispatch.
+"""Tile-configuration tuning: the cache dispatch reads, and the search ``tileattn tune`` runs.
 
-Key: (device, backend, dtype, head dim, causal, sequence-length bucket). The cache is a JSON file in
-the user's cache directory (``$TILEATTN_CACHE_DIR`` or ``~/.cache/tileattn``).
+Cache key: (device, backend, dtype, head dim, causal, sequence-length bucket). The cache is a JSON
+file in the user's cache directory (``$TILEATTN_CACHE_DIR`` or ``~/.cache/tileattn``). Engines call
+:func:`lookup` when they pick a configuration (the CPU engine's ``default_config``, the Triton
+launcher's forward configuration).
+
+The search (:func:`tune`): a grid of candidates per engine; a budget model rejects those whose
+working set cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton:
+the forward kernel's shared memory against the GPU's per-block limit); every survivor must pass
+FlashAttention's accuracy rule against the fp64 reference before it is timed; the candidates are
+timed round-robin and the fastest is stored. Candidates run through the public operator with
+:func:`overriding` in force, so what is timed is exactly what dispatch will run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import json
 import os
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 _MEMO = {}
+#: backend name -> config dict that :func:`lookup` returns while :func:`overriding` is active.
+_OVERRIDES = {}
 
 
 def cache_path() -> Path:
@@ -34,9 +50,28 @@ def device_name(device) -> str:
 
     if device.type == "cuda":
         return "cuda:" + torch.cuda.get_device_name(device)
+    return _cpu_name()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    """'cpu:<model>:<n> cores': tile sizes that suit one CPU model and core count may not suit another.
+
+    Cached: every CPU attention call looks up the tune cache.
+    """
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
     import platform
 
-    return "cpu:" + (platform.processor() or platform.machine())
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return f"cpu:{model or platform.processor() or platform.machine()}:{cores} cores"
 
 
 def cache_key(backend: str, inp) -> str:
@@ -65,7 +100,23 @@ def load() -> dict:
 
 
 def lookup(backend: str, inp) -> Optional[dict]:
+    if backend in _OVERRIDES:
+        return dict(_OVERRIDES[backend])
     return load().get(cache_key(backend, inp))
+
+
+@contextlib.contextmanager
+def overriding(backend: str, config: dict):
+    """Make :func:`lookup` answer ``config`` for ``backend`` (every shape) inside the block."""
+    previous = _OVERRIDES.get(backend)
+    _OVERRIDES[backend] = dict(config)
+    try:
+        yield
+    finally:
+        if previous is None:
+            _OVERRIDES.pop(backend, None)
+        else:
+            _OVERRIDES[backend] = previous
 
 
 def store(backend: str, inp, config: dict) -> Path:
@@ -75,3 +126,246 @@ def store(backend: str, inp, config: dict) -> Path:
     data[cache_key(backend, inp)] = config
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidate spaces and budget models.
+
+CPU_BLOCK_M = (16, 32, 64, 128, 256, 512)
+CPU_BLOCK_N = (64, 128, 256, 512, 1024)
+TRITON_BLOCK_M = (32, 64, 128)
+TRITON_BLOCK_N = (32, 64, 128)
+TRITON_NUM_WARPS = (4, 8)
+TRITON_NUM_STAGES = (2, 3, 4)
+#: Shared memory assumed per Triton program when no GPU is visible (Triton's interpreter).
+TRITON_DEFAULT_BUDGET = 100 * 1024
+
+
+def _clamped_grid(pairs, sq: int, sk: int) -> List[Tuple[int, int]]:
+    """Drop candidates equivalent to a smaller one: blocks longer than the sequence act as it."""
+    seen, out = set(), []
+    for bm, bn in pairs:
+        key = (min(bm, _pow2_at_least(sq)), min(bn, _pow2_at_least(sk)))
+        if key not in seen:
+            seen.add(key)
+            out.append(key)
+    return out
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def cpu_candidates(inp) -> List[dict]:
+    grid = _clamped_grid([(bm, bn) for bm in CPU_BLOCK_M for bn in CPU_BLOCK_N], inp.seqlen_q, inp.seqlen_k)
+    return [{"block_m": bm, "block_n": bn} for bm, bn in grid]
+
+
+def cpu_working_set(config: dict, inp) -> int:
+    """Bytes one CPU task (one kv head and one query block) touches per tile step, in fp32/fp64.
+
+    The engine runs one task per core at a time, so this is what must fit in a core's L2.
+    """
+    from .backends.cpu import TileConfig
+
+    cfg = TileConfig(int(config["block_m"]), int(config["block_n"]))
+    kwargs = dict(group=inp.group_size, head_dim=inp.head_dim, head_dim_v=inp.head_dim_v,
+                  itemsize=inp.acc_dtype().itemsize)
+    if "heads_kv" in inspect.signature(cfg.working_set_bytes).parameters:
+        kwargs["heads_kv"] = 1  # older signature: bytes for all kv heads at once; we want one task's
+    return cfg.working_set_bytes(**kwargs)
+
+
+def cpu_budget() -> Tuple[int, str]:
+    """(bytes, where the figure comes from): the per-core L2 from sysfs, else lscpu, else 1 MiB."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for index in sorted(root.glob("index*")):
+            if (index / "level").read_text().strip() == "2":
+                text = (index / "size").read_text().strip().upper().rstrip("B").rstrip("I")
+                mult = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+                return int(text.rstrip("KM")) * mult, "L2 per core (sysfs)"
+    except (OSError, ValueError):
+        pass
+    try:
+        import subprocess
+
+        out = subprocess.run(["lscpu", "-B", "-C=NAME,ONE-SIZE"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if parts[:1] == ["L2"] and len(parts) > 1 and parts[1].isdigit():
+                return int(parts[1]), "L2 per core (lscpu)"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return 2**20, "assumed 1 MiB (no cache information found)"
+
+
+def triton_candidates(inp) -> List[dict]:
+    grid = _clamped_grid([(bm, bn) for bm in TRITON_BLOCK_M for bn in TRITON_BLOCK_N], inp.seqlen_q, inp.seqlen_k)
+    # Triton needs blocks of at least 16 for tl.dot.
+    grid = [(max(16, bm), max(16, bn)) for bm, bn in grid]
+    return [{"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
+            for bm, bn in dict.fromkeys(grid) for w in TRITON_NUM_WARPS for st in TRITON_NUM_STAGES]
+
+
+def triton_shared_memory(config: dict, inp) -> int:
+    """Shared memory of the forward kernel: the Q block plus ``num_stages`` pipelined K and V blocks."""
+    d = max(16, _pow2_at_least(inp.head_dim))
+    dv = max(16, _pow2_at_least(inp.head_dim_v))
+    itemsize = inp.dtype.itemsize
+    return (config["block_m"] * d + config["num_stages"] * config["block_n"] * (d + dv)) * itemsize
+
+
+def triton_budget(device) -> Tuple[int, str]:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        optin = getattr(props, "shared_memory_per_block_optin", None)
+        if optin:
+            return int(optin), f"shared memory per block (opt-in) of {props.name}"
+        return int(getattr(props, "shared_memory_per_block", 48 * 1024)), f"shared memory per block of {props.name}"
+    return TRITON_DEFAULT_BUDGET, "assumed 100 KiB (no GPU visible)"
+
+
+#: backend -> (candidate generator, working-set model, budget function, label of the model)
+SPACES = {
+    "cpu": (cpu_candidates, cpu_working_set, lambda device: cpu_budget(), "working set per task"),
+    "triton": (triton_candidates, triton_shared_memory, triton_budget, "shared memory per program"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The search.
+
+
+@dataclass
+class Candidate:
+    config: dict
+    working_set: int
+    status: str = "pending"  # "rejected" (budget), "wrong" (accuracy), "error", "timed"
+    reason: str = ""
+    current: bool = False
+    max_error_ratio: Optional[float] = None  # worst max-error / tolerance over the checked tensors
+    times_ms: List[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> Optional[float]:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+    @property
+    def spread_pct(self) -> Optional[float]:
+        if len(self.times_ms) < 2:
+            return None
+        return 100.0 * (max(self.times_ms) - min(self.times_ms)) / self.median_ms
+
+    def as_record(self) -> dict:
+        return dict(self.config, working_set_bytes=self.working_set, status=self.status, reason=self.reason,
+                    current=self.current, max_error_ratio=self.max_error_ratio, median_ms=self.median_ms,
+                    spread_pct=self.spread_pct, times_ms=list(self.times_ms))
+
+
+def current_config(backend: str, inp) -> Optional[dict]:
+    """The configuration dispatch uses today for this call, when the engine has a single one."""
+    if backend == "cpu":
+        from .backends.cpu import default_config
+
+        cfg = default_config(inp)
+        return {"block_m": cfg.block_m, "block_n": cfg.block_n}
+    return lookup(backend, inp)
+
+
+def _oracle(case, q, k, v, dout):
+    """(fp64 reference results, same-dtype plain-math results): [out, lse] (+ [dq, dk, dv])."""
+    import torch
+
+    from .reference import reference
+
+    def run(compute_dtype):
+        leaves = [t.detach().clone().requires_grad_(case.mode != "fwd") for t in (q, k, v)]
+        out, lse = reference(*leaves, causal=case.causal, return_lse=True, compute_dtype=compute_dtype)
+        res = [out, lse]
+        if case.mode != "fwd":
+            res += list(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+        return [t.detach() for t in res]
+
+    return run(torch.float64), run(None)
+
+
+def _check(backend: str, case, q, k, v, dout, oracle, yardstick) -> float:
+    """Worst error/tolerance ratio of the engine's out, lse (and grads) under the accuracy rule."""
+    import torch
+
+    from . import flash_attention
+    from .testing import judge
+
+    leaves = [t.detach().clone().requires_grad_(case.mode != "fwd") for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal=case.causal, return_lse=True, backend=backend)
+    res = [out, lse]
+    if case.mode != "fwd":
+        res += list(torch.autograd.grad(out, leaves, dout))
+    worst = 0.0
+    for name, r, o, y in zip(("out", "lse", "dq", "dk", "dv"), res, oracle, yardstick):
+        vd = judge(name, r, o, y, case.dtype)
+        worst = max(worst, vd.error / vd.tolerance if vd.tolerance > 0 else float("inf"))
+    return worst
+
+
+def tune(backend: str, case, budget: int, reps: int = 3, warmup: int = 1, seed: int = 0,
+         on_step: Optional[Callable[[str], None]] = None, store_winner: bool = True):
+    """Search the configurations of ``backend`` for ``case`` (a :class:`tileattn.bench.Case`).
+
+    Returns ``(candidates, winner or None, cache path or None)``.
+    """
+    from . import flash_attention
+    from .bench import make_step, time_call
+
+    tick = on_step or (lambda label: None)
+    candidates_of, working_set, _, model = SPACES[backend]
+    q, k, v, dout = case.make_tensors(seed)
+    from .spec import make_inputs
+
+    inp = make_inputs(q, k, v, causal=case.causal)
+    current = current_config(backend, inp)
+    configs = candidates_of(inp)
+    if current is not None and current not in configs:
+        configs.append(current)
+    cands = [Candidate(cfg, working_set(cfg, inp), current=(cfg == current)) for cfg in configs]
+    for c in cands:
+        if c.working_set > budget:
+            c.status = "rejected"
+            c.reason = f"{model} {c.working_set // 1024} KiB > budget {budget // 1024} KiB"
+    oracle, yardstick = _oracle(case, q, k, v, dout)
+    alive = [c for c in cands if c.status == "pending"]
+    for c in alive:
+        try:
+            with overriding(backend, c.config):
+                c.max_error_ratio = _check(backend, case, q, k, v, dout, oracle, yardstick)
+            if c.max_error_ratio > 1.0:
+                c.status, c.reason = "wrong", f"fails the accuracy rule (error {c.max_error_ratio:.2f}x tolerance)"
+        except Exception as exc:  # a configuration the engine cannot launch is reported, not fatal
+            c.status, c.reason = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+        tick("check")
+    alive = [c for c in alive if c.status == "pending"]
+
+    def forward(q_, k_, v_):
+        return flash_attention(q_, k_, v_, causal=case.causal, backend=backend)
+
+    prepare, run = make_step(forward, case, q, k, v, dout)
+    for rep in range(warmup + reps):
+        shift = rep % len(alive) if alive else 0
+        for c in alive[shift:] + alive[:shift]:
+            with overriding(backend, c.config):
+                prepare()
+                elapsed = time_call(run, case.device)
+            if rep >= warmup:
+                c.times_ms.append(elapsed * 1e3)
+            tick("time")
+    for c in alive:
+        c.status = "timed"
+    winner = min(alive, key=lambda c: c.median_ms) if alive else None
+    path = store(backend, inp, winner.config) if (winner is not None and store_winner) else None
+    return cands, winner, path

@@ -1,0 +1,5 @@
+"""``python -m tileattn``: the same command as the ``tileattn`` console script."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""``tileattn env``: versions, the machine, and which backends work here (and why not)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+from .common import cache_size, cpu_flags, cpu_model, fmt_bytes, format_table, gpus, usable_cores
+
+HELP = "show versions, the machine and which backends work here"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("env", help=HELP, description=HELP + ". Exit 0 when at least one engine other than the reference works.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    p.set_defaults(func=run)
+    return p
+
+
+def _version(module: str):
+    try:
+        mod = __import__(module)
+    except Exception:  # a broken optional package is reported as absent, not a crash
+        return None
+    return getattr(mod, "__version__", "?")
+
+
+def probe_backend(backend, device: str) -> list:
+    """Reasons ``backend`` cannot run a tiny fp32 call on ``device`` (empty = it ran and was finite)."""
+    import torch
+
+    from .. import flash_attention
+    from ..spec import make_inputs
+
+    why = list(backend.available())
+    if why:
+        return why
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=gen).to(device) for _ in range(3))
+    why = backend.not_supported_reasons(make_inputs(q, k, v))
+    if why:
+        return why
+    try:
+        out = flash_attention(q, k, v, backend=backend.name)
+    except Exception as exc:  # the probe exists to catch exactly this
+        return [f"probe call failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"]
+    if not bool(torch.isfinite(out).all()):
+        return ["probe call returned non-finite values"]
+    return []
+
+
+def collect() -> dict:
+    import torch
+
+    from ..dispatch import list_backends
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    backends = []
+    for b in list_backends():
+        per_device = {d: probe_backend(b, d) for d in devices}
+        backends.append({
+            "name": b.name, "priority": b.priority, "auto": b.auto,
+            "usable_on": [d for d, why in per_device.items() if not why],
+            "reasons": {d: why for d, why in per_device.items() if why},
+        })
+    from .. import __version__
+
+    return {
+        "versions": {
+            "tileattn": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "triton": _version("triton"), "numpy": _version("numpy"), "numba": _version("numba"),
+            "cuda_runtime": torch.version.cuda,
+        },
+        "machine": {
+            "os": platform.platform(), "cpu": cpu_model(), "cores": usable_cores(),
+            "torch_threads": torch.get_num_threads(), "simd": cpu_flags(),
+            "l2_per_core_bytes": cache_size(2), "gpus": gpus(),
+        },
+        "backends": backends,
+    }
+
+
+def run(args) -> int:
+    info = collect()
+    ok = any(b["usable_on"] for b in info["backends"] if b["name"] != "reference")
+    if args.json:
+        print(json.dumps(dict(info, ok=ok), indent=1))
+        return 0 if ok else 1
+    v, m = info["versions"], info["machine"]
+    print("versions")
+    for name, ver in v.items():
+        print(f"  {name:<12} {ver if ver is not None else 'not installed'}")
+    print("machine")
+    print(f"  os           {m['os']}")
+    print(f"  cpu          {m['cpu']}")
+    print(f"  cores        {m['cores']} usable, torch uses {m['torch_threads']} threads")
+    print(f"  simd         {' '.join(m['simd']) or 'unknown'}")
+    print(f"  L2 per core  {fmt_bytes(m['l2_per_core_bytes'])}")
+    if m["gpus"]:
+        for g in m["gpus"]:
+            print(f"  gpu {g['index']}        {g['name']}, {g['memory_gib']} GiB, compute capability "
+                  f"{g['compute_capability']}, {g['multiprocessors']} SMs")
+    else:
+        print("  gpu          none visible to torch")
+    print("backends")
+    rows = []
+    for b in info["backends"]:
+        usable = ", ".join(b["usable_on"]) or "no"
+        why = "; ".join(f"{d}: {', '.join(r)}" for d, r in b["reasons"].items())
+        role = "auto" if b["auto"] else "explicit only"
+        rows.append([b["name"], role, usable, why])
+    print("\n".join("  " + line for line in format_table(["backend", "chosen by", "usable on", "why not"], rows).splitlines()))
+    if not ok:
+        print("tileattn env: no engine other than the reference works here", file=sys.stderr)
+    return 0 if ok else 1
