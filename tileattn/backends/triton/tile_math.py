@@ -1,0 +1,199 @@
+"""Device helpers shared by the forward and backward kernels: one score pipeline, written once.
+
+Both passes must turn ``q . k^T`` into the *same* base-2 logits, or the backward differentiates a
+different function than the forward computed. So the whole pipeline of :mod:`tileattn.scores`
+
+    s = scale * q.k^T -> softcap -> + ALiBi + bias -> band (causal/window) and bool mask
+
+lives in :func:`score_tile`, and both kernels call it. Its ``rows``/``cols`` arguments are index
+tensors that broadcast against the tile, so the same code serves a ``(rows, cols)`` tile (forward,
+dQ pass) and a transposed ``(cols, rows)`` tile (dK/dV pass): every formula below is elementwise.
+
+Everything here is ``@triton.jit`` and inlined into the kernels by the compiler.
+"""
+
+import triton
+import triton.language as tl
+
+# log2(e): the kernels work in base 2 (exp2 is one hardware instruction, exp is exp2 plus a multiply).
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# The counter-based dropout hash of tileattn/scores.py, in uint32 arithmetic. The multipliers are
+# below 2**31, which is what lets the torch reference emulate these exact products in int64.
+MUL_A = tl.constexpr(0x7FEB352D)
+MUL_B = tl.constexpr(0x5BD1E995)
+GOLDEN = tl.constexpr(0x1E3779B9)
+
+
+@triton.jit
+def mix32(x):
+    """The 32-bit finaliser of scores._mix32 (x is uint32; products wrap modulo 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * MUL_A
+    x = x ^ (x >> 15)
+    x = x * MUL_B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def dropout_head_key(seed_lo, seed_hi, batch, head):
+    """The per (seed, batch, head) key of scores.dropout_row_keys, before the row is mixed in."""
+    k = mix32(seed_lo.to(tl.uint32) ^ GOLDEN)
+    k = mix32(k ^ seed_hi.to(tl.uint32))
+    k = mix32(k ^ batch.to(tl.uint32))
+    return mix32(k ^ head.to(tl.uint32))
+
+
+@triton.jit
+def dropout_keep(head_key, rows, cols, threshold):
+    """True where the probability at (row, col) survives dropout; same bits as scores.dropout_keep."""
+    row_key = mix32(head_key ^ rows.to(tl.uint32))
+    x = mix32(row_key ^ (cols.to(tl.uint32) * GOLDEN))
+    return (x >> 8) >= threshold
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 without libdevice (which the interpreter lacks), accurate to a few ulp.
+
+    Near zero, ``(1 - e^-2|x|) / (1 + e^-2|x|)`` loses digits to cancellation, so |x| < 0.4 uses the
+    odd Taylor series, whose first omitted term is below 3e-10 relative there.
+    """
+    ax = tl.abs(x)
+    e = tl.exp2(ax * (-2.0 * LOG2E))
+    far = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    poly = -929569.0 / 638512875.0
+    poly = poly * x2 + 21844.0 / 6081075.0
+    poly = poly * x2 - 1382.0 / 155925.0
+    poly = poly * x2 + 62.0 / 2835.0
+    poly = poly * x2 - 17.0 / 315.0
+    poly = poly * x2 + 2.0 / 15.0
+    poly = poly * x2 - 1.0 / 3.0
+    near = ax + ax * x2 * poly
+    t = tl.where(ax < 0.4, near, far)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def band_keep(rows, cols, offset, q_len, k_len, window_left, window_right,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Inside the sequence and inside the bottom-right aligned band: j - i - (Sk - Sq) in [-left, right]."""
+    keep = (rows < q_len) & (cols < k_len)
+    rel = cols - rows - offset
+    if HAS_LEFT:
+        keep = keep & (rel >= -window_left)
+    if HAS_RIGHT:
+        keep = keep & (rel <= window_right)
+    return keep
+
+
+@triton.jit
+def score_tile(
+    qk, rows, cols, offset, q_len, k_len,
+    sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+    window_left, window_right,
+    APPLY_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """Base-2 logits of a tile (-inf where hidden) and, with a softcap, its tanh (for the backward).
+
+    ``APPLY_BAND`` is False for tiles the launcher's block ranges proved fully visible: the interior
+    of a causal or windowed problem pays for no masking at all.
+    """
+    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS)
+    t = qk
+    if PLAIN:
+        # One multiply: the softmax scale and the change to base 2 folded together.
+        s = qk * (sm_scale * LOG2E)
+    else:
+        s = qk * sm_scale
+        if HAS_SOFTCAP:
+            t = tanh(s / softcap)
+            s = softcap * t
+        if HAS_ALIBI:
+            s = s - slope * tl.abs(rows + offset - cols).to(tl.float32)
+        if HAS_BIAS:
+            inside = (rows < q_len) & (cols < k_len)
+            b = tl.load(bias_base + rows * stride_bq + cols * stride_bk, mask=inside, other=0.0)
+            s = s + b.to(tl.float32)
+        s = s * LOG2E
+    if APPLY_BAND:
+        s = tl.where(band_keep(rows, cols, offset, q_len, k_len, window_left, window_right,
+                               HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    if HAS_MASK:
+        inside = (rows < q_len) & (cols < k_len)
+        m = tl.load(mask_base + rows * stride_mq + cols * stride_mk, mask=inside, other=0)
+        s = tl.where(m != 0, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def visible_key_blocks(i0, q_len, k_len, window_left, window_right,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key-block ranges for query rows [i0, i0 + BLOCK_M): ``(start, mid_lo, mid_hi, end)``.
+
+    Blocks in [start, mid_lo) and [mid_hi, end) straddle the band edge or the end of the keys and need
+    masking; blocks in [mid_lo, mid_hi) are visible to every row and need none; blocks outside
+    [start, end) are hidden from every row and are never loaded. All bounds are multiples of BLOCK_N
+    counted from ``start`` (itself a multiple of BLOCK_N).
+    """
+    offset = k_len - q_len
+    i_last = tl.minimum(i0 + BLOCK_M, q_len) - 1
+    lo = 0
+    hi = k_len
+    full_lo = 0
+    full_hi = k_len
+    if HAS_LEFT:
+        lo = tl.maximum(i0 + offset - window_left, 0)
+        full_lo = tl.maximum(i_last + offset - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(i_last + offset + window_right + 1, k_len)
+        full_hi = tl.minimum(i0 + offset + window_right + 1, k_len)
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def visible_query_blocks(j0, q_len, k_len, window_left, window_right,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """The transpose of :func:`visible_key_blocks`: query-block ranges for keys [j0, j0 + BLOCK_N)."""
+    offset = k_len - q_len
+    j_last = tl.minimum(j0 + BLOCK_N, k_len) - 1
+    lo = 0
+    hi = q_len
+    full_lo = 0
+    full_hi = q_len
+    if HAS_RIGHT:
+        lo = tl.maximum(j0 - offset - window_right, 0)
+        full_lo = tl.maximum(j_last - offset - window_right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(j_last - offset + window_left + 1, q_len)
+        full_hi = tl.minimum(j0 - offset + window_left + 1, q_len)
+    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+@triton.jit
+def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Cut [lo, hi) into masked head, unmasked middle and masked tail on a BLOCK grid."""
+    start = (lo // BLOCK) * BLOCK
+    span = tl.maximum(hi - start, 0)
+    end = start + tl.cdiv(span, BLOCK) * BLOCK
+    mid_lo = start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK) * BLOCK
+    mid_hi = start + (tl.maximum(full_hi - start, 0) // BLOCK) * BLOCK
+    mid_lo = tl.minimum(mid_lo, end)
+    mid_hi = tl.maximum(tl.minimum(mid_hi, end), mid_lo)
+    return start, mid_lo, mid_hi, end
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens, batch, seqlen, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence ``batch``: from cu_seqlens when packed, else (0, seqlen)."""
+    # A tensor even when padded: the callers widen it to int64 for their base offsets.
+    start = tl.full([], 0, tl.int32)
+    length = start + seqlen
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + batch)
+        length = tl.load(cu_seqlens + batch + 1) - start
+    return start, length
