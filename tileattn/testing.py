@@ -66,8 +66,11 @@ def assert_close_to_reference(name, result, oracle, baseline, dtype, factor=2.0,
     return v
 
 
-def check_against_reference(fn, q, k, v, grad=True, seed=0, **kwargs):
+def check_against_reference(fn, q, k, v, grad=True, grad_seed=0, **kwargs):
     """Run ``fn(q, k, v, **kwargs)`` and the reference (fp64 and same-dtype), forward and backward.
+
+    ``grad_seed`` draws the output gradient; a ``seed`` in ``kwargs`` reaches ``fn`` and the reference
+    alike, so a dropout check compares the same dropout mask.
 
     Returns a list of :class:`Verdict` for out, lse (when ``fn`` returns one) and dq, dk, dv (and
     dbias when ``kwargs['bias']`` requires grad).
@@ -89,7 +92,7 @@ def check_against_reference(fn, q, k, v, grad=True, seed=0, **kwargs):
         lse = res[1] if isinstance(res, tuple) else None
         grads = []
         if grad:
-            gen = torch.Generator(device=out.device).manual_seed(seed + 1)
+            gen = torch.Generator(device=out.device).manual_seed(grad_seed + 1)
             dout = torch.randn(out.shape, generator=gen, dtype=torch.float32, device=out.device)
             wrt = leaves + ([kw["bias"]] if want_dbias else [])
             grads = torch.autograd.grad(out, wrt, dout.to(out.dtype))
