@@ -317,6 +317,8 @@ def make_inputs(
         _fail(ValueError, "num_heads", num_heads, f"{hq}, the number of heads in q")
     if v_c.shape[head_axis] != hkv:
         _fail(ValueError, "v", f"{v_c.shape[head_axis]} heads", f"{hkv} heads, as in k")
+    if hq == 0:
+        _fail(ValueError, "q", "0 heads", "at least one query head")
     if hkv == 0 or hq % hkv:
         _fail(ValueError, "k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads (GQA/MQA)")
     d, dv = q_c.shape[-1], v_c.shape[-1]
@@ -354,9 +356,11 @@ def make_inputs(
                     _fail(ValueError, name, given, f">= {actual}, the longest sequence in the cu_seqlens")
         sq, sk = mq, mk
     else:
-        for name, val in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        for name, val in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                          ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if val is not None:
-                _fail(ValueError, name, "a tensor", f"None for the padded layout '{layout}' (use layout='TND')")
+                _fail(ValueError, name, repr(val) if isinstance(val, int) else "a tensor",
+                      f"None for the padded layout '{layout}' (varlen arguments need layout='TND')")
         sq, sk = q_c.shape[2], k_c.shape[2]
 
     # Window.
