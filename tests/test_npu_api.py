@@ -355,3 +355,27 @@ def test_bad_arguments():
         npu_fusion_attention(q, k, v, 4, "BNSD")
     with pytest.raises(TypeError, match="'prefix'"):
         npu_fusion_attention(q, k, v, 4, "BSH", sparse_mode=6, atten_mask=torch.zeros(3072, 2048, dtype=torch.bool))
+
+
+def test_band_plans_reproduce_every_top_left_band():
+    """plan_band (cut keys + bottom-right window + optional mask) == the materialised top-left band."""
+    from tileattn.compat.bands import plan_band, top_left_keep
+    from tileattn.scores import band_keep
+
+    bounds = [None, -7, -3, -1, 0, 1, 2, 5, 8]
+    for sq in (1, 3, 5):
+        for sk in (1, 4, 6):
+            for lo in bounds:
+                for hi in bounds:
+                    if lo is not None and hi is not None and lo > hi:
+                        continue
+                    plan = plan_band(sq, sk, lo, hi)
+                    assert 0 < plan.keys <= sk
+                    left, right = plan.window
+                    assert (left is None or left >= 0) and (right is None or right >= 0)
+                    got = torch.zeros(sq, sk, dtype=torch.bool)
+                    region = band_keep(torch.arange(sq), torch.arange(plan.keys), sq, plan.keys, left, right)
+                    if plan.keep is not None:
+                        region &= plan.keep
+                    got[:, : plan.keys] = region
+                    assert torch.equal(got, top_left_keep(sq, sk, lo, hi)), (sq, sk, lo, hi, plan)
