@@ -1,0 +1,280 @@
+"""The ``tileattn`` command, run as a subprocess on tiny sizes (budget: well under 90 s on 2 cores)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from tileattn.cli import main
+from tileattn.cli.bench import FIELDS as BENCH_FIELDS
+from tileattn.cli.memory import FIELDS as MEMORY_FIELDS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def cli(*args, cache_dir=None, env=None, timeout=240):
+    full_env = dict(os.environ)
+    full_env.pop("TILEATTN_BACKEND", None)
+    if cache_dir is not None:
+        full_env["TILEATTN_CACHE_DIR"] = str(cache_dir)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tileattn", *map(str, args)], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def python(code, cache_dir=None, timeout=240):
+    full_env = dict(os.environ)
+    if cache_dir is not None:
+        full_env["TILEATTN_CACHE_DIR"] = str(cache_dir)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def table_header(stdout: str, first_column: str) -> list:
+    """Column names of the first table whose header starts with ``first_column``."""
+    for line in stdout.splitlines():
+        if line.split()[:1] == [first_column]:
+            return line
+    raise AssertionError(f"no table starting with {first_column!r} in:\n{stdout}")
+
+
+def test_env_reports_versions_machine_and_backends(capsys):
+    r = cli("env")
+    assert r.returncode == 0, r.stderr
+    for word in ("versions", "torch", "numpy", "machine", "cpu", "simd", "backends", "usable on"):
+        assert word in r.stdout
+    assert main(["env", "--json"]) == 0  # in-process: the JSON form of the same report
+    info = json.loads(capsys.readouterr().out)
+    assert info["ok"] is True
+    assert info["machine"]["cores"] >= 1
+    by_name = {b["name"]: b for b in info["backends"]}
+    assert "cpu" in by_name["cpu"]["usable_on"]
+    if "triton" in by_name and not by_name["triton"]["usable_on"]:
+        assert by_name["triton"]["reasons"], "an unusable backend must say why"
+
+
+def test_verify_passes_for_every_usable_backend():
+    r = cli("verify", "--shape", "1,2,64,32", "--causal")
+    assert r.returncode == 0, r.stdout + r.stderr
+    header = table_header(r.stdout, "oracle")
+    for col in ("tensor", "max err", "tolerance", "plain-math err", "verdict"):
+        assert col in header
+    assert "[cpu] PASS" in r.stdout
+    for tensor in ("out", "lse", "dq", "dk", "dv"):
+        assert f"reference fp64  {tensor}" in r.stdout
+    assert "sdpa fp64       out" in r.stdout
+    assert r.stdout.rstrip().splitlines()[-1].startswith("PASS")
+
+
+def test_verify_fails_with_exit_1_on_a_wrong_backend():
+    # A CPU engine whose output is 1% off: verify must catch it against both oracles.
+    r = python("""
+        import sys
+        from tileattn.dispatch import register
+        from tileattn.backends.cpu import CpuBackend
+        class Off(CpuBackend):
+            name = "off_by_one_percent"
+            auto = False
+            def forward(self, inp):
+                out, lse = super().forward(inp)
+                return out * 1.01, lse
+        register(Off())
+        from tileattn.cli import main
+        sys.exit(main(["verify", "--backend", "off_by_one_percent", "--shape", "1,2,32,16"]))
+    """)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "[off_by_one_percent] FAIL" in r.stdout
+    assert "reference fp64  out" in r.stdout and "FAIL" in r.stdout.splitlines()[-1]
+
+
+def test_bench_quick_writes_table_csv_json_and_plot(tmp_path):
+    paths = {k: tmp_path / f"bench.{k}" for k in ("csv", "json", "png")}
+    r = cli("bench", "--preset", "quick", "--csv", paths["csv"], "--json", paths["json"], "--plot", paths["png"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    header = table_header(r.stdout, "S")
+    for col in ("causal", "mode", "provider", "median ms", "spread", "GFLOP/s", "peak mem", "vs sdpa"):
+        assert col in header
+    assert "[#" in r.stderr, "progress bar expected on stderr"
+
+    with open(paths["csv"]) as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == BENCH_FIELDS
+    # quick: 2 lengths x 2 modes x 3 providers.
+    assert len(rows) == 12
+    assert {r_["provider"] for r_ in rows} == {"cpu", "sdpa", "naive"}
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert float(row["median_ms"]) > 0 and float(row["gflops_per_s"]) > 0
+        assert float(row["min_ms"]) <= float(row["median_ms"]) <= float(row["max_ms"])
+        assert int(row["reps"]) == 2
+    sdpa_rows = [r_ for r_ in rows if r_["provider"] == "sdpa"]
+    assert all(abs(float(r_["speedup"]) - 1.0) < 1e-9 for r_ in sdpa_rows)
+    fwd = {r_["seqlen_q"]: float(r_["flops"]) for r_ in rows if r_["mode"] == "fwd" and r_["provider"] == "cpu"}
+    assert fwd["64"] == 4 * 1 * 2 * 64 * 64 * 32  # 4 B H S^2 D, non-causal
+
+    doc = json.loads(paths["json"].read_text())
+    assert {"settings", "versions", "machine", "results"} <= set(doc)
+    assert len(doc["results"]) == 12
+    assert set(BENCH_FIELDS) <= set(doc["results"][0]) and len(doc["results"][0]["times_ms"]) == 2
+    png = paths["png"].read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 2000
+
+
+def test_bench_marks_unsupported_cells_instead_of_crashing():
+    # FlexAttention has no backward on CPU; the triton engine needs a GPU or the interpreter here.
+    r = cli("bench", "--seqlens", "64", "--heads", "1", "--head-dim", "16", "--mode", "fwd+bwd",
+            "--providers", "cpu,flex", "--baseline", "cpu", "--reps", "1", "--warmup", "0", "--quiet", "--no-memory")
+    assert r.returncode == 0, r.stdout + r.stderr
+    flex_line = next(line for line in r.stdout.splitlines() if " flex " in line)
+    assert "unsupported: FlexAttention on CPU has no backward" in flex_line
+    only_flex = cli("bench", "--seqlens", "64", "--mode", "bwd", "--providers", "flex", "--quiet")
+    assert only_flex.returncode == 2
+    assert "no provider can run" in only_flex.stderr
+
+
+def test_memory_shows_naive_quadratic_growth_and_tileattn_savings(tmp_path):
+    out_csv, out_png = tmp_path / "mem.csv", tmp_path / "mem.png"
+    # Score matrices of 4, 16 and 64 MiB; the cap (0.05 GiB) admits naive only for the first two.
+    r = cli("memory", "--seqlens", "512,1024,2048", "--heads", "4", "--head-dim", "32", "--modes", "fwd",
+            "--cap-gib", "0.05", "--csv", out_csv, "--plot", out_png, "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    header = table_header(r.stdout, "S")
+    for col in ("score matrix", "naive peak", "tileattn (cpu) peak", "saving"):
+        assert col in header
+    assert "skipped (> cap)" in r.stdout
+    with open(out_csv) as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == MEMORY_FIELDS
+    peak = {(row["provider"], int(row["seqlen"])): row for row in rows}
+    naive_512 = int(peak[("naive", 512)]["peak_bytes"])
+    naive_1024 = int(peak[("naive", 1024)]["peak_bytes"])
+    score_1024 = int(peak[("naive", 1024)]["score_matrix_bytes"])
+    assert score_1024 == 4 * 1024 * 1024 * 4
+    # Naive holds the scores and the probabilities: about 2 score matrices, growing as S^2.
+    assert naive_1024 >= score_1024
+    assert naive_1024 >= 3 * naive_512
+    assert peak[("naive", 2048)]["status"] == "skipped"
+    tile_1024 = int(peak[("tileattn", 1024)]["peak_bytes"])
+    assert tile_1024 < naive_1024 / 4
+    assert float(peak[("tileattn", 1024)]["saving_pct"]) > 75
+    assert peak[("tileattn", 2048)]["status"] == "ok"
+    assert out_png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
+    out_json = tmp_path / "tune.json"
+    r = cli("tune", "--shape", "1,2,256,32", "--budget-kib", "64", "--reps", "1", "--warmup", "0",
+            "--json", out_json, "--quiet", cache_dir=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    header = table_header(r.stdout, "block_m")
+    for col in ("block_n", "working set", "status", "err/tol", "median ms", "reason"):
+        assert col in header
+    assert "rejected" in r.stdout and "> budget 64 KiB" in r.stdout
+    doc = json.loads(out_json.read_text())
+    statuses = {c["status"] for c in doc["candidates"]}
+    assert statuses == {"rejected", "timed"}
+    winner = doc["winner"]
+    timed = [c for c in doc["candidates"] if c["status"] == "timed"]
+    assert all(c["working_set_bytes"] <= 64 * 1024 and c["max_error_ratio"] <= 1.0 for c in timed)
+    best = min(timed, key=lambda c: c["median_ms"])
+    assert winner == {"block_m": best["block_m"], "block_n": best["block_n"]}
+    assert (tmp_path / "tune_cache.json").exists()
+
+    # A fresh process with the same cache directory: dispatch's default config is the winner.
+    check = python("""
+        import json, torch
+        from tileattn.spec import make_inputs
+        from tileattn.backends.cpu import default_config
+        x = torch.empty(1, 2, 256, 32)
+        cfg = default_config(make_inputs(x, x, x))
+        other = default_config(make_inputs(x, x, x, causal=True))
+        print(json.dumps([cfg.block_m, cfg.block_n, other.block_m, other.block_n]))
+    """, cache_dir=tmp_path)
+    assert check.returncode == 0, check.stderr
+    bm, bn, obm, obn = json.loads(check.stdout)
+    assert (bm, bn) == (winner["block_m"], winner["block_n"])
+    assert doc["cache_path"] == str(tmp_path / "tune_cache.json")
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--preset", "nope"],
+    ["bench", "--seqlens", "0,128"],
+    ["bench", "--seqlens", "128,abc"],
+    ["bench", "--providers", "cpu,fast"],
+    ["bench", "--mode", "sideways"],
+    ["bench", "--baseline", "flex"],
+    ["bench", "--plot", "out.jpg"],
+    ["verify", "--shape", "1,2,x,4"],
+    ["verify", "--shape", "1,2,64"],
+    ["verify", "--backend", "nope"],
+    ["verify", "--dtype", "fp8"],
+    ["tune", "--shape", "1,2,0,16"],
+    ["tune", "--shape", "1,2,64,16", "--backend", "reference"],
+    ["tune", "--shape", "1,2,64,16", "--backend", "triton", "--dtype", "fp64"],
+    ["memory", "--seqlens", "-5"],
+    ["memory", "--cap-gib", "0"],
+    ["frobnicate"],
+])
+def test_bad_arguments_give_one_line_and_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("tileattn") and "error" in err and "Traceback" not in err
+
+
+def test_bad_argument_through_the_real_entry_point():
+    r = cli("verify", "--backend", "nope")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "tileattn verify: error: argument --backend: got 'nope'; expected one of "
+        + r.stderr.split("expected one of ", 1)[1].strip()]
+    assert "cpu" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_contest_module_plugs_in_through_add_subparser(monkeypatch):
+    calls = []
+
+    def add_subparser(subparsers):
+        p = subparsers.add_parser("contest")
+        p.add_argument("--rounds", type=int, default=1)
+        p.set_defaults(func=lambda args: calls.append(args.rounds) or 7)
+
+    monkeypatch.setitem(sys.modules, "tileattn.contest", types.SimpleNamespace(add_subparser=add_subparser))
+    assert main(["contest", "--rounds", "3"]) == 7
+    assert calls == [3]
+
+
+def test_tuning_models_and_override_are_consistent():
+    import torch
+
+    from tileattn import tuning
+    from tileattn.backends.cpu import default_config
+    from tileattn.spec import make_inputs
+
+    x = torch.empty(1, 4, 100, 40, dtype=torch.float16)
+    inp = make_inputs(x, x, x)
+    # Blocks longer than the sequence are clamped, so no two candidates launch the same tiles.
+    cpu = tuning.cpu_candidates(inp)
+    assert len(cpu) == len({(c["block_m"], c["block_n"]) for c in cpu})
+    assert max(c["block_m"] for c in cpu) == 128 and max(c["block_n"] for c in cpu) == 128
+    # Triton: Q block plus num_stages K and V blocks, head dim padded to a power of two (64), fp16.
+    cfg = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
+    assert tuning.triton_shared_memory(cfg, inp) == (64 * 64 + 3 * 32 * (64 + 64)) * 2
+    # The CPU working set grows with the tile and is what the budget compares against.
+    small = tuning.cpu_working_set({"block_m": 32, "block_n": 64}, inp)
+    large = tuning.cpu_working_set({"block_m": 128, "block_n": 128}, inp)
+    assert 0 < small < large
+    budget, source = tuning.cpu_budget()
+    assert budget > 0 and source
+    with tuning.overriding("cpu", {"block_m": 48, "block_n": 80}):
+        assert (default_config(inp).block_m, default_config(inp).block_n) == (48, 80)
+    assert (default_config(inp).block_m, default_config(inp).block_n) != (48, 80)
