@@ -30,7 +30,7 @@ import torch
 
 from .api import flash_attention
 from .compat.bands import plan_band
-from .scores import band_keep, key_range
+from .scores import band_fully_visible, band_keep, key_range
 from .spec import make_inputs, user_shape
 
 __all__ = ["npu_fusion_attention", "npu_fusion_attention_grad"]
@@ -348,43 +348,50 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
 def _row_max(piece: _Piece, block: int = 512) -> torch.Tensor:
     """Row max of the masked, scaled scores of one piece, (B, N, Sq) (or (N, T) for TND).
 
-    Walks query and key blocks of ``block`` rows/columns (skipping blocks outside the band), so the
-    memory is O(B * N * block^2), never the full score matrix. Costs one extra Q.K^T pass.
+    Walks blocks of ``block`` queries x ``block`` keys, skipping blocks outside the band and masking
+    only blocks the band cuts, so memory is O(N * block^2), never the full score matrix. It costs one
+    extra Q.K^T GEMM. GQA query heads of one kv head share one GEMM (no repeated K).
     """
     kw = {k: v for k, v in piece.kwargs.items() if k not in ("dropout_p", "seed")}
     inp = make_inputs(piece.q, piece.k, piece.v, **kw)
     cdt = inp.acc_dtype()
-    g = inp.group_size
+    hq, hkv, g, scale = inp.heads_q, inp.heads_kv, inp.group_size, inp.scale
     left, right = inp.window_bounds
+    # Without a bias, max(scale * s) = scale * max(s) for scale > 0: scale the (Sq,) maxima, not the block.
+    late_scale = inp.bias is None and scale > 0
     seqs = []
     for b, (q0, lq, k0, lk) in enumerate(inp.seq_lengths()):
         if inp.is_varlen:
-            q = inp.q_c[q0:q0 + lq].transpose(0, 1)[None]
-            k = inp.k_c[k0:k0 + lk].transpose(0, 1)[None]
+            q, k = inp.q_c[q0:q0 + lq].transpose(0, 1), inp.k_c[k0:k0 + lk].transpose(0, 1)
         else:
-            q, k = inp.q_c[b:b + 1], inp.k_c[b:b + 1]
-        q = q.unflatten(1, (inp.heads_kv, g))
-        m = torch.full((1, inp.heads_q, lq), -math.inf, dtype=cdt, device=q.device)
+            q, k = inp.q_c[b], inp.k_c[b]
+        q, k = q.unflatten(0, (hkv, g)), k.to(cdt)
+        m = torch.full((hq, lq), -math.inf, dtype=cdt, device=q.device)
         for i0 in range(0, lq, block):
             i1 = min(lq, i0 + block)
+            qb = q[:, :, i0:i1].to(cdt).reshape(hkv, g * (i1 - i0), q.shape[-1])
             j_lo, j_hi = key_range(i0, i1, lq, lk, left, right)
-            rows = torch.arange(i0, i1, device=q.device)
             for j0 in range(j_lo, j_hi, block):
                 j1 = min(j_hi, j0 + block)
-                cols = torch.arange(j0, j1, device=q.device)
-                s = torch.einsum("bhgid,bhjd->bhgij", q[:, :, :, i0:i1].to(cdt), k[:, :, j0:j1].to(cdt))
-                s = s.reshape(1, inp.heads_q, i1 - i0, j1 - j0) * inp.scale
+                s = torch.matmul(qb, k[:, j0:j1].transpose(1, 2)).view(hq, i1 - i0, j1 - j0)
+                if not late_scale:
+                    s.mul_(scale)
                 if inp.bias is not None:
-                    s = s + _block_of(inp.bias, b, i0, i1, j0, j1).to(cdt)
-                keep = band_keep(rows, cols, lq, lk, left, right)
+                    s.add_(_block_of(inp.bias, b, i0, i1, j0, j1)[0].to(cdt))
+                keep = None
+                if not band_fully_visible(i0, i1, j0, j1, lq, lk, left, right):
+                    keep = band_keep(torch.arange(i0, i1, device=q.device), torch.arange(j0, j1, device=q.device),
+                                     lq, lk, left, right)
                 if inp.mask is not None:
-                    keep = keep & _block_of(inp.mask, b, i0, i1, j0, j1)
-                s = s.masked_fill(~keep, -math.inf)
-                m[..., i0:i1] = torch.maximum(m[..., i0:i1], s.amax(-1))
-        seqs.append(m)
+                    block_mask = _block_of(inp.mask, b, i0, i1, j0, j1)[0]
+                    keep = block_mask if keep is None else keep & block_mask
+                if keep is not None:
+                    s.masked_fill_(~keep, -math.inf)
+                torch.maximum(m[:, i0:i1], s.amax(-1), out=m[:, i0:i1])
+        seqs.append(m * scale if late_scale else m)
     if inp.is_varlen:
-        return torch.cat([m[0] for m in seqs], dim=1)
-    return torch.cat(seqs, dim=0)
+        return torch.cat(seqs, dim=1)
+    return torch.stack(seqs, dim=0)
 
 
 def _block_of(t, b, i0, i1, j0, j1):
