@@ -282,11 +282,13 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
         for b, (q0, lq, k0, lk) in enumerate(lens):
             band = _band(sparse_mode, None, pre_tockens, next_tockens, lq, lk)
             plans.append(plan_band(lq, lk, *band, query.device) if band else None)
+        # Sequences without queries or keys output nothing / zeros in a varlen call whatever the window.
+        live = [p for p, (_, lq, _, lk) in zip(plans, lens) if lq and lk]
         uniform = pfx is None and all(
-            p is None or (p.keep is None and p.keys == lk) for p, (_, _, _, lk) in zip(plans, lens)
-        ) and len({None if p is None else p.window for p in plans}) == 1
+            p is None or (p.keep is None and p.keys == lk) for p, (_, lq, _, lk) in zip(plans, lens) if lq and lk
+        ) and len({None if p is None else p.window for p in live}) <= 1
         if uniform:
-            window = None if plans[0] is None else plans[0].window
+            window = None if not live or live[0] is None else live[0].window
             to_i32 = lambda c: torch.tensor(c, dtype=torch.int32, device=query.device)  # noqa: E731
             call.pieces.append(_Piece(query, key, value, dict(
                 layout="TND", window=window, cu_seqlens_q=to_i32(cu_q), cu_seqlens_k=to_i32(cu_k),
