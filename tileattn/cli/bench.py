@@ -17,7 +17,7 @@ HELP = "time tileattn against SDPA, naive attention and others"
 
 PRESETS = {
     "readme": dict(batch=1, heads=8, seqlens=[1024, 2048], head_dim=64, dtype="fp32", modes=["fwd", "fwd+bwd"],
-                   causal=[False, True], reps=5, warmup=1, baseline="sdpa",
+                   causal=[False, True], reps=3, warmup=1, baseline="sdpa",
                    providers={"cpu": ["cpu", "sdpa", "naive"], "cuda": ["triton", "sdpa", "naive"]}),
     "llama-7b": dict(batch=1, heads=32, seqlens=[512, 1024, 2048], head_dim=128, dtype="fp32", modes=["fwd", "fwd+bwd"],
                      causal=[True], reps=3, warmup=1, baseline="sdpa",
