@@ -64,6 +64,8 @@ def test_mask_with_is_causal_applies_both_like_torch():
     mask[:, 0] = True
     _compare_with_torch([q, k, v], attn_mask=mask, is_causal=True)
     _compare_with_torch([q, k, v], attn_mask=_rand(4, 7, seed=4), is_causal=True)
+    # a mask broadcast over the keys survives the key cut
+    _compare_with_torch([q, k, v], attn_mask=_rand(1, 2, 4, 1, seed=5), is_causal=True)
 
 
 def test_gqa_leading_dims_and_3d_inputs():

@@ -125,8 +125,11 @@ def attend_top_left(q, k, v, layout, *, causal=False, mask=None, bias=None, scal
         if plan.keys < sk:
             k = k.narrow(seq_axis, 0, plan.keys)
             v = v.narrow(seq_axis, 0, plan.keys)
-            mask = None if mask is None or mask.shape[-1] == 1 else mask[..., : plan.keys]
-            bias = None if bias is None or bias.shape[-1] == 1 else bias[..., : plan.keys]
+            # Masks broadcast over keys (last dim 1) stay as they are.
+            if mask is not None and mask.shape[-1] != 1:
+                mask = mask[..., : plan.keys]
+            if bias is not None and bias.shape[-1] != 1:
+                bias = bias[..., : plan.keys]
         window = plan.window
         if plan.keep is not None:
             mask = plan.keep if mask is None else mask & plan.keep
