@@ -82,7 +82,8 @@ def runs(tmp_path_factory):
             continue
         jobs[path.name] = ([sys.executable, str(path)], str(path.parent), SCRIPT_TIMEOUT_S)
     root = tmp_path_factory.mktemp("contest")
-    submissions = {"baseline": REPO / "hub" / "contest" / "baseline.py"}
+    submissions = {"baseline": REPO / "hub" / "contest" / "baseline.py",
+                   "example": REPO / "hub" / "contest" / "examples" / "online_softmax.py"}
     for name, source in SUBMISSIONS.items():
         submissions[name] = root / f"{name}.py"
         submissions[name].write_text(source)
@@ -148,7 +149,7 @@ def _board(runs, name):
     return rows[0], (runs["root"] / f"board_{name}" / "LEADERBOARD.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["baseline", "correct"])
+@pytest.mark.parametrize("name", ["baseline", "example", "correct"])
 def test_contest_accepts_a_correct_submission(runs, name):
     rc, output = _result(runs, f"contest:{name}")
     assert rc == 0, output[-3000:]

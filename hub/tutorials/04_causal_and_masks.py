@@ -102,9 +102,10 @@ work_ratio = total / (total - skipped)
 check(tf / tc > 1.1, f"at S={S_last} causal is faster: {tf / tc:.2f}x (tile work ratio {work_ratio:.2f}x)")
 
 # %% [markdown]
-# The measured speed-up stays below the tile ratio: diagonal tiles pay for building the mask, and
-# short rows near the top do little work per tile. (The catlass article reports 1.3x-1.5x on an
-# Ascend NPU for the same 50% skip.)
+# Compare the last two columns of the table with the tile work ratio (`tiles / visited tiles`, the
+# dashed line in the figure below): the measured speed-up usually stays below it, because diagonal
+# tiles pay for building the element-wise mask and the short rows near the top of the matrix do
+# little work per tile. (The catlass article reports 1.3x-1.5x on an Ascend NPU for the same skip.)
 #
 # ## Sliding windows
 # A window `(left, right)` lets query `i` see keys `i - left .. i + right` (Mistral uses
