@@ -143,7 +143,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Differences from torch: dropout uses tileattn's counter-based RNG (seeded from torch's default
     generator, so ``torch.manual_seed`` makes it reproducible, but the dropped positions differ from
-    torch's); rows where every key is masked out give 0 instead of NaN.
+    torch's). Rows where every key is masked out give 0, as torch 2.13 does (older torch gave NaN).
     """
     lead = _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     q4, k4, v4 = (_to_4d(t, lead) for t in (query, key, value))
