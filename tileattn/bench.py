@@ -344,6 +344,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 _INITIALISED = set()
+#: Providers whose first call at each new shape compiles (``torch.compile(dynamic=False)``).
+COMPILES_PER_SHAPE = {"flex"}
 
 
 def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: bool = True,
@@ -377,15 +379,17 @@ def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: b
             return None
 
     # A provider's first call in this process pays one-time costs (kernel loading, compilation,
-    # thread pools) that belong in neither the memory figure nor the timings.
+    # thread pools) that belong in neither the memory figure nor the timings. Compiled providers
+    # pay them again for every new shape.
     for name in list(steps):
-        if name not in _INITIALISED:
+        key = (name, case) if name in COMPILES_PER_SHAPE else name
+        if key not in _INITIALISED:
             prepare, run = steps[name]
             attempt(name, prepare)
             if name in steps:
                 attempt(name, run)
             if name in steps:
-                _INITIALISED.add(name)
+                _INITIALISED.add(key)
     # One untimed call per provider measures memory; the warm-up calls after it absorb the page
     # faults of memory the measurement returned to the kernel.
     for name in list(steps):
