@@ -7,9 +7,11 @@ A submission is a Python file defining ``attention(q, k, v, causal=False)``; the
    a hang or a ``sys.exit`` in it cannot take the scorer down. The whole worker runs under a wall-clock
    limit; past it the worker's process group is killed and the submission is rejected.
 2. Correctness: on inputs drawn from a fresh seed (recorded with the result, so a run can be replayed
-   with ``--seed``), the output must pass FlashAttention's rule (:mod:`tileattn.testing`): max error
-   against the fp64 reference at most 2x the error of plain PyTorch math in the inputs' dtype, plus a
-   small floor. The output must also have q's shape and dtype and leave the inputs unmodified.
+   with ``--seed``), the output must have q's shape and dtype and leave the inputs unmodified (checked
+   in the worker), and pass FlashAttention's rule (:mod:`tileattn.testing`): max error against the
+   fp64 reference at most 2x the error of plain PyTorch math in the inputs' dtype, plus a small floor.
+   The rule is applied in the scorer's own process to the outputs the worker saved, so code in the
+   submission can never reach the reference or the judge.
 3. Timing: for each timed shape, the submission, the baseline and tileattn run round-robin (so machine
    noise hits all three alike); the median of the repeats is kept.
 4. Score: the geometric mean over the timed shapes of ``baseline time / submission time``.
@@ -110,12 +112,14 @@ def _inputs(shape: Shape, seed: int):
     return [torch.randn(dims, generator=gen).to(dtype) for _ in range(3)]
 
 
-def _check(fn, shape: Shape, seed: int) -> Optional[str]:
-    """None when ``fn`` is correct on ``shape``; otherwise the reason it is not."""
-    import torch
+def _run_shape(fn, shape: Shape, seed: int, out_path: Path) -> Optional[str]:
+    """Worker side: call the submission on ``shape`` and save its output to ``out_path``.
 
-    from .reference import reference
-    from .testing import judge
+    Returns None, or the reason the call itself is unacceptable. Judging the saved output happens in
+    the scorer's process (:func:`_judge_shape`), where the submission's code never ran, so a
+    submission cannot tamper with the reference or the rule.
+    """
+    import torch
 
     q, k, v = _inputs(shape, seed)
     copies = [t.clone() for t in (q, k, v)]
@@ -127,6 +131,24 @@ def _check(fn, shape: Shape, seed: int) -> Optional[str]:
                 f"expected {tuple(q.shape)} {q.dtype}")
     if any(not torch.equal(a, b) for a, b in zip((q, k, v), copies)):
         return f"{shape.label()}: the submission modified its inputs"
+    torch.save(out.detach().to("cpu").contiguous().clone(), out_path)
+    return None
+
+
+def _judge_shape(shape: Shape, seed: int, out_path: Path) -> Optional[str]:
+    """Scorer side: None when the saved output passes FlashAttention's rule, else the reason."""
+    import torch
+
+    from .reference import reference
+    from .testing import judge
+
+    q, k, v = _inputs(shape, seed)
+    try:
+        out = torch.load(out_path, weights_only=True)
+    except Exception as exc:  # a file the worker did not write as a plain tensor
+        return f"{shape.label()}: unreadable output ({type(exc).__name__}: {exc})"
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype:
+        return f"{shape.label()}: the saved output is not a {tuple(q.shape)} {q.dtype} tensor"
     oracle = reference(q, k, v, causal=shape.causal, compute_dtype=torch.float64)
     plain = reference(q, k, v, causal=shape.causal)
     verdict = judge("out", out, oracle, plain, q.dtype)
@@ -170,9 +192,13 @@ def _worker(args) -> int:
         return finish(0)
     small = args.small
     seed = int(args.seed)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(int(args.threads))
     for i, shape in enumerate(contest_shapes(small)):
         try:
-            reason = _check(submission, shape, seed + i)
+            reason = _run_shape(submission, shape, seed + i, out_path.parent / f"output_{i}.pt")
         except BaseException as exc:
             reason = f"{shape.label()}: attention raised {type(exc).__name__}: {exc}"
         if reason is not None:
@@ -184,7 +210,7 @@ def _worker(args) -> int:
         if shape.timed:
             times = _time(contenders, shape, seed + 1000 + i, SMALL_REPEATS if small else REPEATS)
             result["shapes"].append({"shape": shape.label(), **times})
-    result["status"] = "accepted"
+    result["status"] = "completed"  # the scorer judges the saved outputs before accepting
     return finish(0)
 
 
@@ -217,7 +243,7 @@ def _geomean(xs):
 
 
 def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT_TIME_LIMIT_S,
-                     seed=None, small=False) -> Outcome:
+                     seed=None, small=False, threads=None) -> Outcome:
     """Check and time ``submission`` in a subprocess; never raises for a bad submission."""
     submission, baseline = Path(submission), Path(baseline)
     for what, path in (("SUBMISSION", submission), ("--baseline", baseline)):
@@ -226,6 +252,8 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
                              "expected a Python file defining attention(q, k, v, causal=False)")
     if not time_limit_s > 0:
         raise ValueError(f"tileattn contest: argument '--time-limit': got {time_limit_s}; expected seconds > 0")
+    if threads is not None and not (isinstance(threads, int) and threads > 0):
+        raise ValueError(f"tileattn contest: argument '--threads': got {threads!r}; expected a positive int")
     seed = secrets.randbits(31) if seed is None else int(seed)
     with tempfile.TemporaryDirectory(prefix="tileattn-contest-") as tmp:
         out = Path(tmp) / "result.json"
@@ -233,6 +261,8 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
                "--baseline", str(baseline.resolve()), "--seed", str(seed), "--out", str(out)]
         if small:
             cmd.append("--small")
+        if threads:
+            cmd += ["--threads", str(threads)]
         # Its own session, so a timeout can kill the submission's children too; cwd is a scratch dir
         # so files the submission writes land there.
         proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -248,7 +278,13 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
             return Outcome("rejected", f"crashed: worker exited with status {proc.returncode} "
                            f"before reporting ({tail or 'no output'})", seed, [])
         data = json.loads(out.read_text())
-    return Outcome(data["status"], data["reason"], seed, data["shapes"])
+        if data["status"] == "completed":
+            for i, shape in enumerate(contest_shapes(small)):
+                reason = _judge_shape(shape, seed + i, Path(tmp) / f"output_{i}.pt")
+                if reason is not None:
+                    return Outcome("rejected", reason, seed, [])
+            return Outcome("accepted", "", seed, data["shapes"])
+    return Outcome("rejected", data["reason"] or "the worker reported no result", seed, [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +350,7 @@ def render(rows: List[dict]) -> str:
 def _cmd_score(args) -> int:
     small = args.small or os.environ.get("TILEATTN_SMALL") == "1"
     try:
-        outcome = score_submission(args.submission, args.baseline, args.time_limit, args.seed, small)
+        outcome = score_submission(args.submission, args.baseline, args.time_limit, args.seed, small, args.threads)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -354,6 +390,8 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="replay a run's inputs (default: a fresh seed)")
     s.add_argument("--baseline", default=str(DEFAULT_BASELINE), help="the baseline kernel file")
     s.add_argument("--small", action="store_true", help="small shapes (also TILEATTN_SMALL=1): a quick trial")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch threads for every contender (default: torch's default, one per core)")
     s.set_defaults(func=_cmd_score)
 
     b = actions.add_parser("leaderboard", help="print the leaderboard as Markdown")
@@ -370,6 +408,7 @@ def main(argv=None) -> int:
     for flag in ("--submission", "--baseline", "--seed", "--out"):
         w.add_argument(flag, required=True)
     w.add_argument("--small", action="store_true")
+    w.add_argument("--threads", default=None)
     w.set_defaults(func=_worker)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
