@@ -277,14 +277,18 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
             tail = " | ".join((log or "").strip().splitlines()[-3:])
             return Outcome("rejected", f"crashed: worker exited with status {proc.returncode} "
                            f"before reporting ({tail or 'no output'})", seed, [])
-        data = json.loads(out.read_text())
-        if data["status"] == "completed":
+        try:
+            data = json.loads(out.read_text())
+            status, reason, shapes = data["status"], str(data["reason"]), list(data["shapes"])
+        except (ValueError, KeyError, TypeError) as exc:  # the submission shares the worker's directory
+            return Outcome("rejected", f"unreadable worker report ({type(exc).__name__})", seed, [])
+        if status == "completed":
             for i, shape in enumerate(contest_shapes(small)):
                 reason = _judge_shape(shape, seed + i, Path(tmp) / f"output_{i}.pt")
                 if reason is not None:
                     return Outcome("rejected", reason, seed, [])
-            return Outcome("accepted", "", seed, data["shapes"])
-    return Outcome("rejected", data["reason"] or "the worker reported no result", seed, [])
+            return Outcome("accepted", "", seed, shapes)
+    return Outcome("rejected", reason or "the worker reported no result", seed, [])
 
 
 # ---------------------------------------------------------------------------------------------
