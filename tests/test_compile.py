@@ -6,10 +6,13 @@ call (GQA, causal, window, bias with gradient, softcap, LSE) and checked against
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import tileattn
+from tileattn import dispatch
 from torch._dynamo.utils import counters
 
 from conftest import make_qkv
@@ -38,12 +41,30 @@ def run(fn, q, k, v, bias):
     return [out.detach(), lse] + [t.grad for t in leaves]
 
 
-def test_compile_fullgraph_forward_and_backward_match_eager(inputs):
+def _engine_modules():
+    return {m: mod for m, mod in sys.modules.items() if m == "tileattn.backends" or m.startswith("tileattn.backends.")}
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """As in a new process: no engine registered yet, engine modules not imported. Restored after."""
+    saved = _engine_modules()
+    for name in saved:
+        del sys.modules[name]
+    monkeypatch.setattr(dispatch, "_REGISTRY", {})
+    yield
+    for name in _engine_modules():
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def test_compile_fullgraph_forward_and_backward_match_eager(inputs, fresh_registry):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(attention_block, fullgraph=True)
-    eager_results = run(attention_block, *inputs)
+    # The compiled call comes first, so engine registration happens while dynamo traces.
     compiled_results = run(compiled, *inputs)
+    eager_results = run(attention_block, *inputs)
     names = ["out", "lse", "dq", "dk", "dv", "dbias"]
     for name, e, c in zip(names, eager_results, compiled_results):
         assert c.shape == e.shape and c.dtype == e.dtype, name

@@ -13,6 +13,8 @@ import importlib
 import os
 from typing import Dict, List
 
+import torch
+
 from .spec import AttentionInputs
 
 
@@ -75,9 +77,13 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-def _load_builtin():
+# The first call may come from inside torch.compile: the import's side effect (registering engines)
+# cannot be traced, so dynamo runs this function eagerly at trace time and treats it as a constant.
+@torch.compiler.assume_constant_result
+def _load_builtin() -> bool:
     if not _REGISTRY:
         importlib.import_module("tileattn.backends")  # registers the built-in engines
+    return True
 
 
 def explain(inp: AttentionInputs) -> Dict[str, List[str]]:
