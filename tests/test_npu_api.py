@@ -381,3 +381,50 @@ def test_band_plans_reproduce_every_top_left_band():
                         region &= plan.keep
                     got[:, : plan.keys] = region
                     assert torch.equal(got, top_left_keep(sq, sk, lo, hi)), (sq, sk, lo, hi, plan)
+
+
+def _grad_vs_autograd(q, k, v, n, layout, pse=None, **kw):
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)] + ([pse.clone().requires_grad_(True)] if pse is not None else [])
+    res = npu_fusion_attention(*leaves[:3], n, layout, pse=leaves[3] if pse is not None else None, **kw)
+    dy = torch.randn(res[0].shape, generator=torch.Generator().manual_seed(2), dtype=res[0].dtype)
+    auto = torch.autograd.grad(res[0], leaves, dy)
+    scale = kw.pop("scale")
+    for stats in (True, False):
+        extra = dict(softmax_max=res[1], softmax_sum=res[2], attention_in=res[0].detach()) if stats else {}
+        grads = npu_fusion_attention_grad(q, k, v, dy, n, layout, pse=pse, scale_value=scale, seed=res[4], **kw,
+                                          **extra)
+        # the supplied statistics are fp32 (torch_npu's format): fp32-sized tolerance on fp64 gradients
+        tol = dict(rtol=1e-5, atol=1e-6) if stats else {}
+        for a, g in zip(auto, grads):
+            torch.testing.assert_close(g, a, **tol)
+
+
+def test_grad_with_cut_keys_and_per_sequence_pieces():
+    compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    q, k, v = _layout_tensors("BNSD", 2, 2, 1, 4, 9, 8, dtype=torch.float64)
+    pse = _rand(2, 2, 1, 9, dtype=torch.float64, seed=3)
+    # top-left causal with Sq < Sk reads only the first 4 keys: dk/dv/dpse of the rest are 0
+    _grad_vs_autograd(q, k, v, 2, "BNSD", pse=pse, scale=0.3, sparse_mode=2, atten_mask=compressed)
+    t_q, t_k = _rand(7, 2, 8, dtype=torch.float64), _rand(9, 2, 8, dtype=torch.float64, seed=1)
+    t_v = _rand(9, 2, 8, dtype=torch.float64, seed=2)
+    for mode, pre, nxt in ((3, BIG, BIG), (4, 3, -1), (2, BIG, BIG)):
+        _grad_vs_autograd(t_q, t_k, t_v, 2, "TND", scale=0.4, sparse_mode=mode, atten_mask=compressed,
+                          pre_tockens=pre, next_tockens=nxt, actual_seq_qlen=[3, 7], actual_seq_kvlen=[5, 9])
+
+
+def test_grad_uses_supplied_statistics_like_ring_attention():
+    """Gradients of one key chunk, computed with the merged statistics and output of the whole
+    attention (what ring attention passes), add up to the gradients of the whole attention."""
+    q, k, v = _layout_tensors("BSND", 1, 2, 2, 5, 8, 8, dtype=torch.float64)
+    full = npu_fusion_attention(q, k, v, 2, "BSND", scale=0.3)
+    dy = _rand(*full[0].shape, dtype=torch.float64, seed=4)
+    whole = npu_fusion_attention_grad(q, k, v, dy, 2, "BSND", softmax_max=full[1], softmax_sum=full[2],
+                                      attention_in=full[0], scale_value=0.3)
+    dq = torch.zeros_like(q)
+    for lo, hi in ((0, 3), (3, 8)):
+        part = npu_fusion_attention_grad(q, k[:, lo:hi], v[:, lo:hi], dy, 2, "BSND", softmax_max=full[1],
+                                         softmax_sum=full[2], attention_in=full[0], scale_value=0.3)
+        torch.testing.assert_close(part[1], whole[1][:, lo:hi])
+        torch.testing.assert_close(part[2], whole[2][:, lo:hi])
+        dq += part[0]
+    torch.testing.assert_close(dq, whole[0])

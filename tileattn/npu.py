@@ -30,6 +30,8 @@ from typing import List, Optional
 import torch
 
 from .api import flash_attention
+from .dispatch import select
+from .ops import attention_backward
 from .backends.cpu.parallel import run_tasks
 from .compat.bands import plan_band
 from .scores import band_fully_visible, band_keep, key_range
@@ -69,6 +71,8 @@ class _Piece:
     kwargs: dict
     rows: Optional[tuple] = None
     empty_keys: bool = False
+    #: (axis, start, length) of the caller's key/value tensors this piece reads (its dk/dv region).
+    key_region: Optional[tuple] = None
 
 
 @dataclass
@@ -294,7 +298,7 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
             to_i32 = lambda c: torch.tensor(c, dtype=torch.int32, device=query.device)  # noqa: E731
             call.pieces.append(_Piece(query, key, value, dict(
                 layout="TND", window=window, cu_seqlens_q=to_i32(cu_q), cu_seqlens_k=to_i32(cu_k),
-                seed=seed, **common)))
+                seed=seed, **common), key_region=(0, 0, key.shape[0])))
             return call
         # Per-sequence corners differ: one padded call per sequence, on views of the packed tensors.
         for b, ((q0, lq, k0, lk), plan) in enumerate(zip(lens, plans)):
@@ -310,7 +314,7 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
                 mask = _prefix_keep([pfx[b]], lq, lk, query.device)
             call.pieces.append(_Piece(q, k, v, dict(layout="BSND", window=window, mask=mask,
                                                     seed=(seed + b) & ((1 << 62) - 1), **common),
-                                      rows=(q0, q0 + lq), empty_keys=keys == 0))
+                                      rows=(q0, q0 + lq), empty_keys=keys == 0, key_region=(0, k0, keys)))
         return call
 
     for name, val in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
@@ -331,9 +335,9 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
     else:
         band = _band(sparse_mode, keep, pre_tockens, next_tockens, sq, sk)
     k, v, window = key, value, None
+    axis = _SEQ_AXIS[layout]
     if band is not None:
         plan = plan_band(sq, sk, *band, query.device)
-        axis = _SEQ_AXIS[layout]
         k, v = _slice_keys(key, axis, plan.keys), _slice_keys(value, axis, plan.keys)
         if keep is not None:
             keep = keep[..., : plan.keys]
@@ -344,7 +348,8 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
         window = plan.window
     num_heads = heads if layout in ("BSH", "SBH") else None
     call.pieces.append(_Piece(query, k, v, dict(layout=layout, num_heads=num_heads, window=window, mask=keep,
-                                                bias=bias, seed=seed, **common)))
+                                                bias=bias, seed=seed, **common),
+                              key_region=(axis, 0, k.shape[axis])))
     return call
 
 
@@ -487,6 +492,20 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     return out, softmax_max, softmax_sum, softmax_out, seed, 0, call.numels
 
 
+def _piece_backward(piece: _Piece, out, lse, dy):
+    """tileattn's backward op for one piece, given its output and LSE: (dq, dk, dv, dbias or None)."""
+    inp = make_inputs(piece.q, piece.k, piece.v, **piece.kwargs)
+    engine = select(inp, "auto")
+    left, right = inp.window
+    need_dbias = inp.bias is not None
+    dq, dk, dv, dbias = attention_backward(
+        dy if dy.stride(-1) == 1 else dy.contiguous(), piece.q, piece.k, piece.v, out, lse.to(inp.acc_dtype()),
+        inp.mask, inp.bias, None, inp.cu_seqlens_q, inp.cu_seqlens_k, inp.layout, inp.heads_q, inp.scale,
+        inp.causal, -1 if left is None else left, -1 if right is None else right, inp.softcap, inp.dropout_p,
+        inp.seed, inp.deterministic, engine.name, need_dbias)
+    return dq, dk, dv, (dbias if need_dbias else None)
+
+
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
                               attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
@@ -495,20 +514,21 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               sync=False):
     """Gradients ``(dq, dk, dv, dpse)`` of :func:`npu_fusion_attention` for the output gradient ``dy``.
 
-    The forward is recomputed with the same ``seed`` (so dropout matches) and differentiated by
-    tileattn's backward; ``softmax_max``, ``softmax_sum`` and ``attention_in`` are checked for shape
-    but not needed. ``dpse`` is None when ``pse`` is None.
+    Like torch_npu, the backward uses the statistics it is given: ``P = exp(s - LSE)`` with
+    ``LSE = softmax_max + log(softmax_sum)`` and ``D = rowsum(dy * attention_in)``. Passing the
+    merged statistics and output of a larger attention (ring / context-parallel attention over key
+    chunks) therefore gives that attention's gradients restricted to these keys. Without
+    ``attention_in``/``softmax_max``/``softmax_sum`` the forward is recomputed first. ``seed`` must
+    be the one the forward returned when ``keep_prob < 1``. ``dpse`` is None when ``pse`` is None.
     """
     fn = "npu_fusion_attention_grad"
     if not isinstance(dy, torch.Tensor):
         _fail(fn, "dy", type(dy).__name__, "the gradient of attention_out, a tensor", TypeError)
     if not _is_int(seed):
         _fail(fn, "seed", repr(seed), "the int seed returned by npu_fusion_attention", TypeError)
-    leaves = [t.detach().requires_grad_(True) for t in (query, key, value)]
-    pse_leaf = pse.detach().requires_grad_(True) if isinstance(pse, torch.Tensor) else pse
-    call = _plan(fn, *leaves, head_num, input_layout, pse_leaf, padding_mask, atten_mask, scale_value, keep_prob,
-                 pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
-                 int(seed))
+    call = _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
+                 keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+                 sparse_mode, int(seed))
     out_shape = (user_shape(input_layout, call.batch, head_num, call.seqlen_q, call.head_dim_v)
                  if input_layout != "TND" else (query.shape[0], head_num, call.head_dim_v))
     if tuple(dy.shape) != tuple(out_shape):
@@ -521,10 +541,32 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                   f"shape {stat_shape}, as returned by npu_fusion_attention")
     if attention_in is not None and (not isinstance(attention_in, torch.Tensor) or attention_in.shape != dy.shape):
         _fail(fn, "attention_in", getattr(attention_in, "shape", type(attention_in).__name__), "the shape of dy")
-    with torch.enable_grad():
-        out, _, _ = _run_pieces(call, leaves[0], leaves[2], want_stats=False)
-        wrt = leaves + ([pse_leaf] if isinstance(pse_leaf, torch.Tensor) else [])
-        grads = torch.autograd.grad(out, wrt, dy.to(out.dtype), allow_unused=True)
-    grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
-    dpse = grads[3] if len(grads) > 3 else None
-    return grads[0], grads[1], grads[2], dpse
+    with torch.no_grad():
+        if attention_in is None or softmax_max is None or softmax_sum is None:
+            out, lse, _ = _run_pieces(call, query, value, want_stats=False)
+        else:
+            out = attention_in
+            lse = softmax_max[..., 0].float() + torch.log(softmax_sum[..., 0].float())
+            if input_layout == "TND":
+                lse = lse.transpose(0, 1)
+        dy = dy.to(query.dtype)
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        dpse = torch.zeros_like(pse) if isinstance(pse, torch.Tensor) else None
+        for piece in call.pieces:
+            if piece.empty_keys:
+                continue
+            if piece.rows is None:
+                grads = _piece_backward(piece, out, lse, dy)
+                dq.copy_(grads[0])
+            else:
+                q0, q1 = piece.rows
+                grads = [g[0] if g is not None else None for g in _piece_backward(
+                    piece, out[q0:q1].unsqueeze(0), lse[:, q0:q1].unsqueeze(0), dy[q0:q1].unsqueeze(0))]
+                dq[q0:q1] = grads[0]
+            axis, start, length = piece.key_region
+            dk.narrow(axis, start, length).copy_(grads[1])
+            dv.narrow(axis, start, length).copy_(grads[2])
+            if dpse is not None:
+                # bias = scale * pse (pse enters before scaling), cut to the keys the piece reads
+                dpse[..., :length].copy_(float(scale_value) * grads[3])
+    return dq, dk, dv, dpse
