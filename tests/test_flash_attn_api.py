@@ -178,11 +178,87 @@ def test_kvcache_appends_in_place_and_matches_full_attention():
     torch.testing.assert_close(out_eq, tileattn.reference(q, k_cache[:, :5], v_cache[:, :5], layout="BSND", causal=True))
 
 
-@pytest.mark.parametrize("arg", ["rotary_cos", "cache_batch_idx", "cache_leftpad", "block_table"])
-def test_kvcache_refuses_unsupported_arguments(arg):
+def test_kvcache_refuses_leftpad_and_orphan_rotary():
     q, kc, vc = _rand(1, 1, 2, 8), _rand(1, 4, 2, 8), _rand(1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match=arg):
-        flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, **{arg: torch.zeros(1, dtype=torch.int32)})
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rotary_cos/rotary_sin"):
+        flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, rotary_cos=torch.ones(8, 2),
+                                           rotary_sin=torch.zeros(8, 2))
+
+
+def _rotary_oracle(x, positions, cos, sin, interleaved):
+    """Rotary embedding as a complex rotation of dimension pairs, x (S, H, D), positions (S,)."""
+    rd = 2 * cos.shape[1]
+    x = x.double()
+    if interleaved:
+        pairs = x[..., :rd].unflatten(-1, (rd // 2, 2))
+        z = torch.complex(pairs[..., 0], pairs[..., 1])
+    else:
+        z = torch.complex(x[..., : rd // 2], x[..., rd // 2:rd])
+    z = z * torch.complex(cos[positions].double(), sin[positions].double())[:, None, :]
+    head = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((head, x[..., rd:]), -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kvcache_rotary_matches_explicit_rotation(interleaved, causal):
+    b, cap, h, hk, d, rd = 2, 10, 4, 2, 8, 6
+    k_cache, v_cache = _rand(b, cap, hk, d, dtype=torch.float64), _rand(b, cap, hk, d, dtype=torch.float64, seed=1)
+    before = k_cache.clone()
+    q, k_new = _rand(b, 3, h, d, dtype=torch.float64, seed=2), _rand(b, 3, hk, d, dtype=torch.float64, seed=3)
+    v_new = _rand(b, 3, hk, d, dtype=torch.float64, seed=4)
+    angles = torch.arange(12, dtype=torch.float64)[:, None] * torch.tensor([0.5, 0.1, 0.02], dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    lens = torch.tensor([2, 5], dtype=torch.int32)
+    out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                             cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved)
+    for i, n in enumerate(lens.tolist()):
+        k_rot = _rotary_oracle(k_new[i], torch.arange(n, n + 3), cos, sin, interleaved)
+        torch.testing.assert_close(k_cache[i, n:n + 3], k_rot)
+        q_pos = torch.arange(n, n + 3) if causal else torch.full((3,), n)
+        q_rot = _rotary_oracle(q[i], q_pos, cos, sin, interleaved)
+        keys = torch.cat([before[i, :n], k_rot])[None]
+        vals = torch.cat([v_cache[i, :n], v_new[i]])[None]
+        torch.testing.assert_close(out[i:i + 1], tileattn.reference(q_rot[None], keys, vals, layout="BSND", causal=causal))
+
+
+def test_kvcache_paged_and_batch_indexed_caches():
+    b, h, hk, d, page = 2, 4, 2, 8, 4
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    contiguous_k = _rand(b, 12, hk, d, dtype=torch.float64)
+    contiguous_v = _rand(b, 12, hk, d, dtype=torch.float64, seed=1)
+    q = _rand(b, 2, h, d, dtype=torch.float64, seed=2)
+    k_new, v_new = _rand(b, 2, hk, d, dtype=torch.float64, seed=3), _rand(b, 2, hk, d, dtype=torch.float64, seed=4)
+    expected = flash_attn.flash_attn_with_kvcache(q, contiguous_k.clone(), contiguous_v.clone(), k_new, v_new,
+                                                  cache_seqlens=lens, causal=True)
+    # paged: sequence b's 3 pages of 4 slots are scattered over a pool of 7 pages
+    block_table = torch.tensor([[5, 0, 3], [2, 6, 1]], dtype=torch.int32)
+    pool_k = torch.zeros(7, page, hk, d, dtype=torch.float64)
+    pool_v = torch.zeros(7, page, hk, d, dtype=torch.float64)
+    for i in range(b):
+        for j, p in enumerate(block_table[i].tolist()):
+            pool_k[p] = contiguous_k[i, j * page:(j + 1) * page]
+            pool_v[p] = contiguous_v[i, j * page:(j + 1) * page]
+    out = flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=lens,
+                                             block_table=block_table, causal=True)
+    torch.testing.assert_close(out, expected)
+    # the new keys of sequence 1 (positions 6, 7) landed in its second page (pool page 6), slots 2 and 3
+    torch.testing.assert_close(pool_k[6, 2:4], k_new[1])
+    # cache_batch_idx: sequence b reads cache entry idx[b]
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    big_k = torch.zeros(3, 12, hk, d, dtype=torch.float64)
+    big_v = torch.zeros(3, 12, hk, d, dtype=torch.float64)
+    big_k[2], big_k[0] = contiguous_k[0], contiguous_k[1]
+    big_v[2], big_v[0] = contiguous_v[0], contiguous_v[1]
+    out2 = flash_attn.flash_attn_with_kvcache(q, big_k, big_v, k_new, v_new, cache_seqlens=lens,
+                                              cache_batch_idx=idx, causal=True)
+    torch.testing.assert_close(out2, expected)
+    torch.testing.assert_close(big_k[0, 6:8], k_new[1])
+    with pytest.raises(ValueError, match="'block_table'"):
+        flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                           block_table=torch.tensor([[9, 0, 3], [2, 6, 1]], dtype=torch.int32))
 
 
 def test_kvcache_rejects_overflowing_append():
