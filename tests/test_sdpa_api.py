@@ -103,7 +103,7 @@ def test_contradictory_arguments_raise_like_torch():
     for fn in (F.scaled_dot_product_attention, sdpa):
         with pytest.raises(RuntimeError):
             fn(q, kv, kv)  # GQA without enable_gqa
-    with pytest.raises(ValueError, match="enable_gqa"):
+    with pytest.raises(SdpaArgumentError, match="enable_gqa"):
         sdpa(q, kv, kv)
     with pytest.raises(ValueError, match="dividing"):
         sdpa(q, _rand(1, 3, 3, 8), _rand(1, 3, 3, 8), enable_gqa=True)

@@ -15,8 +15,6 @@ import torch
 from ...api import flash_attention
 from ...reference import reference
 
-_INT32_MAX = 2**31 - 1
-
 
 def _fail(fn, arg, given, expected, exc=ValueError):
     raise exc(f"tileattn.compat.flash_attn.{fn}: argument '{arg}': got {given}; expected {expected}.")
