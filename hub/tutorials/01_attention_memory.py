@@ -20,7 +20,7 @@
 # `D = 64` and `S = 8192`, one head's score matrix is 128 times larger than its queries. Doubling
 # `S` doubles the inputs and *quadruples* the intermediates. This tutorial measures exactly that:
 # the peak memory and time of naive attention as `S` grows, next to `tileattn.flash_attention`,
-# which never holds more than one `block_m x block_n` tile of scores per head.
+# which only ever holds one `block_m x block_n` tile of scores per core at a time.
 #
 # How we measure memory on a CPU: Linux keeps a high-water mark of the process's resident memory
 # (`VmHWM`), which we can reset. `_hub.peak_memory(fn)` resets it, runs `fn` and reports how far
