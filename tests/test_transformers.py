@@ -96,3 +96,16 @@ def test_softcap_and_unsupported_options():
     torch.testing.assert_close(out, (torch.softmax(s, -1) @ q).transpose(1, 2), atol=1e-5, rtol=1e-5)
     with pytest.raises(NotImplementedError, match="output_attentions"):
         tt.tileattn_attention_forward(module, q, q, q, None, output_attentions=True)
+
+
+def test_patch_sdpa_inside_a_transformers_model():
+    sdpa, _ = _pair("mistral")
+    ids, attention_mask = _batch()
+    import tileattn
+
+    with torch.no_grad():
+        expected = sdpa(input_ids=ids, attention_mask=attention_mask).logits
+        with tileattn.patch_sdpa():
+            patched = sdpa(input_ids=ids, attention_mask=attention_mask).logits
+    keep = attention_mask.bool()
+    assert (patched - expected)[keep].abs().max() < 1e-4
