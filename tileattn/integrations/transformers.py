@@ -54,12 +54,17 @@ def register(name: str = NAME) -> str:
     """Register the attention function and its mask builder under ``name`` (default "tileattn")."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as exc:
         raise ImportError(
-            "tileattn.integrations.transformers needs transformers >= 4.48 with AttentionInterface and "
-            "AttentionMaskInterface: pip install 'tileattn[transformers]'."
+            "tileattn.integrations.transformers needs transformers >= 4.48 (AttentionInterface): "
+            "pip install 'tileattn[transformers]'."
         ) from exc
     AttentionInterface.register(name, tileattn_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        # transformers < 4.53 builds one additive float mask for every non-flash implementation;
+        # tileattn_attention_forward takes it as a bias.
+        return name
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
