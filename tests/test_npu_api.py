@@ -355,6 +355,10 @@ def test_bad_arguments():
         npu_fusion_attention(t, t, t, 2, "TND", actual_seq_qlen=[6], actual_seq_kvlen=[6])
     with pytest.raises(ValueError, match="'query'"):
         npu_fusion_attention(q, k, v, 4, "BNSD")
+    with pytest.raises(TypeError, match="'query/key/value'"):
+        npu_fusion_attention(q, k.double(), v, 4, "BSH")
+    with pytest.raises(ValueError, match="'key'.*dividing head_num"):
+        npu_fusion_attention(q, k[..., :24], v[..., :24], 4, "BSH")
     with pytest.raises(TypeError, match="'prefix'"):
         npu_fusion_attention(q, k, v, 4, "BSH", sparse_mode=6, atten_mask=torch.zeros(3072, 2048, dtype=torch.bool))
 

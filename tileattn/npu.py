@@ -44,6 +44,7 @@ _LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 _RANK = {"BSH": 3, "SBH": 3, "BSND": 4, "BNSD": 4, "TND": 3}
 _SEQ_AXIS = {"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}
 _COMPRESSED = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048)}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _WARNED = set()
 
 
@@ -126,10 +127,19 @@ def _validate_tensors(fn, query, key, value, head_num, input_layout):
         d = query.shape[2] // head_num
         if key.shape[2] % d:
             _fail(fn, "key", f"hidden size {key.shape[2]}", f"a multiple of the head dim {d}")
+        heads_kv = key.shape[2] // d
     else:
         axis = 1 if input_layout == "TND" else (2 if input_layout == "BSND" else 1)
         if query.shape[axis] != head_num:
             _fail(fn, "head_num", head_num, f"{query.shape[axis]}, the heads of query in layout {input_layout}")
+        heads_kv = key.shape[axis]
+    if heads_kv == 0 or head_num % heads_kv:
+        _fail(fn, "key", f"{heads_kv} heads for head_num={head_num}", "a number of kv heads dividing head_num (GQA)")
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _DTYPES:
+        _fail(fn, "query/key/value", f"dtypes {query.dtype}, {key.dtype}, {value.dtype}",
+              "one shared dtype among float16, bfloat16, float32 (float64 also works here)", TypeError)
+    if not (query.device == key.device == value.device):
+        _fail(fn, "query/key/value", f"devices {query.device}, {key.device}, {value.device}", "one shared device")
 
 
 def _geometry(layout, query, key, value, head_num):
