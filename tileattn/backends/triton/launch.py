@@ -121,6 +121,11 @@ def _launch(name, kernel, space, grid_of, args, flags, cached: KernelConfig = No
         kernel[grid](*args, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
+    if flags["DOT_PRECISION"] == "ieee":
+        # fp32 tiles take twice the registers and IEEE dots run on FMA units: large tiles only spill
+        # (and take minutes in ptxas), so fp32 tunes among the small ones.
+        name += "-fp32"
+        space = tuple(c for c in space if c.block_m * c.block_n <= 64 * 64)
     tuned = _autotuned(name, kernel, space)
     tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags)
 

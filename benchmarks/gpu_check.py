@@ -1,0 +1,278 @@
+"""One-shot GPU check of tileattn's Triton engine: correctness first, then speed.
+
+    python benchmarks/gpu_check.py OUTDIR            # on a CUDA GPU, a few minutes
+    python benchmarks/gpu_check.py --dry-run OUTDIR  # anywhere: tiny shapes, Triton's CPU interpreter
+
+(a) Correctness: forward and backward of ``backend="triton"`` against the fp64 reference with
+    FlashAttention's rule (:func:`tileattn.testing.check_against_reference`) on a grid of bf16/fp16
+    cases (causal with Sq != Sk, windows, GQA/MQA, varlen, odd lengths and head dims, ALiBi, softcap,
+    mask, bias gradient, dropout). Prints PASS/FAIL per case, writes ``correctness.csv`` and exits
+    non-zero on any failure (the timing is skipped then: a fast wrong kernel is not measured).
+(b) Speed: TFLOP/s of the forward and of forward+backward, bf16, B*S = 16k tokens, H = 16,
+    D in {64, 128}, S in {1k, 2k, 4k, 8k, 16k}, causal and not, for tileattn-triton, PyTorch SDPA with
+    the FlashAttention backend, and FlexAttention (torch.compile'd). Implementations are interleaved
+    round by round and the median is kept, so clock drift hits all of them alike. Writes
+    ``speed.csv`` and ``speed.png``.
+
+``--dry-run`` runs part (a) on tiny fp16/fp32 CPU shapes through Triton's interpreter (it re-executes
+itself with ``TRITON_INTERPRET=1`` if needed, which must be set before triton is imported) and skips
+part (b): it keeps the script from rotting in a CI without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import tileattn
+from tileattn.testing import check_against_reference
+
+TOKENS = 16 * 1024
+HEADS = 16
+
+
+# ----------------------------------------------------------------------------------- correctness
+
+
+def correctness_cases(device: str, dry_run: bool):
+    """(name, dtype, q, k, v, kwargs) for the correctness grid."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, dtype):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def qkv(b, hq, hkv, sq, sk, d, dv, dtype):
+        return rnd(b, hq, sq, d, dtype=dtype), rnd(b, hkv, sk, d, dtype=dtype), rnd(b, hkv, sk, dv, dtype=dtype)
+
+    if dry_run:
+        dtypes = (torch.float32, torch.float16)
+        grid = [
+            ("plain", (1, 2, 2, 33, 40, 16, 16), {}),
+            ("causal_sq_gt_sk_gqa", (1, 4, 2, 40, 17, 40, 24), {"causal": True}),
+            ("window_alibi", (1, 2, 2, 30, 30, 16, 16),
+             {"window": (5, 2), "alibi_slopes": torch.tensor([0.5, 0.25], device=device)}),
+        ]
+        varlen = ([0, 5, 37], [0, 9, 30], 2, 1, 16)
+    else:
+        dtypes = (torch.bfloat16, torch.float16)
+        grid = [
+            ("plain", (2, 4, 4, 257, 257, 64, 64), {}),
+            ("causal", (2, 8, 8, 512, 512, 128, 128), {"causal": True}),
+            ("causal_sq_gt_sk", (1, 4, 4, 300, 129, 64, 64), {"causal": True}),
+            ("causal_sq_lt_sk", (1, 4, 4, 129, 1000, 64, 64), {"causal": True}),
+            ("odd_lengths_d96", (1, 2, 2, 1025, 17, 96, 96), {}),
+            ("seqlen_1_d256", (3, 2, 2, 1, 333, 256, 256), {"causal": True}),
+            ("gqa_d40_dv80", (1, 8, 2, 200, 201, 40, 80), {"causal": True}),
+            ("mqa_window", (1, 8, 1, 400, 400, 64, 64), {"window": (64, 16)}),
+            ("alibi_softcap", (2, 4, 4, 150, 170, 64, 64),
+             {"alibi_slopes": torch.rand(2, 4, device=device), "softcap": 30.0, "causal": True}),
+            ("mask_bias_grad", (2, 2, 2, 100, 130, 64, 64),
+             {"mask": torch.rand(100, 130, device=device) > 0.2,
+              "bias": torch.randn(1, 2, 100, 130, device=device).requires_grad_(True)}),
+            ("dropout", (1, 4, 2, 128, 256, 64, 64), {"dropout_p": 0.1, "seed": 7, "causal": True}),
+        ]
+        varlen = ([0, 1, 100, 357, 1000], [0, 40, 40, 300, 1200], 8, 2, 128)
+    for dtype in dtypes:
+        for name, (b, hq, hkv, sq, sk, d, dv), kwargs in grid:
+            kwargs = {k: (x.to(dtype) if k == "bias" else x) for k, x in kwargs.items()}
+            if "bias" in kwargs:
+                kwargs["bias"] = kwargs["bias"].detach().requires_grad_(True)
+            yield name, dtype, *qkv(b, hq, hkv, sq, sk, d, dv, dtype), kwargs
+        cu_q, cu_k, hq, hkv, d = varlen
+        q = rnd(cu_q[-1], hq, d, dtype=dtype)
+        k, v = rnd(cu_k[-1], hkv, d, dtype=dtype), rnd(cu_k[-1], hkv, d, dtype=dtype)
+        cu = dict(layout="TND", causal=True,
+                  cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                  cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device))
+        yield "varlen_causal", dtype, q, k, v, cu
+
+
+def run_correctness(outdir: Path, device: str, dry_run: bool) -> bool:
+    def triton_fn(q, k, v, **kwargs):
+        return tileattn.flash_attention(q, k, v, backend="triton", **kwargs)
+
+    rows, all_ok = [], True
+    for name, dtype, q, k, v, kwargs in correctness_cases(device, dry_run):
+        verdicts = check_against_reference(triton_fn, q, k, v, return_lse=True, **kwargs)
+        # The LSE tolerance is infinite when a row sees no key; finite rows are judged by the others.
+        ok = all(x.ok for x in verdicts) and len(verdicts) >= 5
+        all_ok &= ok
+        worst = max(x.error / x.tolerance if x.tolerance > 0 else float(x.error > 0) for x in verdicts)
+        dt = str(dtype).replace("torch.", "")
+        print(f"{'PASS' if ok else 'FAIL'}  {name:22s} {dt:9s} worst err/tol {worst:.3f}", flush=True)
+        if not ok:
+            for x in verdicts:
+                print("      ", x)
+        rows.append([name, dt, f"{worst:.4f}", ";".join(f"{x.name}={x.error:.3e}" for x in verdicts),
+                     "PASS" if ok else "FAIL"])
+    with open(outdir / "correctness.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["case", "dtype", "worst_err_over_tol", "errors", "status"])
+        writer.writerows(rows)
+    return all_ok
+
+
+# ----------------------------------------------------------------------------------------- speed
+
+
+def _time_ms(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _implementations(causal: bool, seqlen: int, use_flex: bool):
+    """name -> f(q, k, v) -> out, for (B, H, S, D) CUDA tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    def ours(q, k, v):
+        return tileattn.flash_attention(q, k, v, causal=causal, backend="triton")
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    impls = {"tileattn-triton": ours, "sdpa-flash": sdpa}
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+        block_mask = None
+        if causal:
+            block_mask = create_block_mask(lambda b, h, qi, kj: qi >= kj, B=None, H=None, Q_LEN=seqlen,
+                                           KV_LEN=seqlen, device="cuda")
+
+        def flex(q, k, v):
+            return compiled(q, k, v, block_mask=block_mask)
+
+        impls["flex-attention"] = flex
+    return impls
+
+
+def run_speed(outdir: Path, seqlens, head_dims, rounds: int, use_flex: bool):
+    rows = []
+    for d in head_dims:
+        for causal in (False, True):
+            for s in seqlens:
+                b = max(1, TOKENS // s)
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v = (torch.randn(b, HEADS, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                           .requires_grad_(True) for _ in range(3))
+                dout = torch.randn_like(q)
+                pairs = s * (s + 1) / 2 if causal else s * s
+                fwd_flops = 4.0 * b * HEADS * pairs * d
+                impls = _implementations(causal, s, use_flex)
+                steps = {}
+                for name, f in impls.items():
+                    steps[(name, "fwd")] = lambda f=f: f(q, k, v)
+                    steps[(name, "fwd+bwd")] = lambda f=f: torch.autograd.grad(f(q, k, v), (q, k, v), dout)
+                for step in steps.values():  # warm up: compile, autotune, allocate
+                    step()
+                    step()
+                torch.cuda.synchronize()
+                samples = {key: [] for key in steps}
+                for _ in range(rounds):  # interleaved: every implementation once per round
+                    for key, step in steps.items():
+                        samples[key].append(_time_ms(step, iters=5))
+                for (name, mode), times in samples.items():
+                    ms = statistics.median(times)
+                    flops = fwd_flops * (1.0 if mode == "fwd" else 3.5)  # backward = 2.5x forward
+                    tflops = flops / (ms * 1e-3) / 1e12
+                    rows.append([name, mode, d, int(causal), s, b, f"{ms:.4f}", f"{tflops:.1f}"])
+                    print(f"D={d:3d} causal={int(causal)} S={s:6d} B={b:2d} {name:16s} {mode:8s} "
+                          f"{ms:8.3f} ms {tflops:7.1f} TFLOP/s", flush=True)
+                del q, k, v, dout
+                torch.cuda.empty_cache()
+    with open(outdir / "speed.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["impl", "mode", "head_dim", "causal", "seqlen", "batch", "ms", "tflops"])
+        writer.writerows(rows)
+    _plot(rows, outdir / "speed.png", head_dims)
+
+
+def _plot(rows, path: Path, head_dims):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ("fwd", "fwd+bwd")
+    fig, axes = plt.subplots(len(head_dims) * 2, 2, figsize=(11, 4 * len(head_dims) * 2), squeeze=False)
+    for r, (d, causal) in enumerate((d, c) for d in head_dims for c in (0, 1)):
+        for c, mode in enumerate(modes):
+            ax = axes[r][c]
+            for impl in sorted({row[0] for row in rows}):
+                pts = [(row[4], float(row[7])) for row in rows
+                       if row[0] == impl and row[1] == mode and row[2] == d and row[3] == causal]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, D={d}, {'causal' if causal else 'full'}, bf16, B*S=16k, H=16")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("outdir", type=Path, help="folder for correctness.csv, speed.csv and speed.png")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny CPU shapes through Triton's interpreter, correctness only, no timing")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    p.add_argument("--skip-correctness", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        from tileattn.backends.triton.launch import interpreter_active
+
+        if not interpreter_active():
+            # The interpreter must be on before triton is imported: start over in a fresh process.
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--dry-run", str(args.outdir)]
+            return subprocess.run(cmd, env=env).returncode
+        ok = run_correctness(args.outdir, "cpu", dry_run=True)
+        print("dry run: correctness " + ("PASS" if ok else "FAIL") + "; speed skipped (no timing on CPU)")
+        return 0 if ok else 1
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; use --dry-run to exercise the script on CPU", file=sys.stderr)
+        return 2
+    import triton
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if not args.skip_correctness:
+        if not run_correctness(args.outdir, "cuda", dry_run=False):
+            print("correctness FAILED: speed not measured", file=sys.stderr)
+            return 1
+    run_speed(args.outdir, args.seqlens, args.head_dims, args.rounds, use_flex=not args.no_flex)
+    print(f"wrote {args.outdir / 'correctness.csv'}, {args.outdir / 'speed.csv'}, {args.outdir / 'speed.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
