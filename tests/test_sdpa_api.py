@@ -58,18 +58,16 @@ def test_masks_match_torch(sq, sk):
     _compare_with_torch([q, k, v], attn_mask=float_mask, scale=0.2)
 
 
-def test_mask_with_is_causal_applies_both_like_torch():
-    # torch >= 2.9 and-s an explicit mask with the top-left causal mask (older versions raised)
+def test_mask_broadcast_over_keys_survives_the_causal_key_cut():
+    # Sq < Sk: top-left causal cuts keys; a mask with last dim 1 must stay (the masked row gives 0)
     q, k, v = _rand(1, 2, 4, 8), _rand(1, 2, 7, 8, seed=1), _rand(1, 2, 7, 8, seed=2)
-    mask = _rand(4, 7, seed=3) > 0
-    mask[:, 0] = True
-    _compare_with_torch([q, k, v], attn_mask=mask, is_causal=True)
-    _compare_with_torch([q, k, v], attn_mask=_rand(4, 7, seed=4), is_causal=True)
-    # a mask broadcast over the keys survives the key cut: the masked row gives 0, as in torch 2.13
     row_mask = torch.ones(1, 2, 4, 1, dtype=torch.bool)
     row_mask[0, 1, 2] = False
-    _compare_with_torch([q, k, v], attn_mask=row_mask, is_causal=True)
-    assert sdpa(q, k, v, attn_mask=row_mask, is_causal=True)[0, 1, 2].abs().max() == 0
+    causal = torch.ones(4, 7, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=row_mask & causal)
+    got = tileattn.sdpa.attend_top_left(q, k, v, "BNSD", causal=True, mask=row_mask)
+    torch.testing.assert_close(got, expected)
+    assert got[0, 1, 2].abs().max() == 0
 
 
 def test_gqa_leading_dims_and_3d_inputs():
@@ -103,6 +101,10 @@ def test_contradictory_arguments_raise_like_torch():
     for fn in (F.scaled_dot_product_attention, sdpa):
         with pytest.raises(RuntimeError):
             fn(q, kv, kv)  # GQA without enable_gqa
+        with pytest.raises(RuntimeError):  # torch's math path (a mask that needs a gradient) raises too
+            fn(q, q, q, attn_mask=torch.zeros(3, 3, requires_grad=True), is_causal=True)
+    with pytest.raises(SdpaArgumentError, match="'attn_mask'.*is_causal"):
+        sdpa(q, q, q, attn_mask=mask, is_causal=True)
     with pytest.raises(SdpaArgumentError, match="enable_gqa"):
         sdpa(q, kv, kv)
     with pytest.raises(ValueError, match="dividing"):
@@ -140,3 +142,15 @@ def test_patch_sdpa_routes_restores_and_nests(monkeypatch):
     assert F.scaled_dot_product_attention is original
     F.scaled_dot_product_attention(q, q, q)
     assert len(calls) == 2
+
+
+def test_float_mask_gradient_matches_torch():
+    q, k, v = (_rand(2, 2, 5, 8, dtype=torch.float64, seed=s) for s in range(3))
+    grads = []
+    for fn in (sdpa, F.scaled_dot_product_attention):
+        bias = _rand(1, 2, 5, 5, dtype=torch.float64, seed=7).requires_grad_(True)
+        out = fn(q, k, v, attn_mask=bias)
+        (g,) = torch.autograd.grad(out, bias, torch.ones_like(out))
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().max() > 0

@@ -3,8 +3,8 @@
 Same signature and semantics as :func:`torch.nn.functional.scaled_dot_product_attention`:
 ``(..., H, S, D)`` tensors, **top-left** aligned ``is_causal`` (``tril(ones(Sq, Sk))``), bool masks with
 True = take part, float masks added to the scores, ``scale`` default ``1/sqrt(D)``, GQA only with
-``enable_gqa=True``. ``attn_mask`` together with ``is_causal=True`` applies both, as torch >= 2.9
-does (older torch raised). The call is translated onto :func:`tileattn.flash_attention` (bottom-right
+``enable_gqa=True``; ``attn_mask`` together with ``is_causal=True`` is an error, as torch documents.
+The call is translated onto :func:`tileattn.flash_attention` (bottom-right
 aligned): see :mod:`tileattn.compat.bands` for how the causal corner is moved without a mask.
 
 :func:`patch_sdpa` routes ``torch.nn.functional.scaled_dot_product_attention`` through tileattn
@@ -91,6 +91,11 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if not isinstance(is_causal, bool):
         _fail("is_causal", repr(is_causal), "True or False", TypeError)
     if attn_mask is not None:
+        if is_causal:
+            # torch documents this as an error (its math path raises; its CPU flash kernel silently
+            # and-s the two): refuse it so code written here runs on every torch path.
+            _fail("attn_mask", "a mask together with is_causal=True",
+                  "only one of attn_mask and is_causal (and-ing them: pass the causal pattern inside the mask)")
         if not isinstance(attn_mask, torch.Tensor):
             _fail("attn_mask", type(attn_mask).__name__, "a bool or float tensor", TypeError)
         if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
