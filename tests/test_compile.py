@@ -26,9 +26,21 @@ def attention_block(q, k, v, bias):
     return torch.tanh(out) * 2.0, lse
 
 
+@pytest.fixture(autouse=True)
+def no_cached_graphs():
+    """Graphs cached on disk by an earlier run would not notice a changed fake implementation."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 @pytest.fixture
 def inputs():
     q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=40, sk=48, d=16, dv=8, seed=31)
+    # Strided views (BNSD values stored as BSND): gradients must still come back contiguous.
+    q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
     bias = torch.randn(4, 40, 48, generator=torch.Generator().manual_seed(32))
     return q, k, v, bias
 
@@ -101,3 +113,31 @@ def test_custom_op_fake_shapes_match_real_ones():
             )
         assert fake_out.shape == real_out.shape and fake_lse.shape == real_lse.shape, layout
         assert fake_out.dtype == real_out.dtype and fake_lse.dtype == real_lse.dtype, layout
+
+
+def varlen_block(q, k, v, cu_q, cu_k):
+    return tileattn.flash_attention(q, k, v, layout="TND", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                                    backend="cpu") * 3.0
+
+
+def test_compile_varlen_forward_backward_and_runtime_validation():
+    """cu_seqlens are data while tracing: the graph must not branch on them, the op checks them."""
+    torch._dynamo.reset()
+    q, k, v = (t[0].transpose(0, 1) for t in make_qkv(b=1, hq=4, hkv=2, sq=21, sk=25, d=8, seed=34))
+    cu_q = torch.tensor([0, 5, 5, 21], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 12, 25], dtype=torch.int32)
+    compiled = torch.compile(varlen_block, fullgraph=True)
+    results = []
+    for fn in (compiled, varlen_block):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu_q, cu_k)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(35)))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, c, e in zip(["out", "dq", "dk", "dv"], *results):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    # Other offsets of the same shape reuse the graph and give their own (correct) answer.
+    cu_k2 = torch.tensor([0, 2, 20, 25], dtype=torch.int32)
+    torch.testing.assert_close(compiled(q, k, v, cu_q, cu_k2), varlen_block(q, k, v, cu_q, cu_k2))
+    # Invalid offsets are still rejected, by the operator itself, before it computes.
+    with pytest.raises(ValueError, match="'cu_seqlens_k'"):
+        compiled(q, k, v, cu_q, torch.tensor([0, 12, 9, 25], dtype=torch.int32))

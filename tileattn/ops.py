@@ -42,7 +42,8 @@ def attention_forward(
 ) -> Tuple[Tensor, Tensor]:
     inp = _rebuild(q, k, v, mask, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, layout, num_heads,
                    scale, causal, window_left, window_right, softcap, dropout_p, seed, deterministic)
-    return get_backend(backend).forward(inp)
+    out, lse = get_backend(backend).forward(inp)
+    return out.contiguous(), lse.contiguous()  # the layout the fake implementation promises
 
 
 def _forward_shapes(q, k, v, layout, num_heads):
@@ -83,15 +84,17 @@ def attention_backward(
     dq, dk, dv, dbias = get_backend(backend).backward(inp, out, lse, dout, need_dbias)
     if dbias is None:
         dbias = q.new_empty((0,))
-    return dq, dk, dv, dbias
+    # Contiguous whatever the engine or the inputs' strides: the fake implementation promises it,
+    # and compiled graphs check real strides against the fake ones.
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, layout,
       num_heads, scale, causal, window_left, window_right, softcap, dropout_p, seed, deterministic,
       backend, need_dbias):
-    dbias = torch.empty_like(bias) if need_dbias else q.new_empty((0,))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dbias = bias.new_empty(bias.shape) if need_dbias else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 _TENSOR_ARGS = ("q", "k", "v", "mask", "bias", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")

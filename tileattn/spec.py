@@ -238,6 +238,10 @@ def _check_cu_seqlens(name, cu, total, batch=None):
         _fail(ValueError, name, f"shape {tuple(cu.shape)}", "a 1-d tensor of length B+1 >= 2")
     if batch is not None and cu.numel() != batch + 1:
         _fail(ValueError, name, f"length {cu.numel()}", f"length {batch + 1} (same batch as the other cu_seqlens)")
+    if torch.compiler.is_compiling():
+        # While torch.compile traces, the offsets are data a graph cannot branch on. The custom op
+        # validates them again, with real values, before it computes anything.
+        return None
     values = cu.tolist()
     if values[0] != 0:
         _fail(ValueError, name, f"first entry {values[0]}", "cumulative offsets starting at 0")
@@ -352,9 +356,10 @@ def make_inputs(
         for name, given, actual in (("max_seqlen_q", max_seqlen_q, mq), ("max_seqlen_k", max_seqlen_k, mk)):
             if given is not None:
                 given = _check_int(name, given, 0)
-                if given < actual:
+                if actual is not None and given < actual:
                     _fail(ValueError, name, given, f">= {actual}, the longest sequence in the cu_seqlens")
-        sq, sk = mq, mk
+        sq = mq if mq is not None else (max_seqlen_q or 0)
+        sk = mk if mk is not None else (max_seqlen_k or 0)
     else:
         for name, val in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                           ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
