@@ -10,7 +10,8 @@
     non-zero on any failure (the timing is skipped then: a fast wrong kernel is not measured).
 (b) Speed: TFLOP/s of the forward and of forward+backward, bf16, B*S = 16k tokens, H = 16,
     D in {64, 128}, S in {1k, 2k, 4k, 8k, 16k}, causal and not, for tileattn-triton, PyTorch SDPA with
-    the FlashAttention backend, and FlexAttention (torch.compile'd). Implementations are interleaved
+    the FlashAttention backend, and FlexAttention (torch.compile'd; by default at 1k, 4k and 16k only,
+    since every shape costs it a compile). Implementations are interleaved
     round by round and the median is kept, so clock drift hits all of them alike. Writes
     ``speed.csv`` and ``speed.png``.
 
@@ -132,6 +133,22 @@ def _time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+_FLEX = {}
+
+
+def _compiled_flex():
+    """One torch.compile'd flex_attention for the whole run (each new shape recompiles once)."""
+    if not _FLEX:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # 20 shapes x fwd/bwd exceed dynamo's default of 8 recompiles, after which flex_attention
+        # would silently fall back to eager (materialised scores) and its numbers would be meaningless.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
 def _implementations(causal: bool, seqlen: int, use_flex: bool):
     """name -> f(q, k, v) -> out, for (B, H, S, D) CUDA tensors."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -146,9 +163,9 @@ def _implementations(causal: bool, seqlen: int, use_flex: bool):
 
     impls = {"tileattn-triton": ours, "sdpa-flash": sdpa}
     if use_flex:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
-        compiled = torch.compile(flex_attention, dynamic=False)
+        compiled = _compiled_flex()
         block_mask = None
         if causal:
             block_mask = create_block_mask(lambda b, h, qi, kj: qi >= kj, B=None, H=None, Q_LEN=seqlen,
@@ -161,7 +178,7 @@ def _implementations(causal: bool, seqlen: int, use_flex: bool):
     return impls
 
 
-def run_speed(outdir: Path, seqlens, head_dims, rounds: int, use_flex: bool):
+def run_speed(outdir: Path, seqlens, head_dims, rounds: int, flex_seqlens):
     rows = []
     for d in head_dims:
         for causal in (False, True):
@@ -173,7 +190,7 @@ def run_speed(outdir: Path, seqlens, head_dims, rounds: int, use_flex: bool):
                 dout = torch.randn_like(q)
                 pairs = s * (s + 1) / 2 if causal else s * s
                 fwd_flops = 4.0 * b * HEADS * pairs * d
-                impls = _implementations(causal, s, use_flex)
+                impls = _implementations(causal, s, use_flex=s in flex_seqlens)
                 steps = {}
                 for name, f in impls.items():
                     steps[(name, "fwd")] = lambda f=f: f(q, k, v)
@@ -240,7 +257,9 @@ def parse_args(argv):
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median kept)")
-    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    p.add_argument("--flex-seqlens", type=int, nargs="*", default=[1024, 4096, 16384],
+                   help="lengths at which FlexAttention is measured (each shape costs a compile)")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention entirely")
     p.add_argument("--skip-correctness", action="store_true")
     return p.parse_args(argv)
 
@@ -269,7 +288,8 @@ def main(argv=None) -> int:
         if not run_correctness(args.outdir, "cuda", dry_run=False):
             print("correctness FAILED: speed not measured", file=sys.stderr)
             return 1
-    run_speed(args.outdir, args.seqlens, args.head_dims, args.rounds, use_flex=not args.no_flex)
+    flex_seqlens = set() if args.no_flex else set(args.flex_seqlens)
+    run_speed(args.outdir, args.seqlens, args.head_dims, args.rounds, flex_seqlens)
     print(f"wrote {args.outdir / 'correctness.csv'}, {args.outdir / 'speed.csv'}, {args.outdir / 'speed.png'}")
     return 0
 

@@ -130,6 +130,22 @@ def test_fp16_causal_gqa():
 
 
 @interpreted
+@pytest.mark.parametrize("sq, sk", [(10, 0), (0, 10)])
+def test_empty_sequences(sq, sk):
+    # No keys: every row outputs 0 with LSE -inf and all gradients are 0; no queries: empty outputs.
+    q, k, v = make_qkv(b=1, hq=2, sq=sq, sk=sk, d=16, seed=21)
+    check(q, k, v)
+
+
+@interpreted
+def test_zero_scale_and_fp16_bias_gradient():
+    q, k, v = make_qkv(b=1, hq=2, sq=20, sk=20, d=16, dtype=torch.float16, seed=22)
+    bias = torch.randn(2, 20, 20, generator=torch.Generator().manual_seed(6)).half().requires_grad_(True)
+    check(q, k, v, bias=bias)
+    check(*make_qkv(b=1, hq=1, sq=20, sk=20, d=16, seed=23), scale=0.0)
+
+
+@interpreted
 @pytest.mark.parametrize("hq, hkv", [(4, 2), (4, 1)])
 def test_gqa_mqa(hq, hkv):
     q, k, v = make_qkv(b=2, hq=hq, hkv=hkv, sq=33, sk=20, d=16, seed=hq + hkv)
@@ -184,7 +200,7 @@ def test_varlen_transposed_storage():
 
 
 @interpreted
-@pytest.mark.parametrize("window, causal", [((3, 2), False), ((8, 0), False), ((4, -1), True), ((-1, 5), False)])
+@pytest.mark.parametrize("window, causal", [((3, 2), False), ((8, 0), False), ((4, -1), True), ((-1, 5), False), ((0, 0), False)])
 def test_windows(window, causal):
     q, k, v = make_qkv(b=1, hq=2, sq=45, sk=70, d=16, seed=9)
     check(q, k, v, window=window, causal=causal)
