@@ -284,3 +284,16 @@ def test_bad_arguments_name_the_flash_attn_argument():
     with pytest.raises(NotImplementedError, match="block_table"):
         cu = torch.tensor([0, 4], dtype=torch.int32)
         flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, block_table=cu)
+
+
+def test_flash_attn_func_compiles_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = (_rand(2, 8, 4 if i == 0 else 2, 16, seed=i).requires_grad_(True) for i in range(3))
+    compiled = torch.compile(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True, softcap=5.0),
+                             fullgraph=True)
+    out = compiled(q, k, v)
+    eager = flash_attn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+    torch.testing.assert_close(out, eager)
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(eager, (q, k, v), dout)):
+        torch.testing.assert_close(a, b)

@@ -154,3 +154,11 @@ def test_float_mask_gradient_matches_torch():
         grads.append(g)
     torch.testing.assert_close(grads[0], grads[1])
     assert grads[0].abs().max() > 0
+
+
+def test_sdpa_compiles_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = _rand(1, 4, 6, 8), _rand(1, 2, 9, 8, seed=1), _rand(1, 2, 9, 8, seed=2)
+    compiled = torch.compile(lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
