@@ -141,3 +141,38 @@ def test_compile_varlen_forward_backward_and_runtime_validation():
     # Invalid offsets are still rejected, by the operator itself, before it computes.
     with pytest.raises(ValueError, match="'cu_seqlens_k'"):
         compiled(q, k, v, cu_q, torch.tensor([0, 12, 9, 25], dtype=torch.int32))
+
+
+def _opcheck_cases():
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=5, sk=6, d=8, dv=4, layout="BSH", seed=36)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # strided
+    bias = torch.randn(4, 5, 6)
+    yield "BSH strided + bias", (q, k, v, None, bias, None, None, None, "BSH", 4), (0.35, True, 3, -1, 2.0)
+    tq, tk, tv = (t[0].transpose(0, 1) for t in make_qkv(b=1, hq=2, sq=7, sk=9, d=8, seed=37))
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 0, 9], dtype=torch.int32)
+    yield "TND", (tq, tk, tv, None, None, torch.rand(2, 2), cu_q, cu_k, "TND", 0), (0.35, True, -1, -1, 0.0)
+
+
+@pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
+def test_torch_library_opcheck(case):
+    """Schema, fake implementation, autograd registration and AOT dispatch, checked by torch itself."""
+    _, tensors, (scale, causal, left, right, softcap) = case
+    tensors = [t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() and i in (0, 1, 2, 4)
+               else t for i, t in enumerate(tensors)]
+    args = (*tensors, scale, causal, left, right, softcap, 0.0, 0, False, "cpu")
+    result = torch.library.opcheck(torch.ops.tileattn.attention_forward.default, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
+def test_torch_library_opcheck_backward(case):
+    """The backward op's fake implementation matches its real outputs (shapes, strides, dtypes)."""
+    _, tensors, (scale, causal, left, right, softcap) = case
+    q, k, v, mask, bias, alibi, cu_q, cu_k, layout, heads = tensors
+    scalars = (layout, heads, scale, causal, left, right, softcap, 0.0, 0, False, "cpu")
+    out, lse = torch.ops.tileattn.attention_forward(q, k, v, mask, bias, alibi, cu_q, cu_k, *scalars)
+    dout = torch.randn(out.shape)
+    args = (dout, q, k, v, out, lse, mask, bias, alibi, cu_q, cu_k, *scalars, bias is not None)
+    result = torch.library.opcheck(torch.ops.tileattn.attention_backward.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
