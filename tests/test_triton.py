@@ -349,6 +349,25 @@ def test_bf16_on_gpu():
 
 
 @interpreted
+def test_tune_cache_supplies_the_forward_config(monkeypatch):
+    from tileattn import tuning
+
+    seen = []
+    original = launch._launch
+
+    def spy(name, kernel, space, grid_of, args, flags, cached=None):
+        seen.append((name, cached))
+        return original(name, kernel, space, grid_of, args, flags, cached)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    q, k, v = make_qkv(b=1, hq=2, sq=40, sk=40, d=16, seed=24)
+    config = {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 1}
+    with tuning.overriding("triton", config):
+        check(q, k, v, causal=True)
+    assert ("forward", launch.KernelConfig(16, 64, 4, 1)) in seen
+
+
+@interpreted
 def test_autograd_through_custom_op():
     # The autograd custom op saves only q, k, v, out, lse: the backward must rebuild everything.
     q, k, v = make_qkv(b=1, hq=2, sq=20, sk=20, d=16, seed=19, requires_grad=True)

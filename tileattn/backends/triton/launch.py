@@ -90,10 +90,14 @@ class KernelConfig:
 #: Under the interpreter each program costs about a millisecond, so blocks are small and grids tiny.
 FIXED_CONFIG = KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 #: The autotuner's search spaces on a GPU: few points, so tuning a new shape bucket takes seconds.
+#: The last, small tile of each space is for head dims up to 256, whose accumulators would spill in
+#: the large ones (the dK/dV pass holds two (BLOCK_N, D) fp32 accumulators).
 FORWARD_SPACE = (KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3),
-                 KernelConfig(128, 32, 4, 4))
-DKDV_SPACE = (KernelConfig(32, 128, 4, 3), KernelConfig(64, 128, 8, 3), KernelConfig(64, 64, 4, 3))
-DQ_SPACE = (KernelConfig(128, 32, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3))
+                 KernelConfig(128, 32, 4, 4), KernelConfig(64, 32, 4, 2))
+DKDV_SPACE = (KernelConfig(32, 128, 4, 3), KernelConfig(64, 128, 8, 3), KernelConfig(64, 64, 4, 3),
+              KernelConfig(32, 64, 4, 2))
+DQ_SPACE = (KernelConfig(128, 32, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3),
+            KernelConfig(64, 32, 4, 2))
 _TUNE_KEY = ["tune_bucket", "BLOCK_D", "BLOCK_DV", "HAS_LEFT", "HAS_RIGHT", "IS_VARLEN", "HAS_MASK",
              "HAS_BIAS", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_DROPOUT", "DOT_PRECISION"]
 
