@@ -1,8 +1,8 @@
-"""FlashAttention-2 on the CPU, one kv head of one sequence at a time.
+"""FlashAttention-2 on the CPU, one range of kv heads of one sequence at a time.
 
-Forward: for a block of ``block_m`` query rows (of the ``G`` query heads sharing kv head ``h``),
-stream the visible key blocks of ``block_n`` columns through an online softmax. Only a
-``(G*block_m, block_n)`` tile of scores ever exists; key blocks the band (causal/window) hides are
+Forward: for a block of ``block_m`` query rows (of the ``G`` query heads sharing each kv head of the
+range ``hs``), stream the visible key blocks of ``block_n`` columns through an online softmax. Only
+an ``(nh, G*block_m, block_n)`` tile of scores ever exists; key blocks the band (causal/window) hides are
 never visited, and blocks that a bool mask hides entirely are skipped after a cheap check.
 
 The online softmax keeps, per row, a reference maximum ``m`` (base-2 logits), the running sum ``l``
@@ -54,20 +54,21 @@ def key_blocks(prob: SequenceProblem, i0: int, i1: int, block_n: int):
         yield j0, min(j0 + block_n, hi)
 
 
-def forward_block(prob: SequenceProblem, h: int, i0: int, i1: int, out: torch.Tensor, lse: torch.Tensor,
+def forward_block(prob: SequenceProblem, hs: slice, i0: int, i1: int, out: torch.Tensor, lse: torch.Tensor,
                   block_n: int) -> None:
-    """Rows [i0, i1) of the query heads of kv head ``h``: write ``out`` (G, bm, Dv) and ``lse``
-    (G, bm), both strided views."""
-    state = _online_softmax(prob, h, i0, i1, block_n, lazy=True)
+    """Rows [i0, i1) of the query heads of kv heads ``hs``: write ``out`` (nh*G, bm, Dv) and
+    ``lse`` (nh*G, bm), both strided views."""
+    state = _online_softmax(prob, hs, i0, i1, block_n, lazy=True)
     if state is None:
-        state = _online_softmax(prob, h, i0, i1, block_n, lazy=False)
+        state = _online_softmax(prob, hs, i0, i1, block_n, lazy=False)
     acc, l, m, fixed = state
-    g, bm = out.shape[0], out.shape[1]
+    heads, bm = out.shape[0], out.shape[1]
     keep_rate = 1.0 - prob.dropout_p
     if fixed:
         # Every row has a finite maximum, attained by a visible score that added 2^0 to l: l >= 1.
-        torch.div(acc.view(out.shape), (l * keep_rate if keep_rate != 1.0 else l).view(g, bm, 1), out=out)
-        torch.add(torch.log(l).view(g, bm), m.view(g, bm), alpha=1.0 / LOG2E, out=lse)
+        scaled_l = l * keep_rate if keep_rate != 1.0 else l
+        torch.div(acc.view(out.shape), scaled_l.view(heads, bm, 1), out=out)
+        torch.add(torch.log(l).view(heads, bm), m.view(heads, bm), alpha=1.0 / LOG2E, out=lse)
         return
     m_safe = m.masked_fill(m == -math.inf, 0.0)
     inv_l = torch.where(l > 0, 1.0 / l, torch.zeros((), dtype=prob.compute_dtype))
@@ -77,30 +78,32 @@ def forward_block(prob: SequenceProblem, h: int, i0: int, i1: int, out: torch.Te
     lse.copy_((m_safe + torch.log2(l)).mul_(1.0 / LOG2E).view(lse.shape))
 
 
-def _online_softmax(prob: SequenceProblem, h: int, i0: int, i1: int, block_n: int, lazy: bool):
+def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n: int, lazy: bool):
     """(acc, l, m, fixed) of the block, or None when the lazy maximum overflowed (the caller then
     recomputes with ``lazy=False``). ``fixed``: the lazy maximum was used (every ``m`` is finite)."""
     d, cdt = prob.head_dim, prob.compute_dtype
-    qa = prob.load_q(h, i0, i1)  # last column: 0, then -m once the maximum is fixed
-    qa[:, d].zero_()
-    qb = qa[:, :d]
-    rows = qa.shape[0]
+    qa = prob.load_q(hs, i0, i1)  # last column: 0, then -m once the maximum is fixed
+    qa[..., d].zero_()
+    qb = qa[..., :d]
+    nh, rows = qa.shape[0], qa.shape[1]
     m = l = acc = None  # no key seen yet
     fixed = False  # True once every row has a finite reference maximum, kept from then on
     fold = prob.plain and prob.kt_aug is not None
-    buffer = scratch(rows * block_n, cdt)
+    buffer = scratch(nh * rows * block_n, cdt)
+    kt_aug = prob.kt_aug[hs] if fold else None
+    v = prob.v[hs]
     for j0, j1 in key_blocks(prob, i0, i1, block_n):
-        hidden = prob.mask_hidden(h, i0, i1, j0, j1)
+        hidden = prob.mask_hidden(hs, i0, i1, j0, j1)
         if prob.tile_is_empty(hidden):
             continue
         edge = prob.on_band_edge(i0, i1, j0, j1)
-        tile = scratch_tile(buffer, rows, j1 - j0)
+        tile = scratch_tile(buffer, nh, rows, j1 - j0)
         if fold:
             # The same aligned GEMM before and after the maximum is fixed (the column is 0 before).
-            s = torch.mm(qa, prob.kt_aug[h, :, j0:j1], out=tile)
+            s = torch.bmm(qa, kt_aug[:, :, j0:j1], out=tile)
             prob.apply_mask(s, hidden, i0, i1)
         else:
-            s = prob.scores(h, qb, i0, i1, j0, j1, hidden, tile)[0]
+            s = prob.scores(hs, qb, i0, i1, j0, j1, hidden, tile)[0]
             if fixed:
                 s.sub_(m)
         if fixed:
@@ -115,22 +118,22 @@ def _online_softmax(prob: SequenceProblem, h: int, i0: int, i1: int, block_n: in
                 # First tile and every row saw a key: its maximum becomes the reference for good.
                 m, fixed = tile_max, True
                 s.sub_(m)
-                torch.neg(m, out=qa[:, d:])
+                torch.neg(m, out=qa[..., d:])
             else:
                 m = tile_max if m is None else m
                 m = _rescale(s, m, tile_max, l, acc)
                 if lazy and bool(torch.isfinite(m).all()):
                     fixed = True
-                    torch.neg(m, out=qa[:, d:])
+                    torch.neg(m, out=qa[..., d:])
             p = s.exp2_()
         l = p.sum(-1, keepdim=True) if l is None else l.add_(p.sum(-1, keepdim=True))
         if prob.dropout_p > 0:
-            p.masked_fill_(~prob.dropout_keep(h, i0, i1, j0, j1), 0.0)
-        acc = torch.mm(p, prob.v[h, j0:j1]) if acc is None else acc.addmm_(p, prob.v[h, j0:j1])
+            p.masked_fill_(~prob.dropout_keep(hs, i0, i1, j0, j1), 0.0)
+        acc = torch.bmm(p, v[:, j0:j1]) if acc is None else acc.baddbmm_(p, v[:, j0:j1])
     if m is None:
-        m = torch.full((rows, 1), -math.inf, dtype=cdt)
-        l = torch.zeros((rows, 1), dtype=cdt)
-        acc = torch.zeros((rows, prob.v.shape[-1]), dtype=cdt)
+        m = torch.full((nh, rows, 1), -math.inf, dtype=cdt)
+        l = torch.zeros((nh, rows, 1), dtype=cdt)
+        acc = torch.zeros((nh, rows, prob.v.shape[-1]), dtype=cdt)
     # One reduction sees any inf/NaN in l or acc. A finite sum that overflows only costs a recompute.
     if fixed and not math.isfinite(float(acc.sum()) + float(l.sum())):
         return None
@@ -151,86 +154,91 @@ def _rescale(s, m, tile_max, l, acc):
     return m_new
 
 
-def backward_head(prob: SequenceProblem, h: int, out, dout, lse, dq, dk, dv, dbias, block_m: int,
-                  block_n: int) -> None:
-    """Gradients for kv head ``h`` of one sequence and its G query heads.
+def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv, dbias, block_m: int,
+                   block_n: int) -> None:
+    """Gradients for kv heads ``hs`` of one sequence and their query heads.
 
     ``out``/``dout`` (Hq, Sq, Dv), ``lse`` (Hq, Sq), ``dq`` (Hq, Sq, D): the sequence's views.
-    ``dk`` (Sk, D) and ``dv`` (Sk, Dv): head ``h``'s zero-initialised compute-dtype buffers.
-    ``dbias``, when not None, is a compute-dtype buffer of the (per batch item) broadcast bias shape.
+    ``dk`` (nh, Sk, D) and ``dv`` (nh, Sk, Dv): the zero-initialised compute-dtype buffers of
+    heads ``hs``. ``dbias``, when not None, is a compute-dtype buffer of the (per batch item)
+    broadcast bias shape.
     """
-    g, d, dvd = prob.group, prob.head_dim, prob.v.shape[-1]
-    heads = slice(h * g, (h + 1) * g)
+    g, d, dvd, cdt = prob.group, prob.head_dim, prob.v.shape[-1], prob.compute_dtype
+    nh = hs.stop - hs.start
+    heads = prob.q_heads(hs)
     dropout = prob.dropout_p > 0
     keep_scale = 1.0 / (1.0 - prob.dropout_p) if dropout else None
     fold_lse = prob.plain and prob.kt_aug is not None
     fold_delta = prob.vt_aug is not None and not dropout
-    buffers = scratch(2 * g * block_m * block_n, prob.compute_dtype).view(2, -1)
+    buffers = scratch(2 * nh * g * block_m * block_n, cdt).view(2, -1)
+    k, v = prob.k[hs], prob.v[hs]
+    kt_aug = prob.kt_aug[hs] if fold_lse else None
+    vt_aug = prob.vt_aug[hs] if fold_delta else None
     for i0 in range(0, prob.sq, block_m):
         i1 = min(i0 + block_m, prob.sq)
         bm = i1 - i0
-        blocks = [(j0, j1, prob.mask_hidden(h, i0, i1, j0, j1)) for j0, j1 in key_blocks(prob, i0, i1, block_n)]
+        blocks = [(j0, j1, prob.mask_hidden(hs, i0, i1, j0, j1)) for j0, j1 in key_blocks(prob, i0, i1, block_n)]
         blocks = [b for b in blocks if not prob.tile_is_empty(b[2])]
         if not blocks:
             dq[heads, i0:i1].zero_()
             continue
-        qa = prob.load_q(h, i0, i1)
-        qb = qa[:, :d]
-        doa = prob.load_rows(dout, h, i0, i1, extra=1)
-        dob = doa[:, :dvd]
-        delta = (dob.view(g, bm, dvd) * out[heads, i0:i1]).sum(-1).view(g * bm, 1)
-        lse2 = lse[heads, i0:i1].reshape(g * bm, 1).to(prob.compute_dtype) * LOG2E  # a copy: never write lse
+        qa = prob.load_q(hs, i0, i1)
+        qb = qa[..., :d]
+        doa = prob.load_rows(dout, hs, i0, i1, extra=1)
+        dob = doa[..., :dvd]
+        delta = (dob.view(nh, g, bm, dvd) * out[heads, i0:i1].unflatten(0, (nh, g))).sum(-1).view(nh, g * bm, 1)
+        lse2 = lse[heads, i0:i1].reshape(nh, g * bm, 1).to(cdt) * LOG2E  # a copy: never write lse
         # Rows that saw no key: a huge finite lse2 makes every probability exactly 0 (not NaN, which
         # an infinite one could give inside the GEMM).
         lse2.masked_fill_(lse2 == -math.inf, torch.finfo(lse2.dtype).max)
-        torch.neg(lse2, out=qa[:, d:])
-        torch.neg(delta, out=doa[:, dvd:])
-        dq_acc = torch.zeros((g * bm, d), dtype=prob.compute_dtype)
+        torch.neg(lse2, out=qa[..., d:])
+        torch.neg(delta, out=doa[..., dvd:])
+        dq_acc = None
         for j0, j1, hidden in blocks:
-            tile_s = scratch_tile(buffers[0], g * bm, j1 - j0)
-            tile_dp = scratch_tile(buffers[1], g * bm, j1 - j0)
+            tile_s = scratch_tile(buffers[0], nh, g * bm, j1 - j0)
+            tile_dp = scratch_tile(buffers[1], nh, g * bm, j1 - j0)
             if fold_lse:
-                s, tanh = torch.mm(qa, prob.kt_aug[h, :, j0:j1], out=tile_s), None
+                s, tanh = torch.bmm(qa, kt_aug[:, :, j0:j1], out=tile_s), None
                 prob.apply_mask(s, hidden, i0, i1)
             else:
-                s, tanh = prob.scores(h, qb, i0, i1, j0, j1, hidden, tile_s)
+                s, tanh = prob.scores(hs, qb, i0, i1, j0, j1, hidden, tile_s)
                 s.sub_(lse2)
             p = s.exp2_()
             if prob.on_band_edge(i0, i1, j0, j1):
                 prob.zero_outside_band(p, i0, i1, j0, j1)
             if fold_delta:
-                dp_minus_delta = torch.mm(doa, prob.vt_aug[h, :, j0:j1], out=tile_dp)
-                dv[j0:j1].addmm_(p.t(), dob)
+                dp_minus_delta = torch.bmm(doa, vt_aug[:, :, j0:j1], out=tile_dp)
+                dv[:, j0:j1].baddbmm_(p.transpose(1, 2), dob)
             else:
-                dp = torch.mm(dob, prob.v[h, j0:j1].t(), out=tile_dp)
+                dp = torch.bmm(dob, v[:, j0:j1].transpose(1, 2), out=tile_dp)
                 if dropout:
-                    drop = ~prob.dropout_keep(h, i0, i1, j0, j1)
+                    drop = ~prob.dropout_keep(hs, i0, i1, j0, j1)
                     dp.masked_fill_(drop, 0.0).mul_(keep_scale)
-                    dv[j0:j1].addmm_(p.masked_fill(drop, 0.0).mul_(keep_scale).t(), dob)
+                    dv[:, j0:j1].baddbmm_(p.masked_fill(drop, 0.0).mul_(keep_scale).transpose(1, 2), dob)
                 else:
-                    dv[j0:j1].addmm_(p.t(), dob)
+                    dv[:, j0:j1].baddbmm_(p.transpose(1, 2), dob)
                 dp_minus_delta = dp.sub_(delta)
             ds = p.mul_(dp_minus_delta)
             if dbias is not None:
-                _accumulate_bias_grad(dbias, ds, g, h, i0, i1, j0, j1)
+                _accumulate_bias_grad(dbias, ds, prob, hs, i0, i1, j0, j1)
             if tanh is not None:
                 ds.mul_(1.0 - tanh * tanh)
-            dq_acc.addmm_(ds, prob.k[h, j0:j1])
-            dk[j0:j1].addmm_(ds.t(), qb)
-        dq[heads, i0:i1].copy_(dq_acc.mul_(prob.scale).view(g, bm, d))
+            dq_acc = torch.bmm(ds, k[:, j0:j1]) if dq_acc is None else dq_acc.baddbmm_(ds, k[:, j0:j1])
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qb)
+        torch.mul(dq_acc.view(nh * g, bm, d), prob.scale, out=dq[heads, i0:i1])
     # dK was accumulated against the pre-scaled q block; with scale = 0 that block is all zeros and
     # so is dK (the true gradient, scale * dS^T q, is zero too).
     dk.mul_(prob.scale / prob.q_factor if prob.q_factor != 0 else 0.0)
 
 
-def _accumulate_bias_grad(dbias, ds, g, h, i0, i1, j0, j1):
+def _accumulate_bias_grad(dbias, ds, prob, hs, i0, i1, j0, j1):
     """Add the tile's dS, reduced over the dims the bias broadcasts, into ``dbias`` (H?, Sq?, Sk?)."""
-    t = ds.view(g, i1 - i0, j1 - j0)
+    t = ds.view(-1, i1 - i0, j1 - j0)
     if dbias.shape[0] == 1:
         t = t.sum(0, keepdim=True)
         heads = slice(None)
     else:
-        heads = slice(h * g, (h + 1) * g)
+        heads = prob.q_heads(hs)
     rows = slice(i0, i1)
     cols = slice(j0, j1)
     if dbias.shape[1] == 1:

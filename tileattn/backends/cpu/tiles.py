@@ -5,9 +5,11 @@ terms a kernel needs: strided ``(H, S, D)`` tensors and the score options, nothi
 :meth:`SequenceProblem.scores` turns ``q_tile . k_tile^T`` into base-2 logits with every score
 modifier applied, for forward and backward alike, so the two passes can never disagree.
 
-Work is cut per kv head: the queries of the ``G = Hq / Hkv`` heads that share kv head ``h`` are
-stacked into one ``(G * block_m, D)`` matrix, so one GEMM serves the whole group and K/V are never
-repeated. Every tile is a plain 2-D matrix, which is what single-threaded MKL GEMMs run fastest.
+Work is cut per range of kv heads ``hs``: the queries of the ``G = Hq / Hkv`` heads that share a
+kv head are stacked into one ``(G * block_m, D)`` matrix, so one GEMM serves the whole group and K/V
+are never repeated; the kv heads of the range form the batch dimension of every tile,
+``(nh, G * block_m, block_n)``. Batching a few heads gives each tensor operation more work, which
+matters because every operation has a fixed cost (~5-10 microseconds from Python).
 
 Augmented operands (why ``kt_aug``/``vt_aug`` exist): K and V are copied once per sequence,
 transposed, with a row of ones appended. A query block with an extra column ``-c`` then gives ``q.k^T - c`` straight
@@ -95,33 +97,36 @@ class SequenceProblem:
         self.k = self.k.to(cdt)
         self.v = self.v.to(cdt)
 
-    def load_q(self, h: int, i0: int, i1: int) -> torch.Tensor:
-        """Rows [i0, i1) of the query heads of kv head ``h``, stacked, pre-scaled: (G*bm, D + 1).
+    def q_heads(self, hs: slice) -> slice:
+        """The query heads served by the kv heads ``hs``."""
+        return slice(hs.start * self.group, hs.stop * self.group)
 
-        The last column is left for the caller (the value subtracted through ``kt_aug``).
-        """
-        return self._stack_rows(self.q, h, i0, i1, 1, self.q_factor)
+    def load_q(self, hs: slice, i0: int, i1: int) -> torch.Tensor:
+        """Rows [i0, i1) of the query heads of kv heads ``hs``, stacked, pre-scaled:
+        (nh, G*bm, D + 1). The last column is left for the caller (the value subtracted through
+        ``kt_aug``)."""
+        return self._stack_rows(self.q, hs, i0, i1, 1, self.q_factor)
 
-    def load_rows(self, x: torch.Tensor, h: int, i0: int, i1: int, extra: int = 0) -> torch.Tensor:
-        """Rows [i0, i1) of an (Hq, Sq, E) tensor for kv head ``h``: (G*bm, E + extra), compute dtype."""
-        return self._stack_rows(x, h, i0, i1, extra)
+    def load_rows(self, x: torch.Tensor, hs: slice, i0: int, i1: int, extra: int = 0) -> torch.Tensor:
+        """Rows [i0, i1) of an (Hq, Sq, E) tensor for kv heads ``hs``: (nh, G*bm, E + extra)."""
+        return self._stack_rows(x, hs, i0, i1, extra)
 
-    def _stack_rows(self, x, h, i0, i1, extra, factor=None):
-        g, bm, e = self.group, i1 - i0, x.shape[-1]
-        block = torch.empty((g * bm, e + extra), dtype=self.compute_dtype, device=x.device)
-        rows = x[h * g:(h + 1) * g, i0:i1]
+    def _stack_rows(self, x, hs, i0, i1, extra, factor=None):
+        nh, g, bm, e = hs.stop - hs.start, self.group, i1 - i0, x.shape[-1]
+        block = torch.empty((nh, g * bm, e + extra), dtype=self.compute_dtype, device=x.device)
+        rows = x[self.q_heads(hs), i0:i1].unflatten(0, (nh, g))
         if factor is None:
-            block[:, :e].view(g, bm, e).copy_(rows)
+            block[..., :e].view(nh, g, bm, e).copy_(rows)
         else:
-            torch.mul(rows, factor, out=block[:, :e].view(g, bm, e))
+            torch.mul(rows, factor, out=block[..., :e].view(nh, g, bm, e))
         return block
 
-    def mask_hidden(self, h: int, i0, i1, j0, j1) -> Optional[torch.Tensor]:
-        """Bool (True = hidden) part of the user's mask on the tile, broadcastable to (G, bm, bn),
-        or None without a mask. The band (causal/window) is handled separately, see below."""
+    def mask_hidden(self, hs: slice, i0, i1, j0, j1) -> Optional[torch.Tensor]:
+        """Bool (True = hidden) part of the user's mask on the tile, broadcastable to
+        (nh, G, bm, bn), or None without a mask. The band (causal/window) is handled separately."""
         if self.mask is None:
             return None
-        return ~self._head_slice(_slice_broadcast(self.mask, i0, i1, j0, j1), h)
+        return ~self._head_slice(_slice_broadcast(self.mask, i0, i1, j0, j1), hs)
 
     def tile_is_empty(self, hidden: Optional[torch.Tensor]) -> bool:
         """Whether the user's mask hides the whole tile. The band alone never does: ``key_blocks``
@@ -143,14 +148,14 @@ class SequenceProblem:
         if lo is not None:
             below = torch.ones((bm, bn), dtype=torch.bool, device=s.device).tril_(lo - 1)
             hidden = below if hidden is None else hidden.logical_or_(below)
-        s.view(self.group, bm, bn).masked_fill_(hidden, -math.inf)
+        s.view(-1, bm, bn).masked_fill_(hidden, -math.inf)
 
     def zero_outside_band(self, p: torch.Tensor, i0, i1, j0, j1):
         """Set the probabilities outside the band to 0 (after exp2; whatever exp2 gave there, inf or
         NaN included, is discarded). Query i sees key j iff ``lo <= j - i - (Sk - Sq) <= hi``: in
         tile coordinates two diagonals, so ``tril_``/``triu_`` do it (10x faster than a masked
         fill with a bool tile)."""
-        p3 = p.view(self.group, i1 - i0, j1 - j0)
+        p3 = p.view(-1, i1 - i0, j1 - j0)
         lo, hi = self._band_diagonals(i0, j0)
         if hi is not None:
             p3.tril_(hi)
@@ -163,17 +168,17 @@ class SequenceProblem:
         return (None if self.left is None else shift - self.left,
                 None if self.right is None else shift + self.right)
 
-    def scores(self, h: int, qb: torch.Tensor, i0, i1, j0, j1, hidden, out: torch.Tensor):
-        """Base-2 logits of the tile, (G*bm, bn), and the tanh of the softcap (or None).
+    def scores(self, hs: slice, qb: torch.Tensor, i0, i1, j0, j1, hidden, out: torch.Tensor):
+        """Base-2 logits of the tile, (nh, G*bm, bn), and the tanh of the softcap (or None).
 
-        ``qb`` is the (G*bm, D) pre-scaled query block (without the augmented column); ``out`` is
-        the (G*bm, bn) buffer to fill. The user's mask is applied, the band is not.
+        ``qb`` is the (nh, G*bm, D) pre-scaled query block (without the augmented column); ``out``
+        is the buffer to fill. The user's mask is applied, the band is not.
         """
-        s = torch.mm(qb, self.k[h, j0:j1].t(), out=out)
+        s = torch.bmm(qb, self.k[hs, j0:j1].transpose(1, 2), out=out)
         tanh = None
         if not self.plain:
             g, bm, bn = self.group, i1 - i0, j1 - j0
-            s3 = s.view(g, bm, bn)
+            s3 = s.view(-1, g, bm, bn)
             if self.softcap > 0:
                 tanh = torch.tanh(s.div_(self.softcap))
                 s.copy_(tanh).mul_(self.softcap)
@@ -183,10 +188,10 @@ class SequenceProblem:
                     torch.arange(i0, i1, device=dev), torch.arange(j0, j1, device=dev),
                     self.sq, self.sk, s.dtype,
                 )
-                slopes = self.slopes[h * g:(h + 1) * g].view(g, 1, 1).to(s.dtype)
+                slopes = self.slopes[self.q_heads(hs)].view(-1, g, 1, 1).to(s.dtype)
                 s3.sub_(slopes * dist)
             if self.bias is not None:
-                b = self._head_slice(_slice_broadcast(self.bias, i0, i1, j0, j1), h)
+                b = self._head_slice(_slice_broadcast(self.bias, i0, i1, j0, j1), hs)
                 s3.add_(b.to(s.dtype))
             s.mul_(LOG2E)
         self.apply_mask(s, hidden, i0, i1)
@@ -195,25 +200,24 @@ class SequenceProblem:
     def apply_mask(self, s: torch.Tensor, hidden, i0, i1):
         """Set the scores the user's mask hides (``hidden`` from :meth:`mask_hidden`) to -inf."""
         if hidden is not None:
-            s.view(self.group, i1 - i0, -1).masked_fill_(hidden, -math.inf)
+            s.view(s.shape[0], self.group, i1 - i0, -1).masked_fill_(hidden, -math.inf)
 
-    def dropout_keep(self, h: int, i0, i1, j0, j1) -> torch.Tensor:
-        """Bool (G*bm, bn): which probabilities of the tile survive dropout."""
+    def dropout_keep(self, hs: slice, i0, i1, j0, j1) -> torch.Tensor:
+        """Bool (nh, G*bm, bn): which probabilities of the tile survive dropout."""
         dev = self.q.device
-        g = self.group
+        qh = self.q_heads(hs)
         keys = S.dropout_row_keys(
-            self.seed, self.batch_index, torch.arange(h * g, (h + 1) * g, device=dev),
+            self.seed, self.batch_index, torch.arange(qh.start, qh.stop, device=dev),
             torch.arange(i0, i1, device=dev),
         )
         keep = S.dropout_keep(keys, torch.arange(j0, j1, device=dev), self.dropout_p)
-        return keep.view(g * (i1 - i0), j1 - j0)
+        return keep.view(hs.stop - hs.start, self.group * (i1 - i0), j1 - j0)
 
-    def _head_slice(self, x: torch.Tensor, h: int) -> torch.Tensor:
-        """(Hq or 1, r, c) -> the (G or 1, r, c) part that the query heads of kv head ``h`` see."""
+    def _head_slice(self, x: torch.Tensor, hs: slice) -> torch.Tensor:
+        """(Hq or 1, r, c) -> broadcastable to (nh, G, r, c) for the query heads of kv heads ``hs``."""
         if x.shape[0] == 1:
-            return x
-        g = self.group
-        return x[h * g:(h + 1) * g]
+            return x.unsqueeze(0)
+        return x[self.q_heads(hs)].unflatten(0, (hs.stop - hs.start, self.group))
 
 
 _per_thread = threading.local()
@@ -234,9 +238,9 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
-def scratch_tile(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """A contiguous (rows, cols) view at the start of a flat buffer from :func:`scratch`."""
-    return buffer[: rows * cols].view(rows, cols)
+def scratch_tile(buffer: torch.Tensor, nh: int, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous (nh, rows, cols) view at the start of a flat buffer from :func:`scratch`."""
+    return buffer[: nh * rows * cols].view(nh, rows, cols)
 
 
 def _transposed_with_ones_row(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
