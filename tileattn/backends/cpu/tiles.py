@@ -115,10 +115,12 @@ class SequenceProblem:
         nh, g, bm, e = hs.stop - hs.start, self.group, i1 - i0, x.shape[-1]
         block = torch.empty((nh, g * bm, e + extra), dtype=self.compute_dtype, device=x.device)
         rows = x[self.q_heads(hs), i0:i1].unflatten(0, (nh, g))
-        if factor is None:
-            block[..., :e].view(nh, g, bm, e).copy_(rows)
-        else:
-            torch.mul(rows, factor, out=block[..., :e].view(nh, g, bm, e))
+        target = block[..., :e].view(nh, g, bm, e)
+        target.copy_(rows)
+        if factor is not None:
+            # Scale after the upcast: torch.mul(fp16 rows, factor, out=fp32) rounds the product to
+            # fp16 first, an error that large scores amplify (hub tutorial 05, large inputs).
+            target.mul_(factor)
         return block
 
     def mask_hidden(self, hs: slice, i0, i1, j0, j1) -> Optional[torch.Tensor]:
