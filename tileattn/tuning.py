@@ -165,9 +165,12 @@ def cpu_candidates(inp) -> List[dict]:
 
 
 def cpu_working_set(config: dict, inp) -> int:
-    """Bytes one CPU task (one kv head and one query block) touches per tile step, in fp32/fp64.
+    """Bytes one CPU task (a query block of one or more kv heads) touches per tile step, in fp32/fp64.
 
-    The engine runs one task per core at a time, so this is what must fit in a core's L2.
+    The engine runs one task per core at a time, so this is what must fit in a core's L2. When the
+    engine batches several kv heads into one task, the per-head working set is multiplied by the
+    most heads it would batch for these tiles (an upper bound: it may batch fewer to keep every
+    core busy).
     """
     from .backends.cpu import TileConfig
 
@@ -175,8 +178,14 @@ def cpu_working_set(config: dict, inp) -> int:
     kwargs = dict(group=inp.group_size, head_dim=inp.head_dim, head_dim_v=inp.head_dim_v,
                   itemsize=inp.acc_dtype().itemsize)
     if "heads_kv" in inspect.signature(cfg.working_set_bytes).parameters:
-        kwargs["heads_kv"] = 1  # older signature: bytes for all kv heads at once; we want one task's
-    return cfg.working_set_bytes(**kwargs)
+        kwargs["heads_kv"] = 1  # older signature: bytes for all kv heads at once; we want one head's
+    heads = 1
+    if hasattr(cfg, "heads_per_task"):
+        try:  # with plenty of tasks per head the engine batches as many heads as its tile budget allows
+            heads = int(cfg.heads_per_task(inp, tasks_per_head_range=1 << 30, min_tasks=1))
+        except TypeError:
+            heads = 1
+    return cfg.working_set_bytes(**kwargs) * max(1, heads)
 
 
 def cpu_budget() -> Tuple[int, str]:
