@@ -379,12 +379,20 @@ def test_autograd_through_custom_op():
 # ------------------------------------------------------------------- ahead-of-time GPU compile
 
 
-def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3):
+def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_equal_one=False):
+    """Compile ``fn`` for sm_90. ``ints_equal_one``: every int argument that Triton would specialise
+    when it equals 1 (unit strides, group size 1, length 1, ...) becomes the constant 1, as at launch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     floats = {"sm_scale", "softcap", "drop_scale"}
+    constexprs = dict(constexprs)
     signature = {}
+    for name in fn.arg_names:
+        if name in pointer_types or name in floats or name in constexprs:
+            continue
+        if ints_equal_one and name not in fn.do_not_specialize:
+            constexprs[name] = 1
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
@@ -422,9 +430,12 @@ def test_kernels_compile_for_sm90():
         (bwd.attention_backward_preprocess, dict(IS_VARLEN=True, BLOCK_M=64, BLOCK_DV=32), "bf16"),
         (fwd.attention_forward_kernel, dict(fp32, BLOCK_M=32, BLOCK_N=32), "fp32"),
     ]
+    # The same kernels with every specialisable int argument equal to 1 (a constant, not a tensor).
+    jobs += [(fn, dict(c, ones=True), d) for fn, c, d in jobs[:3]]
     for fn, constexprs, dtype in jobs:
+        ones = constexprs.pop("ones", False)
         try:
-            compiled = _aot_compile(fn, constexprs, _pointer_types(dtype), num_stages=2)
+            compiled = _aot_compile(fn, constexprs, _pointer_types(dtype), num_stages=2, ints_equal_one=ones)
         except RuntimeError as exc:  # a triton wheel without its ptxas binary
             if "ptxas" in str(exc):
                 pytest.skip(f"cannot run ptxas here: {exc}")

@@ -118,7 +118,9 @@ def _dkdv_query_blocks(
     return dk, dv
 
 
-@triton.jit
+# Triton turns int arguments equal to 1 into constants; the seed halves are converted to uint32
+# inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_backward_dkdv_kernel(
     Q, K, V, DOut, Lse2, Delta, DK, DV, Mask, Bias, Slopes, CuSeqQ, CuSeqK,
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -263,7 +265,9 @@ def _dq_key_blocks(
     return dq
 
 
-@triton.jit
+# Triton turns int arguments equal to 1 into constants; the seed halves are converted to uint32
+# inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_backward_dq_kernel(
     Q, K, V, DOut, Lse2, Delta, DQ, DBias, Mask, Bias, Slopes, CuSeqQ, CuSeqK,
     stride_qb, stride_qh, stride_qs, stride_qd,

@@ -86,7 +86,9 @@ def _attend_key_blocks(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Triton turns int arguments equal to 1 into constants; the seed halves are converted to uint32
+# inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_forward_kernel(
     Q, K, V, Out, Lse2, Mask, Bias, Slopes, CuSeqQ, CuSeqK,
     stride_qb, stride_qh, stride_qs, stride_qd,
