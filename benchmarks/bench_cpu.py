@@ -301,13 +301,15 @@ def fmt(x, spec):
 
 def print_table(rows: list) -> None:
     head = (f"{'case':<20} {'dtype':<5} {'S':>6} {'D':>4} {'caus':>4} {'mode':<8} {'provider':<9} "
-            f"{'median ms':>10} {'spread':>7} {'GFLOP/s':>8} {'peak MiB':>9} {'vs sdpa':>8} {'vs naive':>8}")
+            f"{'median ms':>10} {'spread':>7} {'GFLOP/s':>8} {'peak MiB':>9} {'extra':>7} {'vs sdpa':>8} "
+            f"{'vs naive':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['case']:<20} {r['dtype']:<5} {r['seqlen']:>6} {r['head_dim']:>4} {'y' if r['causal'] else 'n':>4} "
               f"{r['mode']:<8} {r['provider']:<9} {fmt(r['median_ms'], '10.2f')} {fmt(r['spread_pct'], '6.1f')}% "
-              f"{fmt(r['gflops'], '8.1f')} {fmt(r['peak_mib'], '9.1f')} {fmt(r['vs_sdpa'], '8.2f')} "
+              f"{fmt(r['gflops'], '8.1f')} {fmt(r['peak_mib'], '9.1f')} {fmt(r['extra_mib'], '7.1f')} "
+              f"{fmt(r['vs_sdpa'], '8.2f')} "
               f"{fmt(r['vs_naive'], '8.2f')}", flush=True)
 
 

@@ -60,7 +60,8 @@ def default_config(inp: AttentionInputs) -> TileConfig:
     # a causal/windowed problem much of a big tile is wasted, so banded problems use 128x256 tiles
     # and batch up to 8 kv heads per tile instead (S=1024 causal: 0.58x -> 0.83x SDPA forward).
     # GQA stacks the G query heads of a group into the rows of one block.
-    if inp.has_band:
+    if inp.has_band or inp.mask is not None:
+        # Small tiles also let the skipping of fully masked tiles follow a block-sparse mask.
         return TileConfig(block_m=max(16, 128 // inp.group_size), block_n=256)
     return TileConfig(block_m=max(16, 512 // inp.group_size), block_n=512)
 

@@ -30,6 +30,8 @@ import torch
 from ... import scores as S
 
 LOG2E = 1.4426950408889634
+#: :meth:`SequenceProblem.mask_hidden`'s answer for a tile the user's mask hides entirely.
+ALL_HIDDEN = "all hidden"
 
 
 @dataclass
@@ -123,18 +125,55 @@ class SequenceProblem:
             target.mul_(factor)
         return block
 
-    def mask_hidden(self, hs: slice, i0, i1, j0, j1) -> Optional[torch.Tensor]:
-        """Bool (True = hidden) part of the user's mask on the tile, broadcastable to
-        (nh, G, bm, bn), or None without a mask. The band (causal/window) is handled separately."""
+    def mask_hidden(self, hs: slice, i0, i1, j0, j1):
+        """The user's mask on the tile: None when it hides nothing there (or there is no mask),
+        :data:`ALL_HIDDEN` when it hides the whole tile (skip it), otherwise a bool tensor
+        (True = hidden) broadcastable to (nh, G, bm, bn). The band (causal/window) is separate.
+
+        Telling the two uniform cases apart costs two reductions over a bool tile and saves a
+        masked fill (slow: ~10x a float pass) on every tile that a block-sparse mask leaves whole.
+        """
         if self.mask is None:
             return None
-        return ~self._head_slice(_slice_broadcast(self.mask, i0, i1, j0, j1), hs)
+        summary = self._mask_summary(hs, i1 - i0, j1 - j0)
+        if summary is not None and i0 % (i1 - i0) == 0 and j0 % (j1 - j0) == 0:
+            any_kept, all_kept = summary
+            bi, bj = i0 // (i1 - i0), j0 // (j1 - j0)
+            if not any_kept[bi][bj]:
+                return ALL_HIDDEN
+            if all_kept[bi][bj]:
+                return None
+        keep = self._head_slice(_slice_broadcast(self.mask, i0, i1, j0, j1), hs)
+        if summary is None:
+            if not bool(keep.any()):
+                return ALL_HIDDEN
+            if bool(keep.all()):
+                return None
+        return ~keep
 
-    def tile_is_empty(self, hidden: Optional[torch.Tensor]) -> bool:
+    def _mask_summary(self, hs: slice, bm: int, bn: int):
+        """For a mask that tiles exactly into (bm, bn) blocks: per block, whether any / all of its
+        entries are kept for every query head of ``hs`` (nested lists), computed once per call
+        with two reductions over the whole mask instead of two per tile. None otherwise."""
+        cache = self.__dict__.setdefault("_mask_summaries", {})
+        key = (hs.start, hs.stop, bm, bn)
+        if key not in cache:
+            m = self.mask
+            summary = None
+            if m.shape[-2] % bm == 0 and m.shape[-1] % bn == 0 and m.shape[-2] == self.sq and m.shape[-1] == self.sk:
+                heads = m if m.shape[0] == 1 else m[self.q_heads(hs)]
+                blocks = heads.reshape(heads.shape[0], self.sq // bm, bm, self.sk // bn, bn)
+                # max/min of the bytes = any/all, and 30x faster than bool any/all on this layout.
+                blocks = blocks.view(torch.uint8)
+                summary = (blocks.amax((0, 2, 4)).tolist(), blocks.amin((0, 2, 4)).tolist())
+            cache[key] = summary
+        return cache[key]
+
+    def tile_is_empty(self, hidden) -> bool:
         """Whether the user's mask hides the whole tile. The band alone never does: ``key_blocks``
         only visits key blocks that some row of the query block sees (the rows' windows are
         contiguous)."""
-        return hidden is not None and bool(hidden.all())
+        return hidden is ALL_HIDDEN
 
     def on_band_edge(self, i0, i1, j0, j1) -> bool:
         """Whether the band (causal/window) hides part of the tile."""
