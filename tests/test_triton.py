@@ -33,10 +33,14 @@ from tileattn.testing import check_against_reference
 from conftest import make_qkv, strided_view
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 from tileattn.backends.triton import launch  # noqa: E402  (needs triton)
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_INTERPRETER = launch.interpreter_active()
+_, _ = launch.kernels()  # decorates tile_math in this process's mode before the probe kernel below uses it
+from tileattn.backends.triton import tile_math  # noqa: E402
 
 interpreted = pytest.mark.skipif(
     not IN_INTERPRETER, reason="runs in the TRITON_INTERPRET=1 subprocess of test_interpreter_suite")
@@ -150,6 +154,53 @@ def test_zero_scale_and_fp16_bias_gradient():
 def test_gqa_mqa(hq, hkv):
     q, k, v = make_qkv(b=2, hq=hq, hkv=hkv, sq=33, sk=20, d=16, seed=hq + hkv)
     check(q, k, v, causal=True)
+
+
+# ---------------------------------------------------------------------- block skipping and masking
+
+
+@triton.jit
+def _block_ranges_probe(Out, first, q_len, k_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEYS: tl.constexpr):
+    if KEYS:
+        a, b, c, d = tile_math.visible_key_blocks(first, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+                                                  HAS_LEFT, HAS_RIGHT)
+    else:
+        a, b, c, d = tile_math.visible_query_blocks(first, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+                                                    HAS_LEFT, HAS_RIGHT)
+    tl.store(Out + 0, a)
+    tl.store(Out + 1, b)
+    tl.store(Out + 2, c)
+    tl.store(Out + 3, d)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (3, 2), (0, 0), (7, None), (20, 4)])
+def test_block_ranges_cover_the_band_and_skip_masks_only_inside(window):
+    """Exhaustive on small sizes: blocks outside [start, end) hold no visible pair, and blocks in the
+    unmasked middle [mid_lo, mid_hi) hold only visible pairs (so skipping their mask is exact)."""
+    from tileattn.scores import band_keep
+
+    left, right = window
+    block_m, block_n = 16, 8
+    out = torch.zeros(4, dtype=torch.int32)
+    for q_len in (1, 5, 17, 40):
+        for k_len in (1, 9, 17, 40):
+            keep = band_keep(torch.arange(q_len), torch.arange(k_len), q_len, k_len, left, right)
+            for keys in (True, False):
+                own, other = (block_m, block_n) if keys else (block_n, block_m)
+                own_len, other_len = (q_len, k_len) if keys else (k_len, q_len)
+                view = keep if keys else keep.T
+                for first in range(0, own_len, own):
+                    _block_ranges_probe[(1,)](out, first, q_len, k_len, left or 0, right or 0, block_m, block_n,
+                                              left is not None, right is not None, keys)
+                    start, mid_lo, mid_hi, end = out.tolist()
+                    assert start % other == 0 and start <= mid_lo <= mid_hi <= end, out
+                    rows = view[first:first + own]
+                    visible_cols = rows.any(0).nonzero().flatten().tolist()
+                    assert all(start <= j < end for j in visible_cols), (q_len, k_len, keys, first, out)
+                    for j0 in range(mid_lo, mid_hi, other):
+                        assert j0 + other <= other_len and rows[:, j0:j0 + other].all(), (q_len, k_len, keys, first, out)
 
 
 # ------------------------------------------------------------------------------------ layouts
