@@ -200,7 +200,8 @@ def test_block_ranges_cover_the_band_and_skip_masks_only_inside(window):
                     visible_cols = rows.any(0).nonzero().flatten().tolist()
                     assert all(start <= j < end for j in visible_cols), (q_len, k_len, keys, first, out)
                     for j0 in range(mid_lo, mid_hi, other):
-                        assert j0 + other <= other_len and rows[:, j0:j0 + other].all(), (q_len, k_len, keys, first, out)
+                        inside = j0 + other <= other_len and bool(rows[:, j0:j0 + other].all())
+                        assert inside, (q_len, k_len, keys, first, out)
 
 
 # ------------------------------------------------------------------------------------ layouts
@@ -251,7 +252,8 @@ def test_varlen_transposed_storage():
 
 
 @interpreted
-@pytest.mark.parametrize("window, causal", [((3, 2), False), ((8, 0), False), ((4, -1), True), ((-1, 5), False), ((0, 0), False)])
+@pytest.mark.parametrize("window, causal",
+                         [((3, 2), False), ((8, 0), False), ((4, -1), True), ((-1, 5), False), ((0, 0), False)])
 def test_windows(window, causal):
     q, k, v = make_qkv(b=1, hq=2, sq=45, sk=70, d=16, seed=9)
     check(q, k, v, window=window, causal=causal)
