@@ -39,7 +39,7 @@ from tileattn.backends.triton import launch  # noqa: E402  (needs triton)
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_INTERPRETER = launch.interpreter_active()
-_, _ = launch.kernels()  # decorates tile_math in this process's mode before the probe kernel below uses it
+launch.kernels()  # decorates tile_math in this process's mode before the probe kernel below uses it
 from tileattn.backends.triton import tile_math  # noqa: E402
 
 interpreted = pytest.mark.skipif(
