@@ -188,7 +188,8 @@ def memory_child(case_json: str) -> None:
     case = Case(**spec)
     # Initialise the libraries (thread pools, MKL buffers) on a tiny problem first: they are not
     # the attention's memory.
-    tiny = Case(**{**spec, "seqlen": 16, "block_mask": min(case.block_mask, 8), "window": min(case.window, 8)})
+    tiny = Case(**{**spec, "seqlen": 16, "block_mask": min(case.block_mask, 8),
+                   "window": min(case.window, 8)})
     runner(tiny, provider)()
     fn = runner(case, provider)
     before = _status_kib("VmRSS")
@@ -306,8 +307,10 @@ def print_table(rows: list) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['case']:<20} {r['dtype']:<5} {r['seqlen']:>6} {r['head_dim']:>4} {'y' if r['causal'] else 'n':>4} "
-              f"{r['mode']:<8} {r['provider']:<9} {fmt(r['median_ms'], '10.2f')} {fmt(r['spread_pct'], '6.1f')}% "
+        causal = "y" if r["causal"] else "n"
+        print(f"{r['case']:<20} {r['dtype']:<5} {r['seqlen']:>6} {r['head_dim']:>4} {causal:>4} "
+              f"{r['mode']:<8} {r['provider']:<9} {fmt(r['median_ms'], '10.2f')} "
+              f"{fmt(r['spread_pct'], '6.1f')}% "
               f"{fmt(r['gflops'], '8.1f')} {fmt(r['peak_mib'], '9.1f')} {fmt(r['extra_mib'], '7.1f')} "
               f"{fmt(r['vs_sdpa'], '8.2f')} "
               f"{fmt(r['vs_naive'], '8.2f')}", flush=True)

@@ -2,8 +2,8 @@
 
 Forward: for a block of ``block_m`` query rows (of the ``G`` query heads sharing each kv head of the
 range ``hs``), stream the visible key blocks of ``block_n`` columns through an online softmax. Only
-an ``(nh, G*block_m, block_n)`` tile of scores ever exists; key blocks the band (causal/window) hides are
-never visited, and blocks that a bool mask hides entirely are skipped after a cheap check.
+an ``(nh, G*block_m, block_n)`` tile of scores ever exists; key blocks the band (causal/window)
+hides are never visited, and blocks that a bool mask hides entirely are skipped after a cheap check.
 
 The online softmax keeps, per row, a reference maximum ``m`` (base-2 logits), the running sum ``l``
 of ``2^(s - m)`` and the unnormalised output ``acc``. At the end ``out = acc / l`` and
@@ -24,6 +24,9 @@ textbook step (row max, subtract, exp2, row sum, rescale) makes four passes; her
 * **Subtraction inside the GEMM.** The query block carries an extra column ``-m`` and K an extra
   column of ones (``SequenceProblem.kt_aug``), so ``q.k^T - m`` comes out of the GEMM itself (plain
   scores only; with a softcap, ALiBi or bias the modifiers must see the raw score first).
+* **Band edges after exp2.** Once ``m`` is fixed, the causal/window edge of a tile is cut by zeroing
+  the probabilities with ``tril_``/``triu_`` (10x faster than a masked fill of the scores). Before
+  that, the maximum must not see hidden scores, so the first tile is masked the slow way.
 
 Backward (FlashAttention-2): the probabilities are recomputed from the saved LSE, never stored.
 With ``Delta_i = sum_d dO_id * O_id``::
@@ -177,7 +180,8 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
     for i0 in range(0, prob.sq, block_m):
         i1 = min(i0 + block_m, prob.sq)
         bm = i1 - i0
-        blocks = [(j0, j1, prob.mask_hidden(hs, i0, i1, j0, j1)) for j0, j1 in key_blocks(prob, i0, i1, block_n)]
+        blocks = [(j0, j1, prob.mask_hidden(hs, i0, i1, j0, j1))
+                  for j0, j1 in key_blocks(prob, i0, i1, block_n)]
         blocks = [b for b in blocks if not prob.tile_is_empty(b[2])]
         if not blocks:
             dq[heads, i0:i1].zero_()
@@ -186,7 +190,8 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
         qb = qa[..., :d]
         doa = prob.load_rows(dout, hs, i0, i1, extra=1)
         dob = doa[..., :dvd]
-        delta = (dob.view(nh, g, bm, dvd) * out[heads, i0:i1].unflatten(0, (nh, g))).sum(-1).view(nh, g * bm, 1)
+        o = out[heads, i0:i1].unflatten(0, (nh, g))
+        delta = (dob.view(nh, g, bm, dvd) * o).sum(-1).view(nh, g * bm, 1)
         lse2 = lse[heads, i0:i1].reshape(nh, g * bm, 1).to(cdt) * LOG2E  # a copy: never write lse
         # Rows that saw no key: a huge finite lse2 makes every probability exactly 0 (not NaN, which
         # an infinite one could give inside the GEMM).

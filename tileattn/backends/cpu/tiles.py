@@ -12,10 +12,10 @@ are never repeated; the kv heads of the range form the batch dimension of every 
 matters because every operation has a fixed cost (~5-10 microseconds from Python).
 
 Augmented operands (why ``kt_aug``/``vt_aug`` exist): K and V are copied once per sequence,
-transposed, with a row of ones appended. A query block with an extra column ``-c`` then gives ``q.k^T - c`` straight
-out of the GEMM, so subtracting the row maximum (forward), the log-sum-exp (backward) or
-``Delta = rowsum(dO * O)`` (backward, with ``dO`` augmented against ``vt_aug``) costs no pass over
-the score tile. The copy is ``O(S * D)`` against the ``O(S^2 * D)`` of the attention itself.
+transposed, with a row of ones appended. A query block with an extra column ``-c`` then gives
+``q.k^T - c`` straight out of the GEMM, so subtracting the row maximum (forward), the log-sum-exp
+(backward) or ``Delta = rowsum(dO * O)`` (backward, with ``dO`` augmented against ``vt_aug``) costs
+no pass over the score tile. The copy is ``O(S * D)`` against the ``O(S^2 * D)`` of the attention.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ class SequenceProblem:
         if key not in cache:
             m = self.mask
             summary = None
-            if m.shape[-2] % bm == 0 and m.shape[-1] % bn == 0 and m.shape[-2] == self.sq and m.shape[-1] == self.sk:
+            exact = m.shape[-2] == self.sq and m.shape[-1] == self.sk
+            if exact and self.sq % bm == 0 and self.sk % bn == 0:
                 heads = m if m.shape[0] == 1 else m[self.q_heads(hs)]
                 blocks = heads.reshape(heads.shape[0], self.sq // bm, bm, self.sk // bn, bn)
                 # max/min of the bytes = any/all, and 30x faster than bool any/all on this layout.
