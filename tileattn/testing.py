@@ -55,7 +55,11 @@ def judge(name, result, oracle, baseline, dtype, factor: float = 2.0, floor: flo
     """Verdict for ``result`` vs ``oracle`` (fp64), with ``baseline`` = plain math in ``dtype``."""
     base = max_error(baseline, oracle)
     if floor is None:
-        floor = FLOORS[dtype] * max(1.0, float(oracle.detach().abs().max()) if oracle.numel() else 1.0)
+        # Scale the floor by the largest *finite* magnitude: an LSE of -inf (a row that sees no key)
+        # must not make the tolerance infinite.
+        finite = oracle.detach()[torch.isfinite(oracle.detach())]
+        magnitude = float(finite.abs().max()) if finite.numel() else 1.0
+        floor = FLOORS[dtype] * max(1.0, magnitude)
     return Verdict(name, max_error(result, oracle), base, factor * base + floor)
 
 
