@@ -68,6 +68,9 @@ def fresh_registry(monkeypatch):
     for name in _engine_modules():
         del sys.modules[name]
     sys.modules.update(saved)
+    for name, module in saved.items():  # the package attributes too, e.g. tileattn.backends
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, module)
 
 
 def test_compile_fullgraph_forward_and_backward_match_eager(inputs, fresh_registry):
