@@ -22,8 +22,10 @@ from .parallel import run_tasks
 from .tiles import SequenceProblem
 
 
-#: Score-tile elements one tensor operation should touch: 256 Ki fp32 = 1 MiB, half a core's L2.
-TILE_BUDGET = 1 << 18
+#: Score-tile elements one tensor operation should touch: 512 Ki fp32 = 2 MiB, a core's L2. Fewer,
+#: larger operations matter most with two workers, whose Python threads contend for the GIL between
+#: operations (S=1024 dense forward: 0.58x SDPA with 1 MiB tiles, 0.67x with 2 MiB).
+TILE_BUDGET = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,11 @@ def default_config(inp: AttentionInputs) -> TileConfig:
     tuned = lookup("cpu", inp)
     if tuned is not None:
         return TileConfig(int(tuned["block_m"]), int(tuned["block_n"]))
-    # Measured on a 2-core Sapphire Rapids (single-threaded tasks, fp32, vs SDPA): dense problems
-    # run best with 512x512 tiles (1 MiB, inside a core's 2 MiB L2) of one head; on the diagonal of
-    # a causal/windowed problem much of a big tile is wasted, so banded problems use 128x256 tiles
-    # and batch up to 8 kv heads per tile instead (S=1024 causal: 0.58x -> 0.83x SDPA forward).
-    # GQA stacks the G query heads of a group into the rows of one block.
+    # Measured on a 2-core Sapphire Rapids (fp32, against SDPA): dense problems run best with
+    # 512x512 tiles of two heads (see TILE_BUDGET); on the diagonal of a causal/windowed problem much
+    # of a big tile is wasted, so banded problems use 128x256 tiles and batch up to 8 kv heads per
+    # tile instead (S=1024 causal, one thread: 0.58x -> 0.83x SDPA forward). GQA stacks the G query
+    # heads of a group into the rows of one block.
     if inp.has_band or inp.mask is not None:
         # Small tiles also let the skipping of fully masked tiles follow a block-sparse mask.
         return TileConfig(block_m=max(16, 128 // inp.group_size), block_n=256)

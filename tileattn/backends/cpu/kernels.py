@@ -132,7 +132,11 @@ def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n:
         l = p.sum(-1, keepdim=True) if l is None else l.add_(p.sum(-1, keepdim=True))
         if prob.dropout_p > 0:
             p.masked_fill_(~prob.dropout_keep(hs, i0, i1, j0, j1), 0.0)
-        acc = torch.bmm(p, v[:, j0:j1]) if acc is None else acc.baddbmm_(p, v[:, j0:j1])
+        if acc is None:
+            acc = scratch(nh * rows * v.shape[-1], cdt, "acc").view(nh, rows, v.shape[-1])
+            torch.bmm(p, v[:, j0:j1], out=acc)
+        else:
+            acc.baddbmm_(p, v[:, j0:j1])
     if m is None:
         m = torch.full((nh, rows, 1), -math.inf, dtype=cdt)
         l = torch.zeros((nh, rows, 1), dtype=cdt)
@@ -188,10 +192,11 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
             continue
         qa = prob.load_q(hs, i0, i1)
         qb = qa[..., :d]
-        doa = prob.load_rows(dout, hs, i0, i1, extra=1)
+        doa = prob.load_rows(dout, hs, i0, i1, 1, "do")
         dob = doa[..., :dvd]
         o = out[heads, i0:i1].unflatten(0, (nh, g))
-        delta = (dob.view(nh, g, bm, dvd) * o).sum(-1).view(nh, g * bm, 1)
+        product = scratch(nh * g * bm * dvd, cdt, "acc").view(nh, g, bm, dvd)
+        delta = torch.mul(dob.view(nh, g, bm, dvd), o, out=product).sum(-1).view(nh, g * bm, 1)
         lse2 = lse[heads, i0:i1].reshape(nh, g * bm, 1).to(cdt) * LOG2E  # a copy: never write lse
         # Rows that saw no key: a huge finite lse2 makes every probability exactly 0 (not NaN, which
         # an infinite one could give inside the GEMM).
@@ -228,7 +233,10 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
                 _accumulate_bias_grad(dbias, ds, prob, hs, i0, i1, j0, j1)
             if tanh is not None:
                 ds.mul_(1.0 - tanh * tanh)
-            dq_acc = torch.bmm(ds, k[:, j0:j1]) if dq_acc is None else dq_acc.baddbmm_(ds, k[:, j0:j1])
+            if dq_acc is None:
+                dq_acc = torch.bmm(ds, k[:, j0:j1], out=scratch(nh * g * bm * d, cdt, "dq").view(nh, g * bm, d))
+            else:
+                dq_acc.baddbmm_(ds, k[:, j0:j1])
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qb)
         torch.mul(dq_acc.view(nh * g, bm, d), prob.scale, out=dq[heads, i0:i1])
     # dK was accumulated against the pre-scaled q block; with scale = 0 that block is all zeros and

@@ -105,17 +105,18 @@ class SequenceProblem:
 
     def load_q(self, hs: slice, i0: int, i1: int) -> torch.Tensor:
         """Rows [i0, i1) of the query heads of kv heads ``hs``, stacked, pre-scaled:
-        (nh, G*bm, D + 1). The last column is left for the caller (the value subtracted through
-        ``kt_aug``)."""
-        return self._stack_rows(self.q, hs, i0, i1, 1, self.q_factor)
+        (nh, G*bm, D + 1), in the thread's "q" buffer. The last column is left for the caller (the
+        value subtracted through ``kt_aug``)."""
+        return self._stack_rows(self.q, hs, i0, i1, 1, "q", self.q_factor)
 
-    def load_rows(self, x: torch.Tensor, hs: slice, i0: int, i1: int, extra: int = 0) -> torch.Tensor:
-        """Rows [i0, i1) of an (Hq, Sq, E) tensor for kv heads ``hs``: (nh, G*bm, E + extra)."""
-        return self._stack_rows(x, hs, i0, i1, extra)
+    def load_rows(self, x: torch.Tensor, hs: slice, i0: int, i1: int, extra: int, slot: str) -> torch.Tensor:
+        """Rows [i0, i1) of an (Hq, Sq, E) tensor for kv heads ``hs``: (nh, G*bm, E + extra), in the
+        thread's ``slot`` buffer."""
+        return self._stack_rows(x, hs, i0, i1, extra, slot)
 
-    def _stack_rows(self, x, hs, i0, i1, extra, factor=None):
+    def _stack_rows(self, x, hs, i0, i1, extra, slot, factor=None):
         nh, g, bm, e = hs.stop - hs.start, self.group, i1 - i0, x.shape[-1]
-        block = torch.empty((nh, g * bm, e + extra), dtype=self.compute_dtype, device=x.device)
+        block = scratch(nh * g * bm * (e + extra), self.compute_dtype, slot).view(nh, g * bm, e + extra)
         rows = x[self.q_heads(hs), i0:i1].unflatten(0, (nh, g))
         target = block[..., :e].view(nh, g, bm, e)
         target.copy_(rows)
@@ -265,18 +266,22 @@ class SequenceProblem:
 _per_thread = threading.local()
 
 
-def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def scratch(numel: int, dtype: torch.dtype, slot: str = "tile") -> torch.Tensor:
     """A flat buffer of ``numel`` elements owned by the calling thread, reused by every block.
 
-    Why reuse: a score tile is hundreds of KiB, above the size where the C allocator maps fresh
-    pages from the kernel, so a new tile per step (or per block) pays page faults and zeroing on
-    every first touch (measured: 1.6x slower tile loop). The buffer lives as long as its thread
-    (the workers of one call; in the caller's thread, until a larger tile replaces it).
+    Why reuse: score tiles, query blocks and accumulators are 100 KiB to 2 MiB, above the size where
+    the C allocator maps fresh pages from the kernel, so allocating them per step (or per block)
+    pays page faults and zeroing on every first touch (measured: 1.6x slower tile loop), and with
+    two workers each unmap also interrupts the other core (TLB shootdown): S=1024 ran at 0.36x
+    SDPA instead of 0.7x. Buffers live as long as their (persistent) worker thread; one per
+    ``slot``, grown on demand.
     """
-    buf = getattr(_per_thread, "buffer", None)
+    buffers = getattr(_per_thread, "buffers", None)
+    if buffers is None:
+        buffers = _per_thread.buffers = {}
+    buf = buffers.get(slot)
     if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
-        _per_thread.buffer = buf
+        buf = buffers[slot] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
