@@ -271,10 +271,9 @@ def scratch(numel: int, dtype: torch.dtype, slot: str = "tile") -> torch.Tensor:
 
     Why reuse: score tiles, query blocks and accumulators are 100 KiB to 2 MiB, above the size where
     the C allocator maps fresh pages from the kernel, so allocating them per step (or per block)
-    pays page faults and zeroing on every first touch (measured: 1.6x slower tile loop), and with
-    two workers each unmap also interrupts the other core (TLB shootdown): S=1024 ran at 0.36x
-    SDPA instead of 0.7x. Buffers live as long as their (persistent) worker thread; one per
-    ``slot``, grown on demand.
+    pays page faults and zeroing on every first touch (measured: 1.6x slower tile loop) and, with
+    several threads, an unmap that must reach every core. One buffer per ``slot``, grown on demand;
+    it lives as long as its thread (a worker of one call, or the caller's thread).
     """
     buffers = getattr(_per_thread, "buffers", None)
     if buffers is None:
