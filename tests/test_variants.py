@@ -461,7 +461,7 @@ def attention_calls(draw):
     hq = hkv * draw(st.integers(1, 3))
     d, dv = draw(st.sampled_from([4, 8, 16])), draw(st.sampled_from([4, 8, 12]))
     layout = draw(st.sampled_from(["BNSD", "BSND", "BSH", "SBH", "TND"]))
-    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     kw = dict(layout=layout)
     if layout == "TND":
