@@ -180,11 +180,15 @@ def plot_throughput(results, path: str, title: str, gpu: bool) -> None:
     plt = pyplot()
     unit, scale = ("TFLOP/s", 1e12) if gpu else ("GFLOP/s", 1e9)
     panels: List[tuple] = sorted({(r.mode, r.causal) for r in results}, key=lambda p: (p[0] != "fwd", p[0], p[1]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    ncols = min(2, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows + 0.4), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     # One colour per provider across all panels.
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colours = {name: palette[i % len(palette)] for i, name in enumerate(dict.fromkeys(r.provider for r in results))}
-    for ax, (mode, causal) in zip(axes[0], panels):
+    for ax, (mode, causal) in zip(axes.flat, panels):
         cell = [r for r in results if r.mode == mode and r.causal == causal and r.flops_per_s]
         for name in dict.fromkeys(r.provider for r in cell):
             pts = sorted((r.seqlen_q, r.flops_per_s / scale) for r in cell if r.provider == name)
