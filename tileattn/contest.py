@@ -43,7 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = REPO_ROOT / "hub" / "contest" / "baseline.py"
 DEFAULT_LEADERBOARD = REPO_ROOT / "hub" / "contest" / "leaderboard"
 DEFAULT_TIME_LIMIT_S = 600.0
-CSV_FIELDS = ["time_utc", "name", "submission", "status", "reason", "score", "vs_tileattn", "seed", "shapes", "details"]
+CSV_FIELDS = ["time_utc", "name", "submission", "status", "reason", "score", "vs_tileattn", "seed", "threads", "shapes",
+              "details"]
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class Outcome:
     reason: str
     seed: int
     shapes: List[dict]
+    threads: Optional[int] = None  # --threads, or None for torch's default
 
     @property
     def score(self) -> Optional[float]:
@@ -286,8 +288,8 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
             for i, shape in enumerate(contest_shapes(small)):
                 reason = _judge_shape(shape, seed + i, Path(tmp) / f"output_{i}.pt")
                 if reason is not None:
-                    return Outcome("rejected", reason, seed, [])
-            return Outcome("accepted", "", seed, shapes)
+                    return Outcome("rejected", reason, seed, [], threads)
+            return Outcome("accepted", "", seed, shapes, threads)
     return Outcome("rejected", reason or "the worker reported no result", seed, [])
 
 
@@ -306,7 +308,7 @@ def record(outcome: Outcome, name: str, submission, leaderboard_dir=DEFAULT_LEAD
         "name": name, "submission": Path(submission).name, "status": outcome.status, "reason": outcome.reason,
         "score": "" if outcome.score is None else f"{outcome.score:.3f}",
         "vs_tileattn": "" if outcome.vs_tileattn is None else f"{outcome.vs_tileattn:.3f}",
-        "seed": outcome.seed, "shapes": len(outcome.shapes),
+        "seed": outcome.seed, "threads": outcome.threads or "default", "shapes": len(outcome.shapes),
         "details": "; ".join(f"{s['shape']}: {s['submission'] * 1e3:.2f} ms (baseline {s['baseline'] * 1e3:.2f}, "
                              f"tileattn {s['tileattn'] * 1e3:.2f})" for s in outcome.shapes),
     }
@@ -334,11 +336,11 @@ def render(rows: List[dict]) -> str:
     lines = ["# Attention contest leaderboard", "",
              "Score: geometric mean over the timed shapes of baseline time / submission time "
              "(higher is better; see hub/contest/RULES.md).", "",
-             "| rank | name | score (x baseline) | x tileattn | submission | seed | when (UTC) |",
-             "|---:|---|---:|---:|---|---:|---|"]
+             "| rank | name | score (x baseline) | x tileattn | submission | seed | threads | when (UTC) |",
+             "|---:|---|---:|---:|---|---:|---:|---|"]
     for rank, r in enumerate(accepted, 1):
         lines.append(f"| {rank} | {r['name']} | {r['score']} | {r['vs_tileattn']} | {r['submission']} | "
-                     f"{r['seed']} | {r['time_utc']} |")
+                     f"{r['seed']} | {r.get('threads') or 'default'} | {r['time_utc']} |")
     if rejected:
         lines += ["", "## Rejected", "", "| name | submission | reason | when (UTC) |", "|---|---|---|---|"]
         for r in rejected:

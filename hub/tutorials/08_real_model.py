@@ -28,6 +28,7 @@ try:
 except ImportError as exc:
     raise SystemExit(f"tutorial 08 needs transformers: pip install 'tileattn[transformers]' ({exc})")
 
+import tileattn
 import tileattn.integrations.transformers as tileattn_hf
 from tileattn.testing import judge
 from _hub import MiB, check, figure, peak_memory, pick, save_figure
@@ -63,6 +64,22 @@ for impl in ("sdpa", "tileattn"):
     verdict = judge(impl, logits_with(impl, ids), oracle, plain, torch.float32)
     print(verdict)
     check(verdict.ok, f"{impl} logits pass the 2x rule against the fp64 model")
+
+# %% [markdown]
+# Did the switch really happen? We count the calls that reach tileattn's CPU engine: one per layer
+# with `"tileattn"`, none with `"eager"`.
+
+# %%
+cpu_engine = tileattn.get_backend("cpu")
+calls = []
+cpu_engine.forward = lambda inp, _run=cpu_engine.forward: calls.append(1) or _run(inp)
+logits_with("eager", ids)
+eager_calls = len(calls)
+logits_with("tileattn", ids)
+del cpu_engine.forward  # back to the class's method
+print(f"engine calls: eager {eager_calls}, tileattn {len(calls) - eager_calls}")
+check(eager_calls == 0 and len(calls) == config.num_hidden_layers,
+      f"with 'tileattn' each of the {config.num_hidden_layers} layers runs tileattn's engine; with 'eager' none does")
 
 # %% [markdown]
 # ## Padding
