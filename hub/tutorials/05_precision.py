@@ -63,6 +63,11 @@ check(errors[torch.float16]["tileattn"] <= errors[torch.float16]["plain math"],
       "tileattn in fp16 is at least as accurate as plain fp16 math (it accumulates in fp32)")
 
 # %% [markdown]
+# Measured at full size on this machine (`docs/hub/logs/05.txt`, B=1, H=4, S=2048, D=64): max error
+# against fp64 of tileattn / SDPA / plain math in the format: fp32 4.0e-7 / 1.8e-7 / 2.1e-7;
+# fp16 6.1e-5 / 8.0e-5 / 1.2e-3; bf16 4.9e-4 / 6.0e-4 / 8.7e-3. Both fused kernels are about 15-20x
+# more accurate than plain 16-bit math, because they accumulate in fp32.
+#
 # ## Speed per format
 # The CPU engine converts each tile to fp32 before its matrix products (16-bit matrix products on
 # most CPUs are slow or emulated) and rounds once at the end, so 16-bit inputs cost about the same
@@ -85,6 +90,9 @@ check(speed[torch.float16]["tileattn"] < 4 * speed[torch.float32]["tileattn"],
       "fp16 inputs cost at most a few times fp32 on the CPU engine (tiles are computed in fp32)")
 
 # %% [markdown]
+# Measured at full size (S=2048): tileattn 98 / 108 / 110 ms and SDPA 64 / 59 / 90 ms for
+# fp32 / fp16 / bf16 on this 2-core machine (shared, so +-30%).
+#
 # ## When fp16 overflows
 # The order of operations matters. Naive code often computes `q @ k^T` first and scales after.
 # With large activations (outlier features are common in big models) the raw dot products exceed
