@@ -22,8 +22,6 @@
 # block of queries can possibly see; we use it here to count tiles exactly as the engine does.
 
 # %%
-import torch
-
 import tileattn
 from tileattn.backends.cpu import TileConfig
 from tileattn.scores import band_fully_visible, key_range

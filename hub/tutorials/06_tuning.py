@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 import tileattn
-from tileattn.backends.cpu import CpuBackend, TileConfig, default_config
+from tileattn.backends.cpu import TileConfig, default_config
 from tileattn.spec import make_inputs
 from tileattn.testing import judge
-from _hub import MiB, check, figure, interleaved_times, pick, save_figure, seeded
+from _hub import check, figure, interleaved_times, pick, save_figure, seeded
 
 
 def cache_bytes(level):
