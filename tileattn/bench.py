@@ -285,8 +285,25 @@ def measure_peak_memory(run: Callable, device: str) -> Optional[int]:
 # Benchmark driver.
 
 
+class TimingStats:
+    """Median and spread of ``times_ms``: shared by benchmark results and tuning candidates."""
+
+    times_ms: List[float]
+
+    @property
+    def median_ms(self) -> Optional[float]:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+    @property
+    def spread_pct(self) -> Optional[float]:
+        """(max - min) / median, in percent: how noisy the repetitions were."""
+        if len(self.times_ms) < 2:
+            return None
+        return 100.0 * (max(self.times_ms) - min(self.times_ms)) / self.median_ms
+
+
 @dataclass
-class Result:
+class Result(TimingStats):
     provider: str
     device: str
     dtype: str
@@ -304,17 +321,6 @@ class Result:
     peak_mem_bytes: Optional[int] = None
     baseline: Optional[str] = None
     speedup: Optional[float] = None
-
-    @property
-    def median_ms(self) -> Optional[float]:
-        return statistics.median(self.times_ms) if self.times_ms else None
-
-    @property
-    def spread_pct(self) -> Optional[float]:
-        """(max - min) / median, in percent: how noisy the repetitions were."""
-        if len(self.times_ms) < 2:
-            return None
-        return 100.0 * (max(self.times_ms) - min(self.times_ms)) / self.median_ms
 
     @property
     def flops_per_s(self) -> Optional[float]:

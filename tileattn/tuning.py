@@ -20,10 +20,11 @@ import functools
 import inspect
 import json
 import os
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
+
+from .bench import TimingStats
 
 _MEMO = {}
 #: backend name -> config dict that :func:`lookup` returns while :func:`overriding` is active.
@@ -252,7 +253,7 @@ SPACES = {
 
 
 @dataclass
-class Candidate:
+class Candidate(TimingStats):
     config: dict
     working_set: int
     status: str = "pending"  # "rejected" (budget), "wrong" (accuracy), "error", "timed"
@@ -260,16 +261,6 @@ class Candidate:
     current: bool = False
     max_error_ratio: Optional[float] = None  # worst max-error / tolerance over the checked tensors
     times_ms: List[float] = field(default_factory=list)
-
-    @property
-    def median_ms(self) -> Optional[float]:
-        return statistics.median(self.times_ms) if self.times_ms else None
-
-    @property
-    def spread_pct(self) -> Optional[float]:
-        if len(self.times_ms) < 2:
-            return None
-        return 100.0 * (max(self.times_ms) - min(self.times_ms)) / self.median_ms
 
     def as_record(self) -> dict:
         return dict(self.config, working_set_bytes=self.working_set, status=self.status, reason=self.reason,
