@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
+from tileattn.bench import measure_peak_memory
 from tileattn.spec import visible_pairs
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -166,23 +167,6 @@ def time_interleaved(fns: dict, reps: int) -> dict:
     return times
 
 
-def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_child(case_json: str) -> None:
     """Subprocess body: one call of one provider; prints the resident-set growth in bytes."""
     spec = json.loads(case_json)
@@ -193,13 +177,7 @@ def memory_child(case_json: str) -> None:
     tiny = Case(**{**spec, "seqlen": 16, "block_mask": min(case.block_mask, 8),
                    "window": min(case.window, 8)})
     runner(tiny, provider)()
-    fn = runner(case, provider)
-    before = _status_kib("VmRSS")
-    if not _reset_peak():
-        before = max(before, _status_kib("VmHWM"))
-    fn()
-    peak = _status_kib("VmHWM")
-    print(json.dumps({"peak_bytes": max(0, peak - before) * 1024}))
+    print(json.dumps({"peak_bytes": measure_peak_memory(runner(case, provider), "cpu")}))
 
 
 def measure_memory(case: Case, provider: str, timeout: float = 900.0):
@@ -213,7 +191,7 @@ def measure_memory(case: Case, provider: str, timeout: float = 900.0):
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         line = res.stdout.strip().splitlines()[-1]
         return json.loads(line)["peak_bytes"] / 2**20
-    except (subprocess.SubprocessError, IndexError, ValueError, KeyError):
+    except (subprocess.SubprocessError, IndexError, ValueError, KeyError, TypeError):
         return None
 
 
