@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import tileattn
 from tileattn.bench import measure_peak_memory
-from tileattn.spec import visible_pairs
+from tileattn.modifiers import Band
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROVIDERS = ("tileattn", "sdpa", "naive")
@@ -71,7 +71,8 @@ class Case:
             left, right = self.window - 1, 0
         else:
             left, right = None, (0 if self.causal else None)
-        pairs = visible_pairs(self.seqlen, self.seqlen, left, right)
+        band = Band(left, right) if (left, right) != (None, None) else None
+        pairs = self.seqlen * self.seqlen if band is None else band.visible_pairs(self.seqlen, self.seqlen, 0)
         fwd = 4.0 * self.batch * self.heads * pairs * self.head_dim
         return fwd * (3.5 if self.mode == "fwd+bwd" else 1.0)
 

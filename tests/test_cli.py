@@ -82,9 +82,9 @@ def test_verify_fails_with_exit_1_on_a_wrong_backend():
         class Off(CpuBackend):
             name = "off_by_one_percent"
             auto = False
-            def forward(self, inp):
-                out, lse = super().forward(inp)
-                return out * 1.01, lse
+            def forward(self, spec, out, lse):
+                super().forward(spec, out, lse)
+                out.mul_(1.01)
         register(Off())
         from tileattn.cli import main
         sys.exit(main(["verify", "--backend", "off_by_one_percent", "--shape", "1,2,32,16"]))
@@ -196,11 +196,11 @@ def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
     # A fresh process with the same cache directory: dispatch's default config is the winner.
     check = python("""
         import json, torch
-        from tileattn.spec import make_inputs
+        from tileattn.spec import build_spec
         from tileattn.backends.cpu import default_config
         x = torch.empty(1, 2, 256, 32)
-        cfg = default_config(make_inputs(x, x, x))
-        other = default_config(make_inputs(x, x, x, causal=True))
+        cfg = default_config(build_spec(x, x, x))
+        other = default_config(build_spec(x, x, x, causal=True))
         print(json.dumps([cfg.block_m, cfg.block_n, other.block_m, other.block_n]))
     """, cache_dir=tmp_path)
     assert check.returncode == 0, check.stderr
@@ -262,10 +262,10 @@ def test_tuning_models_and_override_are_consistent():
 
     from tileattn import tuning
     from tileattn.backends.cpu import default_config
-    from tileattn.spec import make_inputs
+    from tileattn.spec import build_spec
 
     x = torch.empty(1, 4, 100, 40, dtype=torch.float16)
-    inp = make_inputs(x, x, x)
+    inp = build_spec(x, x, x)
     # Blocks longer than the sequence are clamped, so no two candidates launch the same tiles.
     cpu = tuning.cpu_candidates(inp)
     assert len(cpu) == len({(c["block_m"], c["block_n"]) for c in cpu})

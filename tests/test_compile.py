@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import dispatch
+from tileattn import dispatch, ops
+from tileattn.dispatch import get_backend
+from tileattn.spec import build_spec
 from torch._dynamo.utils import counters
 
 from conftest import make_qkv
@@ -105,17 +107,16 @@ def test_custom_op_fake_shapes_match_real_ones():
     ]
     cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3, 7], dtype=torch.int32)
     for layout, heads, (q, k, v) in cases:
-        cu = (cu_q, cu_k) if layout == "TND" else (None, None)
-        real_out, real_lse = tileattn.flash_attention(q, k, v, layout=layout, num_heads=heads, return_lse=True,
-                                                      cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-            fake_out, fake_lse = torch.ops.tileattn.attention_forward(
-                fq, fk, fv, None, None, None, *cu, layout, heads or 0, 0.35, False, -1, -1, 0.0, 0.0,
-                0, False, "cpu",
-            )
-        assert fake_out.shape == real_out.shape and fake_lse.shape == real_lse.shape, layout
-        assert fake_out.dtype == real_out.dtype and fake_lse.dtype == real_lse.dtype, layout
+        cu = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k) if layout == "TND" else {}
+        for partial in (False, True):
+            spec = build_spec(q, k, v, layout=layout, num_heads=heads, sinks=torch.zeros(4), causal=True, **cu)
+            real_out, real_lse = ops.run_forward(spec, get_backend("cpu"), partial)
+            args = list(ops.pack(spec, "cpu", partial))
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                args[:3] = [mode.from_tensor(t) for t in args[:3]]
+                fake_out, fake_lse = torch.ops.tileattn.attention_forward(*args)
+            assert fake_out.shape == real_out.shape and fake_lse.shape == real_lse.shape, layout
+            assert fake_out.dtype == real_out.dtype and fake_lse.dtype == real_lse.dtype, layout
 
 
 def varlen_block(q, k, v, cu_q, cu_k):
@@ -149,20 +150,21 @@ def test_compile_varlen_forward_backward_and_runtime_validation():
 def _opcheck_cases():
     q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=5, sk=6, d=8, dv=4, layout="BSH", seed=36)
     q = q.transpose(0, 1).contiguous().transpose(0, 1)  # strided
-    bias = torch.randn(4, 5, 6)
-    yield "BSH strided + bias", (q, k, v, None, bias, None, None, None, "BSH", 4), (0.35, True, 3, -1, 2.0)
+    yield "BSH strided + bias + sinks", (q, k, v), dict(
+        layout="BSH", num_heads=4, bias=torch.randn(4, 5, 6), sinks=torch.randn(4), causal=True, window=(3, None),
+        softcap=2.0, scale=0.35)
     tq, tk, tv = (t[0].transpose(0, 1) for t in make_qkv(b=1, hq=2, sq=7, sk=9, d=8, seed=37))
     cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 0, 9], dtype=torch.int32)
-    yield "TND", (tq, tk, tv, None, None, torch.rand(2, 2), cu_q, cu_k, "TND", 0), (0.35, True, -1, -1, 0.0)
+    yield "TND", (tq, tk, tv), dict(layout="TND", alibi_slopes=torch.rand(2), cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, causal=True)
 
 
 @pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
 def test_torch_library_opcheck(case):
     """Schema, fake implementation, autograd registration and AOT dispatch, checked by torch itself."""
-    _, tensors, (scale, causal, left, right, softcap) = case
-    tensors = [t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() and i in (0, 1, 2, 4)
-               else t for i, t in enumerate(tensors)]
-    args = (*tensors, scale, causal, left, right, softcap, 0.0, 0, False, "cpu")
+    _, tensors, kwargs = case
+    kwargs = {k: (v.requires_grad_() if k in ("bias", "sinks") else v) for k, v in kwargs.items()}
+    args = ops.pack(build_spec(*(t.requires_grad_() for t in tensors), **kwargs), "cpu", False)
     result = torch.library.opcheck(torch.ops.tileattn.attention_forward.default, args)
     assert set(result.values()) == {"SUCCESS"}, result
 
@@ -170,12 +172,11 @@ def test_torch_library_opcheck(case):
 @pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
 def test_torch_library_opcheck_backward(case):
     """The backward op's fake implementation matches its real outputs (shapes, strides, dtypes)."""
-    _, tensors, (scale, causal, left, right, softcap) = case
-    q, k, v, mask, bias, alibi, cu_q, cu_k, layout, heads = tensors
-    scalars = (layout, heads, scale, causal, left, right, softcap, 0.0, 0, False, "cpu")
-    out, lse = torch.ops.tileattn.attention_forward(q, k, v, mask, bias, alibi, cu_q, cu_k, *scalars)
-    dout = torch.randn(out.shape)
-    args = (dout, q, k, v, out, lse, mask, bias, alibi, cu_q, cu_k, *scalars, bias is not None)
+    _, tensors, kwargs = case
+    q, k, v, bias, sinks, extras, ints, floats, config = ops.pack(build_spec(*tensors, **kwargs), "cpu", False)
+    out, lse = torch.ops.tileattn.attention_forward(q, k, v, bias, sinks, extras, ints, floats, config)
+    dout, dlse = torch.randn(out.shape), torch.randn(lse.shape)
+    args = (dout, dlse, out, lse, q, k, v, bias, sinks, extras, ints, floats, config, bias is not None)
     result = torch.library.opcheck(torch.ops.tileattn.attention_backward.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result

@@ -297,8 +297,8 @@ class _RefusingBackend(Backend):
     name = "refuser"
     priority = 1
 
-    def not_supported_reasons(self, inp):
-        return ["refuses every call (test double)"]
+    def unavailable_reason(self):
+        return "refuses every call (test double)"
 
 
 @pytest.fixture
@@ -327,7 +327,7 @@ def test_no_backend_for_call_lists_reasons(refusing_backend):
     with pytest.raises(NoBackendError) as info:
         tileattn.flash_attention(q, k, v)
     message = str(info.value)
-    assert "needs CPU tensors (got meta)" in message
+    assert "needs cpu tensors (got meta)" in message
     for b in list_backends():
         assert f"{b.name}:" in message
     with pytest.raises(NoBackendError, match="cpu"):
@@ -340,9 +340,9 @@ def _count_forward_calls(monkeypatch):
         if b.name in ("cpu", "reference"):
             real = b.forward
 
-            def spy(inp, _real=real, _name=b.name):
+            def spy(spec, out, lse, _real=real, _name=b.name):
                 calls.append(_name)
-                return _real(inp)
+                return _real(spec, out, lse)
 
             monkeypatch.setattr(b, "forward", spy)
     return calls

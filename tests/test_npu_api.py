@@ -363,28 +363,32 @@ def test_bad_arguments():
         npu_fusion_attention(q, k, v, 4, "BSH", sparse_mode=6, atten_mask=torch.zeros(3072, 2048, dtype=torch.bool))
 
 
-def test_band_plans_reproduce_every_top_left_band():
-    """plan_band (cut keys + bottom-right window + optional mask) == the materialised top-left band."""
-    from tileattn.compat.bands import plan_band, top_left_keep
-    from tileattn.scores import band_keep
+def test_band_keywords_reproduce_every_top_left_band():
+    """_band_kwargs (a window around a diagonal placed by ``align``) == the materialised top-left band."""
+    from tileattn.modifiers import Band
+    from tileattn.npu import _band_kwargs
 
     bounds = [None, -7, -3, -1, 0, 1, 2, 5, 8]
     for sq in (1, 3, 5):
         for sk in (1, 4, 6):
+            rel = torch.arange(sk)[None, :] - torch.arange(sq)[:, None]
             for lo in bounds:
                 for hi in bounds:
-                    if lo is not None and hi is not None and lo > hi:
-                        continue
-                    plan = plan_band(sq, sk, lo, hi)
-                    assert 0 < plan.keys <= sk
-                    left, right = plan.window
-                    assert (left is None or left >= 0) and (right is None or right >= 0)
-                    got = torch.zeros(sq, sk, dtype=torch.bool)
-                    region = band_keep(torch.arange(sq), torch.arange(plan.keys), sq, plan.keys, left, right)
-                    if plan.keep is not None:
-                        region &= plan.keep
-                    got[:, : plan.keys] = region
-                    assert torch.equal(got, top_left_keep(sq, sk, lo, hi)), (sq, sk, lo, hi, plan)
+                    expected = torch.ones(sq, sk, dtype=torch.bool)
+                    if lo is not None:
+                        expected &= rel >= lo
+                    if hi is not None:
+                        expected &= rel <= hi
+                    kwargs = _band_kwargs((lo, hi) if (lo, hi) != (None, None) else None, sq, sk, None)
+                    if "mask" in kwargs:
+                        got = kwargs["mask"]
+                    elif kwargs:
+                        left, right = kwargs["window"]
+                        assert (left is None or left >= 0) and (right is None or right >= 0)
+                        got = Band(left, right).keep(torch.arange(sq), torch.arange(sk), kwargs["align"])
+                    else:
+                        got = torch.ones(sq, sk, dtype=torch.bool)
+                    assert torch.equal(got, expected), (sq, sk, lo, hi, kwargs)
 
 
 def _grad_vs_autograd(q, k, v, n, layout, pse=None, **kw):

@@ -58,14 +58,14 @@ def test_masks_match_torch(sq, sk):
     _compare_with_torch([q, k, v], attn_mask=float_mask, scale=0.2)
 
 
-def test_mask_broadcast_over_keys_survives_the_causal_key_cut():
-    # Sq < Sk: top-left causal cuts keys; a mask with last dim 1 must stay (the masked row gives 0)
+def test_top_left_causal_with_a_mask_broadcast_over_keys():
+    # Sq < Sk: top-left causal hides the last keys from every row; a mask with last dim 1 still applies
     q, k, v = _rand(1, 2, 4, 8), _rand(1, 2, 7, 8, seed=1), _rand(1, 2, 7, 8, seed=2)
     row_mask = torch.ones(1, 2, 4, 1, dtype=torch.bool)
     row_mask[0, 1, 2] = False
     causal = torch.ones(4, 7, dtype=torch.bool).tril()
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=row_mask & causal)
-    got = tileattn.sdpa.attend_top_left(q, k, v, "BNSD", causal=True, mask=row_mask)
+    got = tileattn.flash_attention(q, k, v, causal=True, align="top_left", mask=row_mask)
     torch.testing.assert_close(got, expected)
     assert got[0, 1, 2].abs().max() == 0
 
@@ -120,13 +120,13 @@ def test_contradictory_arguments_raise_like_torch():
 def test_patch_sdpa_routes_restores_and_nests(monkeypatch):
     original = F.scaled_dot_product_attention
     calls = []
-    real = tileattn.sdpa.attend_top_left
+    real = tileattn.sdpa.flash_attention
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tileattn.sdpa, "attend_top_left", spy)
+    monkeypatch.setattr(tileattn.sdpa, "flash_attention", spy)
     q = _rand(1, 2, 4, 8)
     with tileattn.patch_sdpa():
         assert F.scaled_dot_product_attention is tileattn.scaled_dot_product_attention

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.spec import make_inputs
+from tileattn.modifiers import Band, TileState
+from tileattn.spec import build_spec
 from tileattn.testing import check_against_reference
 
 from conftest import make_qkv, strided_view
@@ -160,13 +161,14 @@ def test_gqa_mqa(hq, hkv):
 
 
 @triton.jit
-def _block_ranges_probe(Out, first, q_len, k_len, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, KEYS: tl.constexpr):
+def _block_ranges_probe(Out, first, q_len, k_len, offset, left, right, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        KEYS: tl.constexpr):
     if KEYS:
-        a, b, c, d = tile_math.visible_key_blocks(first, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+        a, b, c, d = tile_math.visible_key_blocks(first, q_len, k_len, offset, left, right, BLOCK_M, BLOCK_N,
                                                   HAS_LEFT, HAS_RIGHT)
     else:
-        a, b, c, d = tile_math.visible_query_blocks(first, q_len, k_len, left, right, BLOCK_M, BLOCK_N,
+        a, b, c, d = tile_math.visible_query_blocks(first, q_len, k_len, offset, left, right, BLOCK_M, BLOCK_N,
                                                     HAS_LEFT, HAS_RIGHT)
     tl.store(Out + 0, a)
     tl.store(Out + 1, b)
@@ -175,33 +177,36 @@ def _block_ranges_probe(Out, first, q_len, k_len, left, right, BLOCK_M: tl.const
 
 
 @interpreted
-@pytest.mark.parametrize("window", [(None, None), (None, 0), (3, 2), (0, 0), (7, None), (20, 4)])
-def test_block_ranges_cover_the_band_and_skip_masks_only_inside(window):
-    """Exhaustive on small sizes: blocks outside [start, end) hold no visible pair, and blocks in the
-    unmasked middle [mid_lo, mid_hi) hold only visible pairs (so skipping their mask is exact)."""
-    from tileattn.scores import band_keep
-
+@pytest.mark.parametrize("window", [(None, 0), (3, 2), (0, 0), (7, None), (20, 4)])
+def test_block_ranges_follow_the_band_classification(window):
+    """The kernels' block ranges agree with :meth:`Band.tile_state`, the one rule every engine
+    follows: blocks outside [start, end) are EMPTY, blocks in the unmasked middle [mid_lo, mid_hi)
+    are FULL (so skipping their mask is exact), for bottom-right, top-left and shifted diagonals."""
     left, right = window
+    band = Band(left, right)
     block_m, block_n = 16, 8
     out = torch.zeros(4, dtype=torch.int32)
     for q_len in (1, 5, 17, 40):
         for k_len in (1, 9, 17, 40):
-            keep = band_keep(torch.arange(q_len), torch.arange(k_len), q_len, k_len, left, right)
-            for keys in (True, False):
-                own, other = (block_m, block_n) if keys else (block_n, block_m)
-                own_len, other_len = (q_len, k_len) if keys else (k_len, q_len)
-                view = keep if keys else keep.T
-                for first in range(0, own_len, own):
-                    _block_ranges_probe[(1,)](out, first, q_len, k_len, left or 0, right or 0, block_m, block_n,
-                                              left is not None, right is not None, keys)
-                    start, mid_lo, mid_hi, end = out.tolist()
-                    assert start % other == 0 and start <= mid_lo <= mid_hi <= end, out
-                    rows = view[first:first + own]
-                    visible_cols = rows.any(0).nonzero().flatten().tolist()
-                    assert all(start <= j < end for j in visible_cols), (q_len, k_len, keys, first, out)
-                    for j0 in range(mid_lo, mid_hi, other):
-                        inside = j0 + other <= other_len and bool(rows[:, j0:j0 + other].all())
-                        assert inside, (q_len, k_len, keys, first, out)
+            for offset in sorted({k_len - q_len, 0, 5, -3}):
+                for keys in (True, False):
+                    own, other = (block_m, block_n) if keys else (block_n, block_m)
+                    own_len, other_len = (q_len, k_len) if keys else (k_len, q_len)
+                    for first in range(0, own_len, own):
+                        _block_ranges_probe[(1,)](out, first, q_len, k_len, offset, left or 0, right or 0,
+                                                  block_m, block_n, left is not None, right is not None, keys)
+                        start, mid_lo, mid_hi, end = out.tolist()
+                        assert start % other == 0 and start <= mid_lo <= mid_hi <= end, out
+                        last = min(first + own, own_len)
+                        for j0 in range(0, other_len, other):
+                            j1 = min(j0 + other, other_len)
+                            tile = (first, last, j0, j1) if keys else (j0, j1, first, last)
+                            state = band.tile_state(*tile, offset)
+                            where = (q_len, k_len, offset, keys, first, j0, out.tolist())
+                            if not start <= j0 < end:
+                                assert state == TileState.EMPTY, where
+                            if mid_lo <= j0 < mid_hi:
+                                assert state == TileState.FULL and j1 - j0 == other, where
 
 
 # ------------------------------------------------------------------------------------ layouts
@@ -364,7 +369,7 @@ def test_refusals_in_interpreter():
     engine = get_backend("triton")
     assert engine.priority < get_backend("cpu").priority
     q, k, v = make_qkv(b=1, hq=1, sq=8, d=16)
-    inp = make_inputs(q, k, v)
+    inp = build_spec(q, k, v)
     assert engine.not_supported_reasons(inp) == []
     # "auto" never takes CPU tensors to the interpreter; an explicit backend="triton" does.
     assert select(inp).name != "triton"
@@ -376,7 +381,7 @@ def test_refusals_in_interpreter():
         "head_dim_v 272": make_qkv(b=1, hq=1, sq=8, d=16, dv=272),
     }
     for needle, qkv in cases.items():
-        reasons = engine.not_supported_reasons(make_inputs(*qkv))
+        reasons = engine.not_supported_reasons(build_spec(*qkv))
         assert any(needle in r for r in reasons), (needle, reasons)
         with pytest.raises(tileattn.NoBackendError, match=needle):
             tileattn.flash_attention(*qkv, backend="triton")
@@ -387,7 +392,7 @@ def test_cpu_tensors_refused_without_interpreter():
     from tileattn.dispatch import get_backend, select
 
     q, k, v = make_qkv(b=1, hq=1, sq=8, d=16)
-    inp = make_inputs(q, k, v)
+    inp = build_spec(q, k, v)
     reasons = get_backend("triton").not_supported_reasons(inp)
     assert any("TRITON_INTERPRET=1" in r for r in reasons), reasons
     assert select(inp).name == "cpu"
@@ -473,14 +478,14 @@ def test_kernels_compile_for_sm90():
     except ImportError as exc:
         pytest.skip(f"triton has no NVIDIA compiler backend here: {exc}")
     fwd, bwd = launch.kernels()
-    flags = dict(HAS_LEFT=True, HAS_RIGHT=True, IS_VARLEN=True, HAS_MASK=True, HAS_BIAS=True, HAS_ALIBI=True,
+    flags = dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, IS_VARLEN=True, HAS_MASK=True, HAS_BIAS=True,
+                 HAS_ALIBI=True,
                  HAS_SOFTCAP=True, HAS_DROPOUT=True, BLOCK_D=64, BLOCK_DV=32)
     bf16, fp32 = dict(flags, DOT_PRECISION="tf32"), dict(flags, DOT_PRECISION="ieee")
     jobs = [
         (fwd.attention_forward_kernel, dict(bf16, BLOCK_M=64, BLOCK_N=32), "bf16"),
         (bwd.attention_backward_dkdv_kernel, dict(bf16, BLOCK_M=32, BLOCK_N=64), "bf16"),
         (bwd.attention_backward_dq_kernel, dict(bf16, WRITE_DBIAS=True, BLOCK_M=64, BLOCK_N=32), "bf16"),
-        (bwd.attention_backward_preprocess, dict(IS_VARLEN=True, BLOCK_M=64, BLOCK_DV=32), "bf16"),
         (fwd.attention_forward_kernel, dict(fp32, BLOCK_M=32, BLOCK_N=32), "fp32"),
     ]
     # The same kernels with every specialisable int argument equal to 1 (a constant, not a tensor).

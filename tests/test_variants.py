@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import scores as S
+from tileattn.modifiers import Dropout
 from tileattn.backends.cpu import TileConfig
 from tileattn.dispatch import get_backend
 
@@ -259,12 +259,12 @@ def test_dropout_fraction_of_rng_matches_p():
     n = 8 * 256 * 512
     for p in (0.1, 0.5, 0.9):
         for seed, batch in ((0, 0), (2**40 + 3, 5)):
-            keep = S.dropout_keep(S.dropout_row_keys(seed, batch, heads, rows), cols, p)
+            keep = Dropout(p, seed).keep(batch, heads, rows, cols)
             dropped = 1.0 - keep.double().mean().item()
             assert abs(dropped - p) < 6 * math.sqrt(p * (1 - p) / n), (p, seed, dropped)
-    a = S.dropout_keep(S.dropout_row_keys(1, 0, heads, rows), cols, 0.5)
-    b = S.dropout_keep(S.dropout_row_keys(2, 0, heads, rows), cols, 0.5)
-    c = S.dropout_keep(S.dropout_row_keys(1, 1, heads, rows), cols, 0.5)
+    a = Dropout(0.5, 1).keep(0, heads, rows, cols)
+    b = Dropout(0.5, 2).keep(0, heads, rows, cols)
+    c = Dropout(0.5, 1).keep(1, heads, rows, cols)
     # Different seeds or batch items agree on about half the positions, like independent coins.
     for other in (b, c):
         agree = (a == other).double().mean().item()
@@ -284,8 +284,7 @@ def test_dropout_reveals_its_mask_end_to_end(backend, p):
     n = out.numel()
     assert abs((1 - kept.double().mean().item()) - p) < 6 * math.sqrt(p * (1 - p) / n)
     for bi in range(b):
-        keys = S.dropout_row_keys(99, bi, torch.arange(h), torch.arange(sq))
-        assert torch.equal(kept[bi], S.dropout_keep(keys, torch.arange(sk), p))
+        assert torch.equal(kept[bi], Dropout(p, 99).keep(bi, torch.arange(h), torch.arange(sq), torch.arange(sk)))
 
 
 def test_dropout_mean_converges_to_no_dropout():

@@ -5,8 +5,9 @@ engine, Triton kernels for GPUs, an exact reference) behind one dispatcher that 
 refused a call.
 """
 
-from .api import explain, flash_attention
+from .api import AttentionGradients, attention_backward, attention_partial, explain, flash_attention
 from .dispatch import NoBackendError, get_backend, list_backends
+from .merge import merge_attentions
 from .reference import reference
 from .spec import LAYOUTS
 from . import npu
@@ -25,6 +26,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attention",
+    "attention_partial",
+    "attention_backward",
+    "AttentionGradients",
+    "merge_attentions",
     "reference",
     "explain",
     "list_backends",

@@ -1,36 +1,35 @@
-"""The public operator: :func:`flash_attention`."""
+"""The public operator and the partial-attention layer.
+
+* :func:`flash_attention`: exact attention, forward and backward, any engine.
+* :func:`attention_partial`: the attention of one key/value shard as (out in fp32, LSE), both
+  differentiable; :func:`tileattn.merge_attentions` combines shards exactly.
+* :func:`attention_backward`: gradients of one shard given caller-supplied (global) out and LSE, the
+  FlashAttention-2 backward that ring attention needs.
+* :func:`explain`: which engine would run a call and why the others refuse it.
+
+A call is validated once (:func:`tileattn.spec.build_spec`), an engine is chosen
+(:func:`tileattn.dispatch.select`), and then either the custom op runs (gradients needed, or
+``torch.compile`` tracing: one opaque node with autograd) or, for inference, the engine is called
+directly, skipping the op's round trip.
+"""
 
 from __future__ import annotations
 
-from .dispatch import select
-from .ops import attention_forward
-from .spec import make_inputs
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import ops
+from .dispatch import explain as _explain, select
+from .modifiers import fail
+from .spec import AttentionSpec, build_spec, check_bool
 
 
 def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    layout="BNSD",
-    num_heads=None,
-    scale=None,
-    causal=False,
-    window=None,
-    mask=None,
-    bias=None,
-    alibi_slopes=None,
-    softcap=0.0,
-    dropout_p=0.0,
-    seed=None,
-    generator=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    return_lse=False,
-    deterministic=False,
-    backend="auto",
+    q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
+    mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
+    return_lse=False, deterministic=False, backend="auto",
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -45,20 +44,23 @@ def flash_attention(
     BSH       (B, Sq, Hq*D)          (B, Sk, Hkv*D), (B, Sk, Hkv*Dv); needs ``num_heads`` = Hq
     SBH       (Sq, B, Hq*D)          (Sk, B, Hkv*D), (Sk, B, Hkv*Dv); needs ``num_heads`` = Hq
     TND       (Tq, Hq, D)            (Tk, Hkv, D), (Tk, Hkv, Dv); needs ``cu_seqlens_q/k``
+    paged     q in ``layout``        pools (num_blocks, block_size, Hkv, D/Dv) with ``block_table``
     ========  =====================  ==========================================================
 
     The output has q's layout, batch/length and v's head dim, in q's dtype. Inputs are read through
-    their strides (a transposed view is never copied to contiguous memory). GQA/MQA: ``Hq % Hkv == 0``
-    and query head ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
+    their strides (a transposed view is never copied). GQA/MQA: ``Hq % Hkv == 0`` and query head
+    ``h`` reads kv head ``h // (Hq // Hkv)``; K/V are never repeated.
 
     Order of operations (fixed)::
 
-        s = scale * q.k^T -> softcap -> + ALiBi + bias -> causal, window and mask -> softmax
+        s = scale * q.k^T -> softcap -> + ALiBi + bias -> causal, window and mask -> softmax (+ sinks)
           -> dropout -> . v
 
-    Causal and window are aligned to the **bottom-right** corner (FlashAttention-2): query row ``i``
-    sees key ``j`` iff ``i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right``. ``causal=True`` sets
-    ``right = 0``. Sq = 2, Sk = 5, causal::
+    Alignment: query row ``i`` of a sequence is aligned with key column ``i + off``. The default
+    ``align="bottom_right"`` (FlashAttention-2) gives ``off = Sk - Sq``; ``"top_left"`` (SDPA's
+    ``is_causal``) gives ``off = 0``; an int gives that offset (a key shard of a longer sequence).
+    Causal and window: row ``i`` sees key ``j`` iff ``i + off - left <= j <= i + off + right``;
+    ``causal=True`` sets ``right = 0``. ALiBi adds ``-slope * |i + off - j|``. Sq = 2, Sk = 5, causal::
 
         keys ->    0 1 2 3 4
         query 0    1 1 1 1 0
@@ -73,38 +75,37 @@ def flash_attention(
         query 3    1 0
         query 4    1 1
 
-    Sliding window ``window=(2, 0)`` at Sq = Sk = 5 (Mistral-style, each query sees itself and the
-    two keys before it)::
-
-        1 0 0 0 0
-        1 1 0 0 0
-        1 1 1 0 0
-        0 1 1 1 0
-        0 0 1 1 1
-
     Args:
         q, k, v: fp16, bf16, fp32 or fp64 tensors of one dtype and device (shapes above).
         layout: "BNSD" (default), "BSND", "BSH", "SBH" or "TND" (variable length).
         num_heads: number of query heads; required for BSH/SBH (kv heads follow from k's width).
         scale: multiplies q.k^T; default ``1 / sqrt(D)``.
-        causal: bottom-right aligned causal mask (see above).
+        causal: causal mask, aligned by ``align``.
         window: ``(left, right)`` sliding window; ``None`` or a negative value = unbounded side.
+        align: "bottom_right" (default), "top_left" or an int diagonal offset (see above).
         mask: bool tensor broadcastable to (B, Hq, Sq, Sk); **True = take part** (SDPA convention).
         bias: float tensor broadcastable to (B, Hq, Sq, Sk), added to the scores; when it requires
             grad its gradient is returned, reduced over its broadcast dimensions.
-        alibi_slopes: fp32 (Hq,) or (B, Hq); adds ``-slope * |i + Sk - Sq - j|``.
+        alibi_slopes: fp32 (Hq,) or (B, Hq).
         softcap: > 0 replaces scores by ``softcap * tanh(scores / softcap)``.
         dropout_p: probability of dropping an attention weight (training); kept weights are scaled
             by ``1 / (1 - dropout_p)``. The mask is a pure function of (seed, batch, head, row, col).
         seed / generator: dropout randomness; the same seed gives bitwise the same output and
             gradients. Without either, a seed is drawn from torch's default generator.
+        sinks: float (Hq,) learnable attention sinks (gpt-oss): one extra logit per head in every
+            row's softmax denominator, with no value; differentiable. The LSE includes it.
         cu_seqlens_q, cu_seqlens_k: int32 (B+1,) cumulative offsets for ``layout="TND"``.
         max_seqlen_q, max_seqlen_k: optional; checked against the cu_seqlens.
+        seqused_k: int32 (B,): sequence ``b`` uses only its first ``seqused_k[b]`` keys (a ragged
+            KV cache); alignment and causality count from that length.
+        block_table: int32 (B, max_blocks): k and v are paged pools (num_blocks, block_size, Hkv, D)
+            and sequence ``b`` reads blocks ``block_table[b]`` (forward only).
         return_lse: also return the log-sum-exp (natural log) of the masked scores, fp32 (fp64 for
-            fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf.
-        deterministic: bitwise-reproducible gradients (the CPU engine always is).
-        backend: "auto" (default; ``$TILEATTN_BACKEND`` overrides it), "cpu", "triton" or
-            "reference". :func:`tileattn.explain` tells why each backend accepts or refuses a call.
+            fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf (or the
+            sink). The LSE is differentiable.
+        deterministic: bitwise-reproducible gradients.
+        backend: "auto" (default; ``$TILEATTN_BACKEND`` overrides it) or an engine name.
+            :func:`tileattn.explain` tells why each backend accepts or refuses a call.
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse=True``.
@@ -113,26 +114,84 @@ def flash_attention(
         ValueError / TypeError before any compute, naming the argument, what was given and what
         would work; :class:`tileattn.NoBackendError` when no engine can run the call.
     """
-    inp = make_inputs(
-        q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window,
-        mask=mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-        seed=seed, generator=generator, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, deterministic=deterministic,
+    check_bool("return_lse", return_lse)
+    spec = build_spec(
+        q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window, align=align,
+        mask=mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+        generator=generator, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+        deterministic=deterministic,
     )
-    engine = select(inp, backend)
-    left, right = inp.window
-    out, lse = attention_forward(
-        q, k, v, mask, bias, alibi_slopes, cu_seqlens_q, cu_seqlens_k, inp.layout,
-        inp.heads_q, inp.scale, inp.causal, -1 if left is None else left, -1 if right is None else right,
-        inp.softcap, inp.dropout_p, inp.seed, inp.deterministic, engine.name,
-    )
+    out, lse = run(spec, backend, partial=False)
     return (out, lse) if return_lse else out
 
 
-def explain(q, k, v, **kwargs):
-    """Which backend would run this call, and every backend's reasons for refusing it."""
-    from .dispatch import explain as _explain
+def _needs_grad(spec: AttentionSpec) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [spec.q, spec.k, spec.v] + [spec.modifier(kind).tensor for kind in ("bias", "sinks")
+                                          if spec.modifier(kind) is not None]
+    return any(t.requires_grad for t in tensors)
 
+
+def run(spec: AttentionSpec, backend="auto", partial: bool = False):
+    """(out, lse) of a validated call on the chosen engine."""
+    grad = _needs_grad(spec)
+    engine = select(spec, backend, backward=grad)
+    if grad or torch.compiler.is_compiling():
+        return ops.attention_forward(*ops.pack(spec, engine.name, partial))
+    return ops.run_forward(spec, engine, partial)
+
+
+def attention_partial(q, k, v, *, backend="auto", **kwargs):
+    """The attention of q over one key/value shard: ``(out, lse)``, out in fp32 (fp64 for fp64).
+
+    Takes :func:`flash_attention`'s keywords; ``align`` places the shard inside the full sequence
+    (an int: query row ``i`` is aligned with shard key ``i + align``). Both results are
+    differentiable. Combine shards with :func:`tileattn.merge_attentions`.
+    """
+    kwargs.pop("return_lse", None)
+    return run(build_spec(q, k, v, **kwargs), backend, partial=True)
+
+
+class AttentionGradients(NamedTuple):
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: Optional[torch.Tensor]
+    dsinks: Optional[torch.Tensor]
+
+
+def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **kwargs) -> AttentionGradients:
+    """Gradients of attention over one key/value shard, given the output gradient ``dout`` and the
+    caller's ``out`` and ``lse`` (those of the full attention, for ring attention: then the shard's
+    dq, dk, dv are its share of the full gradients). ``dlse``: an optional gradient of the LSE.
+
+    Takes :func:`flash_attention`'s keywords for the shard. ``dbias`` is returned when a bias is
+    given, ``dsinks`` when sinks are. No autograd graph is recorded.
+    """
+    spec = build_spec(q, k, v, **kwargs)
+    engine = select(spec, backend, backward=True)
+    for name, t, shape in (("dout", dout, spec.out_shape()), ("out", out, spec.out_shape()),
+                           ("lse", lse, spec.lse_shape()), ("dlse", dlse, spec.lse_shape())):
+        if name == "dlse" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            fail(TypeError, name, type(t).__name__, f"a tensor of shape {shape}")
+        if tuple(t.shape) != tuple(shape):
+            fail(ValueError, name, f"shape {tuple(t.shape)}", f"{tuple(shape)} for this call")
+        if t.device != spec.device:
+            fail(ValueError, name, f"device {t.device}", f"device {spec.device}, as q")
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    with torch.no_grad():
+        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, spec.modifier("bias") is not None)
+    return AttentionGradients(*grads)
+
+
+def explain(q, k, v, **kwargs):
+    """Which backend would run this call, and every backend's reasons for refusing it
+    ({backend name: [reasons]}; an empty list = would run)."""
     kwargs.pop("backend", None)
     kwargs.pop("return_lse", None)
-    return _explain(make_inputs(q, k, v, **kwargs))
+    return _explain(build_spec(q, k, v, **kwargs))

@@ -51,12 +51,12 @@ class Case:
         return DTYPE_NAMES[self.dtype]
 
     def spec(self):
-        """The validated :class:`~tileattn.spec.AttentionInputs` of this case, on meta tensors."""
-        from .spec import make_inputs
+        """The validated :class:`~tileattn.spec.AttentionSpec` of this case, on meta tensors."""
+        from .spec import build_spec
 
         q = torch.empty(self.batch, self.heads, self.seqlen_q, self.head_dim, dtype=self.dtype, device="meta")
         kv = torch.empty(self.batch, self.heads, self.seqlen_k, self.head_dim, dtype=self.dtype, device="meta")
-        return make_inputs(q, kv, kv, causal=self.causal)
+        return build_spec(q, kv, kv, causal=self.causal)
 
     def flops(self) -> float:
         return self.spec().flops() * MODE_FLOP_FACTOR[self.mode]
@@ -97,9 +97,9 @@ def _tileattn_engine(name: str):
     def build(case: Case, q, k, v):
         from . import flash_attention
         from .dispatch import get_backend, select
-        from .spec import make_inputs
+        from .spec import build_spec
 
-        inp = make_inputs(q, k, v, causal=case.causal)
+        inp = build_spec(q, k, v, causal=case.causal)
         if name == "auto":
             try:
                 engine = select(inp, "auto").name

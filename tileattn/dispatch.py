@@ -1,34 +1,67 @@
-"""Backend registry and dispatch, xformers style.
+"""Backend registry and dispatch, xformers style: engines declare what they support as data.
 
-Each backend declares what it supports and answers ``not_supported_reasons(inputs)``, a list of
-human-readable reasons (empty = supported). ``backend="auto"`` takes the first backend in priority
-order that accepts the call, skipping the exact reference (it exists for tests and teaching). A call
-that nobody accepts, or an explicitly named backend that refuses, raises :class:`NoBackendError`
-listing every backend with its reasons. ``TILEATTN_BACKEND`` in the environment replaces "auto".
+Each backend carries :class:`Capabilities` (devices, dtypes, head dims, modifiers, varlen, paged KV,
+backward, bias gradient, determinism). One function, :meth:`Backend.not_supported_reasons`, derives
+human-readable refusals from them (availability on this machine first), plus whatever an engine adds
+in :meth:`Backend.extra_reasons`; nobody else recombines them. ``backend="auto"`` takes the first
+backend in priority order that accepts the call, skipping the exact reference. A call that nobody
+accepts, or an explicitly named backend that refuses, raises :class:`NoBackendError` listing every
+backend with its reasons. ``TILEATTN_BACKEND`` in the environment replaces "auto".
+
+Engines are registered lazily, on the first dispatch, so ``import tileattn`` stays cheap.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional
 
 import torch
 
-from .spec import AttentionInputs
+from .spec import AttentionSpec
+
+ALL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+ALL_MODIFIERS = frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout", "sinks"))
 
 
 class NoBackendError(ValueError):
     """No backend can run this call; the message lists every backend and why it refused."""
 
 
-class Backend:
-    """Base class of an engine. Subclasses implement ``forward`` and ``backward``.
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can run, as data. Tests are generated from these declarations."""
 
-    ``forward(inp) -> (out, lse)``: ``out`` in the user's layout and dtype, ``lse`` fp32 (fp64 for
-    fp64 inputs) of shape ``inp.lse_shape()``, natural log.
-    ``backward(inp, out, lse, dout, need_dbias) -> (dq, dk, dv, dbias or None)`` in the shapes of
-    ``q``, ``k``, ``v`` and ``bias``.
+    devices: FrozenSet[str]
+    dtypes: FrozenSet[torch.dtype] = ALL_DTYPES
+    max_head_dim: Optional[int] = None
+    #: Modifier kinds the engine applies itself. Sinks are applied above every engine (a merge of its
+    #: (out, LSE) with the sink logit), so engines never declare them.
+    modifiers: FrozenSet[str] = ALL_MODIFIERS - {"sinks"}
+    varlen: bool = True
+    seqused_k: bool = True
+    paged_kv: bool = True
+    backward: bool = True
+    bias_grad: bool = True
+    #: Bitwise-reproducible gradients with ``deterministic=True``.
+    deterministic: bool = True
+
+
+class Backend:
+    """Base class of an engine.
+
+    ``forward(spec, out, lse)`` writes the attention of ``spec`` into ``out`` (the canonical view of
+    an output allocated by the caller, in the input dtype or in fp32 for partial results) and the
+    natural-log LSE into ``lse`` (fp32, fp64 for fp64 inputs, shape ``spec.lse_shape()``; -inf for
+    rows that see no key, whose output is 0).
+
+    ``backward(spec, grads)`` with a :class:`Gradients` bundle: given ``out``, ``dout`` (canonical
+    views), ``lse`` and ``delta`` (``rowsum(dout * out) - dlse``, fp32, lse-shaped), it writes dq, dk,
+    dv into the canonical views ``grads.dq``/``dk``/``dv`` (input dtype) and, when
+    ``grads.dbias`` is set, accumulates dS reduced over the bias's broadcast dims into it (fp32,
+    the bias's 4-d shape with size-1 dims). Sinks and the LSE gradient are handled by the caller.
     """
 
     name: str = "?"
@@ -36,23 +69,76 @@ class Backend:
     auto: bool = True
     #: Lower runs first under "auto".
     priority: int = 100
+    capabilities: Capabilities = Capabilities(devices=frozenset())
 
-    def available(self) -> List[str]:
-        """Reasons this backend cannot run on this machine at all (empty = available)."""
+    def unavailable_reason(self) -> Optional[str]:
+        """Why this engine cannot run on this machine at all (None: it can)."""
+        return None
+
+    def extra_reasons(self, spec: AttentionSpec, backward: bool) -> List[str]:
+        """Engine-specific refusals beyond the declared capabilities."""
         return []
 
-    def not_supported_reasons(self, inp: AttentionInputs) -> List[str]:
-        return list(self.available())
-
-    def auto_refusal(self, inp: AttentionInputs) -> List[str]:
-        """Reasons "auto" must not pick this backend even though it could run the call."""
+    def auto_refusal(self, spec: AttentionSpec) -> List[str]:
+        """Reasons "auto" must not pick this engine even though it could run the call."""
         return []
 
-    def forward(self, inp: AttentionInputs):
+    def not_supported_reasons(self, spec: AttentionSpec, backward: bool = False) -> List[str]:
+        """Every reason this engine cannot run ``spec`` (forward, and backward when asked)."""
+        unavailable = self.unavailable_reason()
+        if unavailable:
+            return [unavailable]
+        cap = self.capabilities
+        why = []
+        if spec.device.type not in cap.devices:
+            why.append(f"needs {' or '.join(sorted(cap.devices))} tensors (got {spec.device.type})")
+        if spec.dtype not in cap.dtypes:
+            names = ", ".join(sorted(str(d).replace("torch.", "") for d in cap.dtypes))
+            why.append(f"dtype {str(spec.dtype).replace('torch.', '')} is not supported ({names})")
+        if cap.max_head_dim is not None:
+            for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)):
+                if d > cap.max_head_dim:
+                    why.append(f"{name} {d} > {cap.max_head_dim}")
+        missing = [k for k in spec.kinds if k != "sinks" and k not in cap.modifiers]
+        if missing:
+            why.append("modifiers not supported: " + ", ".join(missing))
+        for flag, present, what in (
+            (cap.varlen, spec.is_varlen, "varlen (layout='TND')"),
+            (cap.seqused_k, spec.seqused_k is not None, "seqused_k"),
+            (cap.paged_kv, spec.is_paged, "a paged KV cache (block_table)"),
+        ):
+            if present and not flag:
+                why.append(f"{what} is not supported")
+        if backward:
+            if not cap.backward:
+                why.append("no backward pass (gradients)")
+            elif spec.is_paged:
+                why.append("gradients of a paged KV cache are not supported (decode is forward-only)")
+            if spec.modifier("bias") is not None and spec.modifier("bias").tensor.requires_grad and not cap.bias_grad:
+                why.append("no bias gradient")
+            if spec.deterministic and not cap.deterministic:
+                why.append("deterministic=True is not supported")
+        return why + self.extra_reasons(spec, backward)
+
+    def forward(self, spec: AttentionSpec, out: torch.Tensor, lse: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def backward(self, inp: AttentionInputs, out, lse, dout, need_dbias: bool):
+    def backward(self, spec: AttentionSpec, grads: "Gradients") -> None:
         raise NotImplementedError
+
+
+@dataclass
+class Gradients:
+    """What a backward pass reads and writes (see :class:`Backend`); all tensors canonical views."""
+
+    out: torch.Tensor
+    dout: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: Optional[torch.Tensor] = None
 
 
 _REGISTRY: Dict[str, Backend] = {}
@@ -86,19 +172,16 @@ def _load_builtin() -> bool:
     return True
 
 
-def explain(inp: AttentionInputs) -> Dict[str, List[str]]:
-    """Every backend's refusal reasons for this call ({} values = would run)."""
-    return {b.name: b.not_supported_reasons(inp) for b in list_backends()}
+def explain(spec: AttentionSpec, backward: bool = False) -> Dict[str, List[str]]:
+    """Every backend's refusal reasons for this call (an empty list = would run)."""
+    return {b.name: b.not_supported_reasons(spec, backward) for b in list_backends()}
 
 
 def _format_reasons(reasons: Dict[str, List[str]]) -> str:
-    lines = []
-    for name, why in reasons.items():
-        lines.append(f"  {name}: " + ("supported" if not why else "; ".join(why)))
-    return "\n".join(lines)
+    return "\n".join(f"  {name}: " + ("supported" if not why else "; ".join(why)) for name, why in reasons.items())
 
 
-def select(inp: AttentionInputs, backend: str = "auto") -> Backend:
+def select(spec: AttentionSpec, backend: str = "auto", backward: bool = False) -> Backend:
     """Pick the engine for a call, or raise :class:`NoBackendError` saying why each one refused."""
     if not isinstance(backend, str):
         raise TypeError(f"tileattn: argument 'backend': got {backend!r}; expected a backend name or 'auto'.")
@@ -107,15 +190,12 @@ def select(inp: AttentionInputs, backend: str = "auto") -> Backend:
         backend = os.environ.get("TILEATTN_BACKEND", "auto") or "auto"
     if backend != "auto":
         chosen = get_backend(backend)
-        why = chosen.not_supported_reasons(inp)
-        if why:
+        if chosen.not_supported_reasons(spec, backward):
             origin = "" if requested != "auto" else " (from TILEATTN_BACKEND)"
-            raise NoBackendError(
-                f"tileattn: backend {backend!r}{origin} cannot run this call:\n"
-                + _format_reasons(explain(inp))
-            )
+            raise NoBackendError(f"tileattn: backend {backend!r}{origin} cannot run this call:\n"
+                                 + _format_reasons(explain(spec, backward)))
         return chosen
     for b in list_backends():
-        if b.auto and not b.not_supported_reasons(inp) and not b.auto_refusal(inp):
+        if b.auto and not b.not_supported_reasons(spec, backward) and not b.auto_refusal(spec):
             return b
-    raise NoBackendError("tileattn: no backend supports this call:\n" + _format_reasons(explain(inp)))
+    raise NoBackendError("tileattn: no backend supports this call:\n" + _format_reasons(explain(spec, backward)))

@@ -7,8 +7,7 @@ Same signature, defaults and results as torch_npu (spelling "tockens" included).
 * ``pse`` is added to Q.K^T *before* scaling: tileattn gets ``bias = scale * pse`` (autograd then
   returns ``dpse = scale * dbias``).
 * ``sparse_mode`` bands are counted from the top-left (modes 0, 2) or bottom-right (3, 4) corner;
-  :mod:`tileattn.compat.bands` turns them into tileattn windows (bottom-right) by cutting keys no
-  query can see, with a bool mask only where a window cannot express the band.
+  they become a tileattn window around a diagonal placed by ``align`` (see :func:`_band_kwargs`).
 * ``softmax_max``/``softmax_sum`` (fp32, last dim 8, the value repeated) come from tileattn's LSE and
   the true row max of the masked, scaled scores, computed tile by tile (see :func:`_row_max`), so
   ``softmax_max + log(softmax_sum) == LSE``.
@@ -23,19 +22,14 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from functools import partial
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
-from .api import flash_attention
-from .dispatch import select
-from .ops import attention_backward
-from .backends.cpu.parallel import run_tasks
-from .compat.bands import plan_band
-from .scores import band_fully_visible, band_keep, key_range
-from .spec import make_inputs, user_shape
+from .api import attention_backward as tileattn_backward, flash_attention
+from .modifiers import TileState
+from .spec import build_spec, user_shape
 
 __all__ = ["npu_fusion_attention", "npu_fusion_attention_grad"]
 
@@ -257,8 +251,17 @@ def _check_prefix(fn, prefix, batch, sk_list):
     return [int(p) for p in prefix]
 
 
-def _slice_keys(t, axis, n):
-    return t if t.shape[axis] == n else t.narrow(axis, 0, n)
+def _band_kwargs(band, sq, sk, device):
+    """flash_attention keywords for a top-left band ``lo <= j - i <= hi`` (None = open side): a
+    window around the diagonal ``j = i + align``; an empty band becomes an all-False mask."""
+    if band is None:
+        return {}
+    lo, hi = band
+    if lo is not None and hi is not None and lo > hi:
+        return dict(mask=torch.zeros(sq, sk, dtype=torch.bool, device=device))
+    if hi is not None:
+        return dict(align=hi, window=(None if lo is None else hi - lo, 0))
+    return dict(align=lo, window=(0, None))
 
 
 def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
@@ -294,37 +297,28 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
         pfx = _check_prefix(fn, prefix, batch, [lk for *_, lk in lens]) if sparse_mode == 6 else None
         call = _Call(layout, batch, head_num, max(l for _, l, _, _ in lens), max(l for *_, l in lens), value.shape[2])
         call.numels = sum(lq * lk for _, lq, _, lk in lens) * head_num if dropout_p > 0 else 0
-        plans = []
-        for b, (q0, lq, k0, lk) in enumerate(lens):
-            band = _band(sparse_mode, None, pre_tockens, next_tockens, lq, lk)
-            plans.append(plan_band(lq, lk, *band, query.device) if band else None)
-        # Sequences without queries or keys output nothing / zeros in a varlen call whatever the window.
-        live = [p for p, (_, lq, _, lk) in zip(plans, lens) if lq and lk]
-        uniform = pfx is None and all(
-            p is None or (p.keep is None and p.keys == lk) for p, (_, lq, _, lk) in zip(plans, lens) if lq and lk
-        ) and len({None if p is None else p.window for p in live}) <= 1
-        if uniform:
-            window = None if not live or live[0] is None else live[0].window
+        bands = [_band_kwargs(_band(sparse_mode, None, pre_tockens, next_tockens, lq, lk), lq, lk, query.device)
+                 for _, lq, _, lk in lens]
+        if sparse_mode == 3:
+            bands = [dict(causal=True)] * batch  # bottom-right causal, per sequence
+        elif sparse_mode == 4 and pre_tockens >= 0 and next_tockens >= 0:
+            bands = [dict(window=(pre_tockens, next_tockens))] * batch
+        if pfx is None and all(b == bands[0] and "mask" not in b for b in bands):
             to_i32 = lambda c: torch.tensor(c, dtype=torch.int32, device=query.device)  # noqa: E731
             call.pieces.append(_Piece(query, key, value, dict(
-                layout="TND", window=window, cu_seqlens_q=to_i32(cu_q), cu_seqlens_k=to_i32(cu_k),
-                seed=seed, **common), key_region=(0, 0, key.shape[0])))
+                layout="TND", cu_seqlens_q=to_i32(cu_q), cu_seqlens_k=to_i32(cu_k), seed=seed,
+                **(bands[0] if bands else {}), **common), key_region=(0, 0, key.shape[0])))
             return call
-        # Per-sequence corners differ: one padded call per sequence, on views of the packed tensors.
-        for b, ((q0, lq, k0, lk), plan) in enumerate(zip(lens, plans)):
+        # Per-sequence diagonals or masks differ: one padded call per sequence, on views of the packed tensors.
+        for b, ((q0, lq, k0, lk), kwargs) in enumerate(zip(lens, bands)):
             if lq == 0:
                 continue
-            q = query[q0:q0 + lq].unsqueeze(0)
-            keys = lk if plan is None else plan.keys
-            k = key[k0:k0 + keys].unsqueeze(0)
-            v = value[k0:k0 + keys].unsqueeze(0)
-            mask = None if plan is None else plan.keep
-            window = None if plan is None else plan.window
             if pfx is not None:
-                mask = _prefix_keep([pfx[b]], lq, lk, query.device)
-            call.pieces.append(_Piece(q, k, v, dict(layout="BSND", window=window, mask=mask,
-                                                    seed=(seed + b) & ((1 << 62) - 1), **common),
-                                      rows=(q0, q0 + lq), empty_keys=keys == 0, key_region=(0, k0, keys)))
+                kwargs = dict(mask=_prefix_keep([pfx[b]], lq, lk, query.device))
+            call.pieces.append(_Piece(query[q0:q0 + lq].unsqueeze(0), key[k0:k0 + lk].unsqueeze(0),
+                                      value[k0:k0 + lk].unsqueeze(0),
+                                      dict(layout="BSND", seed=(seed + b) & ((1 << 62) - 1), **kwargs, **common),
+                                      rows=(q0, q0 + lq), empty_keys=lk == 0, key_region=(0, k0, lk)))
         return call
 
     for name, val in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
@@ -344,22 +338,13 @@ def _plan(fn, query, key, value, head_num, input_layout, pse, padding_mask, atte
         band = None
     else:
         band = _band(sparse_mode, keep, pre_tockens, next_tockens, sq, sk)
-    k, v, window = key, value, None
-    axis = _SEQ_AXIS[layout]
-    if band is not None:
-        plan = plan_band(sq, sk, *band, query.device)
-        k, v = _slice_keys(key, axis, plan.keys), _slice_keys(value, axis, plan.keys)
-        if keep is not None:
-            keep = keep[..., : plan.keys]
-        if bias is not None:
-            bias = bias[..., : plan.keys]
-        if plan.keep is not None:
-            keep = plan.keep if keep is None else keep & plan.keep
-        window = plan.window
+    kwargs = _band_kwargs(band, sq, sk, query.device)
+    if "mask" in kwargs:
+        keep = kwargs.pop("mask") if keep is None else keep & kwargs.pop("mask")
     num_heads = heads if layout in ("BSH", "SBH") else None
-    call.pieces.append(_Piece(query, k, v, dict(layout=layout, num_heads=num_heads, window=window, mask=keep,
-                                                bias=bias, seed=seed, **common),
-                              key_region=(axis, 0, k.shape[axis])))
+    call.pieces.append(_Piece(query, key, value, dict(layout=layout, num_heads=num_heads, mask=keep, bias=bias,
+                                                      seed=seed, **kwargs, **common),
+                              key_region=(_SEQ_AXIS[layout], 0, sk)))
     return call
 
 
@@ -373,70 +358,53 @@ def _row_max(piece: _Piece, block: int = None) -> torch.Tensor:
     one GEMM (no repeated K).
     """
     kw = {k: v for k, v in piece.kwargs.items() if k not in ("dropout_p", "seed")}
-    inp = make_inputs(piece.q, piece.k, piece.v, **kw)
-    cdt = inp.acc_dtype()
-    hq, hkv, g, scale = inp.heads_q, inp.heads_kv, inp.group_size, inp.scale
+    spec = build_spec(piece.q, piece.k, piece.v, **kw)
+    cdt = spec.acc_dtype()
+    hq, hkv, g, scale = spec.heads_q, spec.heads_kv, spec.group_size, spec.scale
+    band, mask, bias = spec.modifier("band"), spec.modifier("mask"), spec.modifier("bias")
+    every_head = slice(None)
     if block is None:
         # About 2**20 scores (4 MiB fp32) per block stays in cache; measured best of 256/512/1024 at 8 heads.
         block = max(128, min(1024, 1 << int(math.log2(math.sqrt(2**20 / hq)))))
-    band_masks = {}  # the band pattern of a block depends only on its shape and diagonal offset
-    left, right = inp.window_bounds
     # Without a bias, max(scale * s) = scale * max(s) for scale > 0: scale the (Sq,) maxima, not the block.
-    late_scale = inp.bias is None and scale > 0
-    seqs, tasks = [], []
-    for b, (q0, lq, k0, lk) in enumerate(inp.seq_lengths()):
-        if inp.is_varlen:
-            q, k = inp.q_c[q0:q0 + lq].transpose(0, 1), inp.k_c[k0:k0 + lk].transpose(0, 1)
+    late_scale = bias is None and scale > 0
+    seqs = []
+    for seq in spec.sequences:
+        b, lq, lk = seq.batch, seq.q_len, seq.k_len
+        if spec.is_varlen:
+            q = spec.q_c[seq.q_start:seq.q_start + lq].transpose(0, 1)
+            k = spec.k_c[seq.k_start:seq.k_start + lk].transpose(0, 1)
         else:
-            q, k = inp.q_c[b], inp.k_c[b]
+            q, k = spec.q_c[b], spec.k_c[b]
         q, k = q.unflatten(0, (hkv, g)), k.to(cdt)
         m = torch.full((hq, lq), -math.inf, dtype=cdt, device=q.device)
         seqs.append(m)
-
-        def query_block(b=b, q=q, k=k, m=m, lq=lq, lk=lk, i0=0, i1=0):
+        for i0 in range(0, lq, block):
+            i1 = min(lq, i0 + block)
             qb = q[:, :, i0:i1].to(cdt).reshape(hkv, g * (i1 - i0), q.shape[-1])
-            j_lo, j_hi = key_range(i0, i1, lq, lk, left, right)
+            j_lo, j_hi = (0, lk) if band is None else band.key_range(i0, i1, lk, seq.offset)
             for j0 in range(j_lo, j_hi, block):
                 j1 = min(j_hi, j0 + block)
                 s = torch.matmul(qb, k[:, j0:j1].transpose(1, 2)).view(hq, i1 - i0, j1 - j0)
                 if not late_scale:
                     s.mul_(scale)
-                if inp.bias is not None:
-                    s.add_(_block_of(inp.bias, b, i0, i1, j0, j1)[0].to(cdt))
+                if bias is not None:
+                    s.add_(bias.block(b, every_head, i0, i1, j0, j1).to(cdt))
                 keep = None
-                if not band_fully_visible(i0, i1, j0, j1, lq, lk, left, right):
-                    key = (i1 - i0, j1 - j0, j0 - i0 - (lk - lq))
-                    if key not in band_masks:
-                        band_masks[key] = band_keep(torch.arange(i0, i1, device=q.device),
-                                                    torch.arange(j0, j1, device=q.device), lq, lk, left, right)
-                    keep = band_masks[key]
-                if inp.mask is not None:
-                    block_mask = _block_of(inp.mask, b, i0, i1, j0, j1)[0]
+                if band is not None and band.tile_state(i0, i1, j0, j1, seq.offset) != TileState.FULL:
+                    keep = band.keep(torch.arange(i0, i1, device=q.device), torch.arange(j0, j1, device=q.device),
+                                     seq.offset)
+                if mask is not None:
+                    block_mask = mask.block(b, every_head, i0, i1, j0, j1)
                     keep = block_mask if keep is None else keep & block_mask
                 if keep is not None:
                     s.masked_fill_(~keep, -math.inf)
                 torch.maximum(m[:, i0:i1], s.amax(-1), out=m[:, i0:i1])
-
-        tasks += [partial(query_block, i0=i0, i1=min(lq, i0 + block)) for i0 in range(0, lq, block)]
-    if inp.device.type == "cpu":
-        # One single-threaded worker per core, like the CPU engine: no fork/join barrier per small op.
-        run_tasks(tasks)
-    else:
-        for task in tasks:
-            task()
     if late_scale:
         seqs = [m * scale for m in seqs]
-    if inp.is_varlen:
+    if spec.is_varlen:
         return torch.cat(seqs, dim=1)
     return torch.stack(seqs, dim=0)
-
-
-def _block_of(t, b, i0, i1, j0, j1):
-    """Batch item ``b`` rows i0:i1, cols j0:j1 of a tensor broadcastable to (B, N, Sq, Sk)."""
-    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
-    t = t[b:b + 1] if t.shape[0] > 1 else t
-    t = t[:, :, i0:i1] if t.shape[2] > 1 else t
-    return t[..., j0:j1] if t.shape[3] > 1 else t
 
 
 def _run_pieces(call: _Call, query, value, want_stats: bool):
@@ -503,17 +471,9 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
 
 
 def _piece_backward(piece: _Piece, out, lse, dy):
-    """tileattn's backward op for one piece, given its output and LSE: (dq, dk, dv, dbias or None)."""
-    inp = make_inputs(piece.q, piece.k, piece.v, **piece.kwargs)
-    engine = select(inp, "auto")
-    left, right = inp.window
-    need_dbias = inp.bias is not None
-    dq, dk, dv, dbias = attention_backward(
-        dy if dy.stride(-1) == 1 else dy.contiguous(), piece.q, piece.k, piece.v, out, lse.to(inp.acc_dtype()),
-        inp.mask, inp.bias, None, inp.cu_seqlens_q, inp.cu_seqlens_k, inp.layout, inp.heads_q, inp.scale,
-        inp.causal, -1 if left is None else left, -1 if right is None else right, inp.softcap, inp.dropout_p,
-        inp.seed, inp.deterministic, engine.name, need_dbias)
-    return dq, dk, dv, (dbias if need_dbias else None)
+    """tileattn's backward for one piece, given its output and LSE: (dq, dk, dv, dbias or None)."""
+    grads = tileattn_backward(dy, piece.q, piece.k, piece.v, out, lse, **piece.kwargs)
+    return grads.dq, grads.dk, grads.dv, grads.dbias
 
 
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,

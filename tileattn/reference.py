@@ -1,8 +1,11 @@
-"""The exact reference: attention that materialises the full score matrix.
+"""The exact reference: attention that materialises the score matrix of every sequence.
 
 It is the oracle of every test, benchmark and tutorial, so it is written to be obviously right rather
-than fast: one einsum for the scores, the shared score pipeline of :mod:`tileattn.scores`, a softmax,
-one einsum for the output. It is differentiable by plain autograd.
+than fast: one einsum for the scores, each modifier's ``reference`` rule from
+:mod:`tileattn.modifiers`, a softmax, one einsum for the output, one sequence at a time. It is
+differentiable by plain autograd (the tests' oracle for gradients), and :func:`reference_backward`
+writes FlashAttention's backward formulas out explicitly for the reference backend, which must use
+the LSE it is given (a partial result's backward with global statistics).
 
 ``compute_dtype`` chooses the arithmetic: ``None`` computes in the inputs' own dtype ("plain PyTorch
 math in the same dtype", the yardstick of FlashAttention's error rule), ``torch.float32`` or
@@ -15,99 +18,200 @@ import math
 
 import torch
 
-from . import scores as S
-from .spec import AttentionInputs, make_inputs, user_shape
+from .spec import AttentionSpec, SequenceSlice, build_spec
 
 
 def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
     """Exact attention with the semantics of :func:`tileattn.flash_attention`.
 
     Takes the same keyword arguments as ``flash_attention`` (layout, num_heads, scale, causal,
-    window, mask, bias, alibi_slopes, softcap, dropout_p, seed, generator, cu_seqlens_q/k, ...).
+    window, align, mask, bias, alibi_slopes, softcap, dropout_p, seed, generator, sinks,
+    cu_seqlens_q/k, seqused_k, block_table, ...).
     """
     kwargs.pop("backend", None)
-    inp = make_inputs(q, k, v, **kwargs)
-    return reference_from_inputs(inp, compute_dtype=compute_dtype, return_lse=return_lse)
-
-
-def reference_from_inputs(inp: AttentionInputs, compute_dtype=None, return_lse=False):
-    cdtype = compute_dtype or inp.dtype
-    if inp.is_varlen:
-        outs, lses = [], []
-        for b, (q0, lq, k0, lk) in enumerate(inp.seq_lengths()):
-            qs = inp.q_c[q0:q0 + lq].transpose(0, 1)[None]
-            ks = inp.k_c[k0:k0 + lk].transpose(0, 1)[None]
-            vs = inp.v_c[k0:k0 + lk].transpose(0, 1)[None]
-            o, l = _dense(inp, qs, ks, vs, b, cdtype)
-            outs.append(o[0].transpose(0, 1))
-            lses.append(l[0])
-        out = torch.cat(outs, 0) if outs else inp.q.new_zeros((0, inp.heads_q, inp.head_dim_v), dtype=cdtype)
-        lse = torch.cat(lses, 1) if lses else torch.zeros(inp.lse_shape(), dtype=cdtype)
-    else:
-        out_c, lse = _dense(inp, inp.q_c, inp.k_c, inp.v_c, None, cdtype)
-        out = _from_canonical(out_c, inp)
-    lse = lse.to(torch.float64 if cdtype == torch.float64 else torch.float32)
+    spec = build_spec(q, k, v, **kwargs)
+    out, lse = reference_from_spec(spec, compute_dtype)
     return (out, lse) if return_lse else out
 
 
-def _from_canonical(out_c: torch.Tensor, inp: AttentionInputs) -> torch.Tensor:
-    b, h, s, d = out_c.shape
-    if inp.layout == "BNSD":
-        return out_c
-    if inp.layout == "BSND":
-        return out_c.transpose(1, 2)
-    if inp.layout == "BSH":
-        return out_c.transpose(1, 2).reshape(user_shape("BSH", b, h, s, d))
-    return out_c.permute(2, 0, 1, 3).reshape(user_shape("SBH", b, h, s, d))
+def sequence_views(spec: AttentionSpec, seq: SequenceSlice):
+    """(q, k, v) of one sequence as (Hq, q_len, D), (Hkv, k_len, D), (Hkv, k_len, Dv).
+
+    Views of the user's tensors, except for a paged cache, whose blocks are gathered (a copy).
+    """
+    b, q0, lq, k0, lk = seq.batch, seq.q_start, seq.q_len, seq.k_start, seq.k_len
+    if spec.is_varlen:
+        q = spec.q_c[q0:q0 + lq].transpose(0, 1)
+    else:
+        q = spec.q_c[b]
+    if spec.is_paged:
+        blocks = spec.block_table[b, : -(-lk // spec.block_size)].long()
+
+        def gather(pool):  # (num_blocks, H, block_size, E) -> (H, k_len, E)
+            return pool[blocks].transpose(0, 1).flatten(1, 2)[:, :lk]
+
+        return q, gather(spec.k_c), gather(spec.v_c)
+    if spec.cu_seqlens_k is not None:
+        return q, spec.k_c[k0:k0 + lk].transpose(0, 1), spec.v_c[k0:k0 + lk].transpose(0, 1)
+    return q, spec.k_c[b, :, :lk], spec.v_c[b, :, :lk]
 
 
-def _dense(inp: AttentionInputs, q, k, v, batch_index, cdtype):
-    """Attention of canonical (B, H, S, D) tensors; ``batch_index`` set for one varlen sequence."""
-    bsz, hq, sq, _ = q.shape
-    sk = k.shape[2]
-    g = inp.group_size
-    q, k, v = q.to(cdtype), k.to(cdtype), v.to(cdtype)
-    if g > 1:
-        k = k.repeat_interleave(g, dim=1)
-        v = v.repeat_interleave(g, dim=1)
-    s = torch.einsum("bhid,bhjd->bhij", q, k) * inp.scale
-    if inp.softcap > 0:
-        s = inp.softcap * torch.tanh(s / inp.softcap)
-    dev = q.device
-    rows = torch.arange(sq, device=dev)
-    cols = torch.arange(sk, device=dev)
-    if inp.alibi_slopes is not None:
-        slopes = inp.alibi_slopes.to(cdtype)
-        if slopes.dim() == 1:
-            slopes = slopes[None].expand(inp.batch, hq)
-        if batch_index is not None:
-            slopes = slopes[batch_index:batch_index + 1]
-        s = s - slopes[:, :, None, None] * S.alibi_distance(rows, cols, sq, sk, cdtype)
-    if inp.bias is not None:
-        s = s + inp.bias.to(cdtype)
+def _scores(spec: AttentionSpec, seq: SequenceSlice, q, k, cdtype):
+    """Masked scores (Hq, q_len, k_len) of one sequence and the softcap's tanh (or None)."""
+    k = k.to(cdtype).repeat_interleave(spec.group_size, dim=0)
+    s = torch.einsum("hid,hjd->hij", q.to(cdtype), k) * spec.scale
+    dev = s.device
+    rows = torch.arange(seq.q_len, device=dev)
+    cols = torch.arange(seq.k_len, device=dev)
+    every_head = slice(None)
+    tanh = None
+    softcap = spec.modifier("softcap")
+    if softcap is not None:
+        s, tanh = softcap.apply(s)
+    alibi = spec.modifier("alibi")
+    if alibi is not None:
+        s = s + alibi.scores(seq.batch, every_head, rows, cols, seq.offset, cdtype)
+    bias = spec.modifier("bias")
+    if bias is not None:
+        s = s + bias.block(seq.batch, every_head, 0, seq.q_len, 0, seq.k_len).to(cdtype)
     keep = None
-    left, right = inp.window_bounds
-    if left is not None or right is not None:
-        keep = S.band_keep(rows, cols, sq, sk, left, right)
-    if inp.mask is not None:
-        keep = inp.mask if keep is None else keep & inp.mask
+    band = spec.modifier("band")
+    if band is not None:
+        keep = band.keep(rows, cols, seq.offset)
+    mask = spec.modifier("mask")
+    if mask is not None:
+        block = mask.block(seq.batch, every_head, 0, seq.q_len, 0, seq.k_len)
+        keep = block if keep is None else keep & block
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
-    s = s.expand(bsz, hq, sq, sk)
-    # Rows that see no key (every score -inf, from masks or from a -inf bias) output exactly 0 and
-    # LSE -inf. Their log-sum-exp is taken over zeros instead, so that neither the forward nor the
-    # logsumexp backward meets -inf - (-inf) = NaN (which would leak into dq, dk and dbias).
-    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
-    lse = torch.logsumexp(s.masked_fill(empty, 0.0), dim=-1, keepdim=True)
-    p = torch.exp(s - lse)
-    lse = lse.squeeze(-1).masked_fill(empty.squeeze(-1), -math.inf)
-    if inp.dropout_p > 0:
-        keep_drop = torch.empty(p.shape, dtype=torch.bool, device=dev)
-        heads = torch.arange(hq, device=dev)
-        for b in range(bsz):
-            rng_b = b if batch_index is None else batch_index
-            keys = S.dropout_row_keys(inp.seed, rng_b, heads, rows)
-            keep_drop[b] = S.dropout_keep(keys, cols, inp.dropout_p)
-        p = torch.where(keep_drop, p / (1.0 - inp.dropout_p), torch.zeros((), dtype=p.dtype, device=dev))
-    out = torch.einsum("bhij,bhjd->bhid", p, v)
-    return out, lse
+    return s.expand(spec.heads_q, seq.q_len, seq.k_len), tanh
+
+
+def _dropout_factor(spec: AttentionSpec, seq: SequenceSlice, cdtype):
+    """(Hq, q_len, k_len) factor 0 or 1/(1-p) of the dropout mask, or None without dropout."""
+    dropout = spec.modifier("dropout")
+    if dropout is None:
+        return None
+    dev = spec.q.device
+    keep = dropout.keep(seq.batch, torch.arange(spec.heads_q, device=dev), torch.arange(seq.q_len, device=dev),
+                        torch.arange(seq.k_len, device=dev))
+    return keep.to(cdtype) * dropout.keep_scale
+
+
+def _lse(spec: AttentionSpec, s):
+    """Log-sum-exp of each row, the sink included. A row that sees no key (and has no sink) gets
+    -inf, computed over zeros so that neither the forward nor the logsumexp backward meets
+    ``-inf - (-inf) = NaN`` (which would leak into dq, dk and dbias)."""
+    sinks = spec.modifier("sinks")
+    if sinks is not None:
+        sink = sinks.tensor.to(s.dtype)[:, None, None].expand(s.shape[0], s.shape[1], 1)
+        return torch.logsumexp(torch.cat((s, sink), dim=-1), dim=-1)
+    empty = torch.isneginf(s).all(dim=-1)
+    lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), dim=-1)
+    return lse.masked_fill(empty, -math.inf)
+
+
+def _probabilities(s, lse):
+    """exp(s - lse), 0 in rows whose LSE is -inf."""
+    return torch.exp(s - lse.masked_fill(torch.isneginf(lse), math.inf)[..., None])
+
+
+def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
+    """(out in the user's layout, LSE) of a validated call, computed in ``compute_dtype``."""
+    cdtype = compute_dtype or spec.dtype
+    outs, lses = [], []
+    for seq in spec.sequences:
+        q, k, v = sequence_views(spec, seq)
+        s, _ = _scores(spec, seq, q, k, cdtype)
+        lse = _lse(spec, s)
+        p = _probabilities(s, lse)
+        drop = _dropout_factor(spec, seq, cdtype)
+        if drop is not None:
+            p = p * drop
+        v = v.to(cdtype).repeat_interleave(spec.group_size, dim=0)
+        outs.append(torch.einsum("hij,hjd->hid", p, v))
+        lses.append(lse)
+    lse_dtype = torch.float64 if cdtype == torch.float64 else torch.float32
+    if spec.is_varlen:
+        out_c = torch.cat([o.transpose(0, 1) for o in outs], 0) if outs else \
+            spec.q.new_zeros((0, spec.heads_q, spec.head_dim_v), dtype=cdtype)
+        lse = torch.cat(lses, 1) if lses else torch.zeros(spec.lse_shape(), dtype=lse_dtype)
+        return out_c, lse.to(lse_dtype)
+    out_c = torch.stack(outs) if outs else spec.q.new_zeros((0, spec.heads_q, spec.seqlen_q, spec.head_dim_v),
+                                                             dtype=cdtype)
+    lse = torch.stack(lses) if lses else torch.zeros(spec.lse_shape(), dtype=lse_dtype)
+    return from_canonical(out_c, spec.layout), lse.to(lse_dtype)
+
+
+def from_canonical(out_c: torch.Tensor, layout: str) -> torch.Tensor:
+    """A canonical (B, H, S, D) tensor in ``layout`` (a copy for the flattened-head layouts)."""
+    if layout in ("BNSD", "TND"):
+        return out_c
+    if layout == "BSND":
+        return out_c.transpose(1, 2)
+    if layout == "BSH":
+        return out_c.transpose(1, 2).flatten(2)
+    return out_c.permute(2, 0, 1, 3).flatten(2)
+
+
+@torch.no_grad()
+def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_c, dv_c, dbias4=None):
+    """FlashAttention's backward, written out, in the accumulation dtype, with the *given* LSE and
+    ``delta = rowsum(dO * O) - dLSE``::
+
+        P = exp(S - lse)        dV = (P * D)^T dO        dP = (dO V^T) * D     (D: dropout factor)
+        dS = P * (dP - delta)   dBias = dS               dS *= 1 - tanh^2     (softcap)
+        dQ = dS K * scale       dK = dS^T Q * scale
+
+    Writes dq, dk, dv (canonical views) and accumulates into ``dbias4`` (the bias's 4-d shape).
+    """
+    cdt = spec.acc_dtype()
+    g = spec.group_size
+    dk_c.zero_(), dv_c.zero_()
+    for seq in spec.sequences:
+        q, k, v = sequence_views(spec, seq)
+        s, tanh = _scores(spec, seq, q, k, cdt)
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        if spec.is_varlen:
+            lse_s, delta_s = lse[:, rows].to(cdt), delta[:, rows].to(cdt)
+            do = dout_c[rows].transpose(0, 1).to(cdt)
+        else:
+            lse_s, delta_s, do = lse[seq.batch].to(cdt), delta[seq.batch].to(cdt), dout_c[seq.batch].to(cdt)
+        p = _probabilities(s, lse_s)
+        drop = _dropout_factor(spec, seq, cdt)
+        pd = p if drop is None else p * drop
+        v_rep = v.to(cdt).repeat_interleave(g, dim=0)
+        k_rep = k.to(cdt).repeat_interleave(g, dim=0)
+        dv_rep = torch.einsum("hij,hid->hjd", pd, do)
+        dp = torch.einsum("hid,hjd->hij", do, v_rep)
+        if drop is not None:
+            dp = dp * drop
+        ds = p * (dp - delta_s[..., None])
+        if dbias4 is not None:
+            _accumulate_bias_grad(dbias4, ds, seq)
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)
+        dq = torch.einsum("hij,hjd->hid", ds, k_rep) * spec.scale
+        dk_rep = torch.einsum("hij,hid->hjd", ds, q.to(cdt)) * spec.scale
+        dk = dk_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
+        dv = dv_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
+        if spec.is_varlen:
+            keys = slice(seq.k_start, seq.k_start + seq.k_len)
+            dq_c[rows] = dq.transpose(0, 1)
+            dk_c[keys] = dk.transpose(0, 1)
+            dv_c[keys] = dv.transpose(0, 1)
+        else:
+            dq_c[seq.batch] = dq
+            dk_c[seq.batch, :, : seq.k_len] = dk
+            dv_c[seq.batch, :, : seq.k_len] = dv
+
+
+def _accumulate_bias_grad(dbias4, ds, seq: SequenceSlice):
+    """Add one sequence's dS (Hq, q_len, k_len) into the (B?, H?, Sq?, Sk?) bias gradient."""
+    target = dbias4[seq.batch if dbias4.shape[0] > 1 else 0]
+    t = ds
+    for dim in range(3):
+        if target.shape[dim] == 1 and t.shape[dim] != 1:
+            t = t.sum(dim, keepdim=True)
+    target[:, : t.shape[1], : t.shape[2]] += t.to(target.dtype)
+

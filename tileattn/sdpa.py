@@ -4,8 +4,7 @@ Same signature and semantics as :func:`torch.nn.functional.scaled_dot_product_at
 ``(..., H, S, D)`` tensors, **top-left** aligned ``is_causal`` (``tril(ones(Sq, Sk))``), bool masks with
 True = take part, float masks added to the scores, ``scale`` default ``1/sqrt(D)``, GQA only with
 ``enable_gqa=True``; ``attn_mask`` together with ``is_causal=True`` is an error, as torch documents.
-The call is translated onto :func:`tileattn.flash_attention` (bottom-right
-aligned): see :mod:`tileattn.compat.bands` for how the causal corner is moved without a mask.
+The call is translated onto :func:`tileattn.flash_attention` with ``align="top_left"``.
 
 :func:`patch_sdpa` routes ``torch.nn.functional.scaled_dot_product_attention`` through tileattn
 inside a ``with`` block.
@@ -21,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from .api import flash_attention
-from .compat.bands import plan_band
 
 __all__ = ["scaled_dot_product_attention", "patch_sdpa", "SdpaArgumentError"]
 
@@ -115,33 +113,6 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     return lead
 
 
-def attend_top_left(q, k, v, layout, *, causal=False, mask=None, bias=None, scale=None, dropout_p=0.0,
-                    softcap=0.0):
-    """``flash_attention`` with a top-left aligned causal mask, for BNSD or BSND tensors.
-
-    ``mask``/``bias`` are broadcastable to (B, Hq, Sq, Sk). Keys no query can see under the top-left
-    causal mask are cut away (views), so tileattn's bottom-right window gives the same result.
-    """
-    seq_axis = 2 if layout == "BNSD" else 1
-    sq, sk = q.shape[seq_axis], k.shape[seq_axis]
-    window = None
-    if causal:
-        plan = plan_band(sq, sk, None, 0, q.device)
-        if plan.keys < sk:
-            k = k.narrow(seq_axis, 0, plan.keys)
-            v = v.narrow(seq_axis, 0, plan.keys)
-            # Masks broadcast over keys (last dim 1) stay as they are.
-            if mask is not None and mask.shape[-1] != 1:
-                mask = mask[..., : plan.keys]
-            if bias is not None and bias.shape[-1] != 1:
-                bias = bias[..., : plan.keys]
-        window = plan.window
-        if plan.keep is not None:
-            mask = plan.keep if mask is None else mask & plan.keep
-    return flash_attention(q, k, v, layout=layout, scale=scale, window=window, mask=mask, bias=bias,
-                           dropout_p=dropout_p, softcap=softcap)
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """Drop-in :func:`torch.nn.functional.scaled_dot_product_attention` on tileattn.
@@ -160,7 +131,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask = m4
         else:
             bias = m4
-    out = attend_top_left(q4, k4, v4, "BNSD", causal=is_causal, mask=mask, bias=bias, scale=scale,
+    out = flash_attention(q4, k4, v4, causal=is_causal, align="top_left", mask=mask, bias=bias, scale=scale,
                           dropout_p=float(dropout_p))
     return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 

@@ -1,35 +1,41 @@
-"""Input spec: one validated description of an attention call.
+"""The spec: one validated description of an attention call.
 
-Every public API (``flash_attention``, the FlashAttention-2, SDPA and torch_npu dialects) ends in
-:func:`make_inputs`, which checks the arguments *before any compute* and returns an
-:class:`AttentionInputs`. Backends only ever see that object: they never parse user arguments.
+Every public entry point (``flash_attention``, ``attention_partial``, the dialects) ends in
+:func:`build_spec`, which checks the arguments *before any compute* and returns an
+:class:`AttentionSpec`. Below this layer nothing parses user arguments: the op boundary flattens a
+spec and rebuilds it without validating again (:mod:`tileattn.ops`), and engines read its fields.
 
 Conventions used everywhere below the public API:
 
 * ``B`` batch, ``Hq``/``Hkv`` query/key-value heads, ``Sq``/``Sk`` lengths, ``D`` head dim of q/k,
   ``Dv`` head dim of v.
 * The *canonical view* of a padded tensor is ``(B, H, S, D)``; it is a strided view of the user's
-  tensor (never a copy), whatever the layout.
-* Varlen (``layout="TND"``) tensors are ``(T, H, D)``; sequence ``b`` occupies rows
-  ``cu_seqlens[b]:cu_seqlens[b+1]``.
-* Row ``i`` (query) sees column ``j`` (key) iff
-  ``i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right`` (bottom-right alignment, FlashAttention-2),
-  where ``(left, right)`` is the window, ``None`` meaning unbounded, and ``causal`` forces
-  ``right = 0``. A bool ``mask`` (True = take part) is and-ed on top.
+  tensor (never a copy), whatever the layout. Varlen (``layout="TND"``) tensors are ``(T, H, D)``;
+  sequence ``b`` occupies rows ``cu_seqlens[b]:cu_seqlens[b+1]``. A paged KV cache is a pool of
+  blocks, canonically ``(num_blocks, Hkv, block_size, D)``; sequence ``b`` reads the blocks listed in
+  ``block_table[b]``.
+* Sequence ``b`` has ``q_len`` queries and ``k_len`` keys (``seqused_k[b]`` when given) and a
+  diagonal offset (:func:`tileattn.modifiers.diagonal_offset`): see :class:`SequenceSlice`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import List, Optional, Tuple
 
 import torch
+
+from .modifiers import (
+    Alibi, Band, Bias, Dropout, Mask, Modifier, Sinks, Softcap, diagonal_offset, fail,
+)
 
 PADDED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 LAYOUTS = PADDED_LAYOUTS + ("TND",)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+ALIGNS = ("bottom_right", "top_left")
 
 _RANK = {"BNSD": 4, "BSND": 4, "BSH": 3, "SBH": 3, "TND": 3}
 _SHAPE_NAME = {
@@ -39,14 +45,7 @@ _SHAPE_NAME = {
     "SBH": "(seqlen, batch, heads * head_dim)",
     "TND": "(total_tokens, heads, head_dim)",
 }
-
-
-def _fail(exc, arg: str, given, expected: str):
-    raise exc(f"tileattn: argument '{arg}': got {given}; expected {expected}.")
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"tensor of shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+_PAGED_SHAPE = "(num_blocks, block_size, kv_heads, head_dim)"
 
 
 def to_canonical(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torch.Tensor:
@@ -55,28 +54,11 @@ def to_canonical(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torc
         return x
     if layout == "BSND":
         return x.transpose(1, 2)
-    b_or_s0, b_or_s1, width = x.shape
-    d = width // num_heads
-    x4 = x.unflatten(2, (num_heads, d))
+    width = x.shape[2]
+    x4 = x.unflatten(2, (num_heads, width // num_heads))
     if layout == "BSH":
         return x4.transpose(1, 2)
     return x4.permute(1, 2, 0, 3)  # SBH: (S, B, N, D) -> (B, N, S, D)
-
-
-def empty_in_layout(layout: str, b: int, h: int, s: int, d: int, like: torch.Tensor):
-    """Allocate a contiguous tensor in ``layout`` and return ``(user_tensor, canonical_view)``."""
-    kw = dict(dtype=like.dtype, device=like.device)
-    if layout == "BNSD":
-        t = torch.empty(b, h, s, d, **kw)
-    elif layout == "BSND":
-        t = torch.empty(b, s, h, d, **kw)
-    elif layout == "BSH":
-        t = torch.empty(b, s, h * d, **kw)
-    elif layout == "SBH":
-        t = torch.empty(s, b, h * d, **kw)
-    else:
-        t = torch.empty(s, h, d, **kw)
-    return t, to_canonical(t, layout, h)
 
 
 def user_shape(layout: str, b: int, h: int, s: int, d: int) -> tuple:
@@ -89,39 +71,73 @@ def user_shape(layout: str, b: int, h: int, s: int, d: int) -> tuple:
     }[layout]
 
 
-@dataclass
-class AttentionInputs:
+def empty_in_layout(layout: str, b: int, h: int, s: int, d: int, dtype, device):
+    """Allocate a contiguous tensor in ``layout``; return ``(user_tensor, canonical_view)``."""
+    t = torch.empty(user_shape(layout, b, h, s, d), dtype=dtype, device=device)
+    return t, to_canonical(t, layout, h)
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One attention problem of a call: batch item (or varlen sequence) ``batch``.
+
+    Queries are rows ``q_start:q_start + q_len`` of the packed q (``q_start = 0`` when padded); keys
+    ``k_start:k_start + k_len`` likewise (for a paged cache, the first ``k_len`` positions of the
+    sequence's blocks). Query row ``i`` is aligned with key column ``i + offset``.
+    """
+
+    batch: int
+    q_start: int
+    q_len: int
+    k_start: int
+    k_len: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
     """A validated attention call. Tensors are the user's; ``*_c`` are canonical strided views."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     layout: str
+    heads_q: int
+    heads_kv: int
+    batch: int
+    seqlen_q: int  # the longest query sequence
+    seqlen_k: int  # the longest key sequence (capacity for a paged cache)
+    head_dim: int
+    head_dim_v: int
     scale: float
-    causal: bool = False
-    window: tuple = (None, None)
-    mask: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    alibi_slopes: Optional[torch.Tensor] = None
-    softcap: float = 0.0
-    dropout_p: float = 0.0
-    seed: int = 0
+    align: object = "bottom_right"  # "bottom_right", "top_left" or an int offset
+    #: Modifiers in pipeline order (see :mod:`tileattn.modifiers`).
+    modifiers: Tuple[Modifier, ...] = ()
     cu_seqlens_q: Optional[torch.Tensor] = None
     cu_seqlens_k: Optional[torch.Tensor] = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
+    seqused_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
     deterministic: bool = False
-    # derived
-    batch: int = 0
-    heads_q: int = 0
-    heads_kv: int = 0
-    seqlen_q: int = 0
-    seqlen_k: int = 0
-    head_dim: int = 0
-    head_dim_v: int = 0
     q_c: torch.Tensor = field(default=None, repr=False)
     k_c: torch.Tensor = field(default=None, repr=False)
     v_c: torch.Tensor = field(default=None, repr=False)
+
+    def modifier(self, kind: str):
+        """The modifier of ``kind`` ("band", "mask", "bias", ...), or None when the call has none."""
+        for m in self.modifiers:
+            if m.kind == kind:
+                return m
+        return None
+
+    def without(self, kind: str) -> "AttentionSpec":
+        """The same call without its modifier of ``kind`` (what engines see of a call with sinks)."""
+        if self.modifier(kind) is None:
+            return self
+        return replace(self, modifiers=tuple(m for m in self.modifiers if m.kind != kind))
+
+    @property
+    def kinds(self) -> Tuple[str, ...]:
+        return tuple(m.kind for m in self.modifiers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -136,310 +152,296 @@ class AttentionInputs:
         return self.layout == "TND"
 
     @property
+    def is_paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
     def group_size(self) -> int:
         return self.heads_q // self.heads_kv
 
     @property
-    def num_heads(self) -> int:
-        return self.heads_q
+    def causal(self) -> bool:
+        band = self.modifier("band")
+        return band is not None and band.right == 0
 
     @property
-    def window_bounds(self) -> tuple:
-        """(left, right) with ``None`` for unbounded; causal clamps right to 0."""
-        left, right = self.window
-        if self.causal:
-            right = 0 if right is None else min(right, 0)
-        return left, right
+    def block_size(self) -> int:
+        """Positions per block of a paged cache."""
+        return self.k_c.shape[2]
 
     @property
-    def has_band(self) -> bool:
-        left, right = self.window_bounds
-        return left is not None or right is not None
-
-    def seq_lengths(self) -> list:
-        """[(q_start, q_len, k_start, k_len)] per sequence (one entry of full length when padded)."""
-        if not self.is_varlen:
-            return [(0, self.seqlen_q, 0, self.seqlen_k)] * self.batch
-        cq = self.cu_seqlens_q.tolist()
-        ck = self.cu_seqlens_k.tolist()
-        return [(cq[b], cq[b + 1] - cq[b], ck[b], ck[b + 1] - ck[b]) for b in range(len(cq) - 1)]
-
-    def lse_shape(self) -> tuple:
-        if self.is_varlen:
-            return (self.heads_q, self.q.shape[0])
-        return (self.batch, self.heads_q, self.seqlen_q)
-
-    def out_shape(self) -> tuple:
-        s = self.q.shape[0] if self.is_varlen else self.seqlen_q
-        return user_shape(self.layout, self.batch, self.heads_q, s, self.head_dim_v)
+    def rows_q(self) -> int:
+        """Rows of the output: packed tokens (TND) or the padded query length."""
+        return self.q_c.shape[0] if self.is_varlen else self.seqlen_q
 
     def acc_dtype(self) -> torch.dtype:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
-    def flops(self) -> float:
-        """Forward FLOPs of the dense problem, counting only visible (row, key) pairs for causal."""
-        total = 0.0
-        for _, lq, _, lk in self.seq_lengths():
-            pairs = visible_pairs(lq, lk, *self.window_bounds)
-            total += 2.0 * pairs * self.heads_q * (self.head_dim + self.head_dim_v)
+    def lse_shape(self) -> tuple:
+        return (self.heads_q, self.rows_q) if self.is_varlen else (self.batch, self.heads_q, self.seqlen_q)
+
+    def out_shape(self) -> tuple:
+        return user_shape(self.layout, self.batch, self.heads_q, self.rows_q, self.head_dim_v)
+
+    @cached_property
+    def sequences(self) -> List[SequenceSlice]:
+        """Every sequence of the call (reads cu_seqlens / seqused_k from the device once)."""
+        if self.is_varlen:
+            cq = self.cu_seqlens_q.tolist()
+            q_spans = [(cq[b], cq[b + 1] - cq[b]) for b in range(self.batch)]
+        else:
+            q_spans = [(0, self.seqlen_q)] * self.batch
+        if self.cu_seqlens_k is not None:
+            ck = self.cu_seqlens_k.tolist()
+            k_spans = [(ck[b], ck[b + 1] - ck[b]) for b in range(self.batch)]
+        else:
+            k_spans = [(0, self.seqlen_k)] * self.batch
+        if self.seqused_k is not None:
+            used = self.seqused_k.tolist()
+            k_spans = [(k0, n) for (k0, _), n in zip(k_spans, used)]
+        return [SequenceSlice(b, q0, lq, k0, lk, diagonal_offset(self.align, lq, lk))
+                for b, ((q0, lq), (k0, lk)) in enumerate(zip(q_spans, k_spans))]
+
+    def visible_pairs(self) -> int:
+        """(row, key) pairs inside the band summed over sequences (a bool mask is not counted)."""
+        band = self.modifier("band")
+        total = 0
+        for s in self.sequences:
+            total += s.q_len * s.k_len if band is None else band.visible_pairs(s.q_len, s.k_len, s.offset)
         return total
 
-
-def visible_pairs(sq: int, sk: int, left, right) -> int:
-    """Number of (i, j) pairs inside the band of an Sq x Sk problem (masks ignored)."""
-    off = sk - sq
-    total = 0
-    lo_inf = left is None
-    hi_inf = right is None
-    for i in range(sq):
-        lo = 0 if lo_inf else max(0, i + off - left)
-        hi = sk - 1 if hi_inf else min(sk - 1, i + off + right)
-        total += max(0, hi - lo + 1)
-    return total
+    def flops(self) -> float:
+        """Forward FLOPs of the useful work: 2 GEMMs over the visible pairs of every head."""
+        return 2.0 * self.visible_pairs() * self.heads_q * (self.head_dim + self.head_dim_v)
 
 
-def _check_tensor(name: str, t, rank: int, layout: str):
+def _check_tensor(name: str, t, rank: int, shape_name: str, layout_note: str):
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, type(t).__name__, f"a torch.Tensor of shape {_SHAPE_NAME[layout]}")
+        fail(TypeError, name, type(t).__name__, f"a torch.Tensor of shape {shape_name}")
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
+        fail(TypeError, name, "a nested tensor" if t.layout == torch.strided else f"a {t.layout} tensor",
+             "a regular strided (dense) tensor")
     if t.dtype not in FLOAT_DTYPES:
-        _fail(TypeError, name, f"dtype {t.dtype}", "one of float16, bfloat16, float32, float64")
+        fail(TypeError, name, f"dtype {t.dtype}", "one of float16, bfloat16, float32, float64")
     if t.dim() != rank:
-        _fail(
-            ValueError,
-            name,
-            f"{t.dim()}-d tensor of shape {tuple(t.shape)}",
-            f"a {rank}-d tensor {_SHAPE_NAME[layout]} for layout='{layout}'",
-        )
+        fail(ValueError, name, f"{t.dim()}-d tensor of shape {tuple(t.shape)}", f"a {rank}-d tensor {shape_name}{layout_note}")
 
 
-def _check_int(name, value, minimum=None):
+def check_int(name, value, minimum=None):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(TypeError, name, repr(value), "an int")
+        fail(TypeError, name, repr(value), "an int")
     if minimum is not None and value < minimum:
-        _fail(ValueError, name, value, f"an int >= {minimum}")
+        fail(ValueError, name, value, f"an int >= {minimum}")
     return int(value)
 
 
-def _broadcastable(shape, target) -> bool:
-    if len(shape) > len(target):
-        return False
-    for s, t in zip(reversed(shape), reversed(target)):
-        if s != 1 and s != t:
-            return False
-    return True
+def check_bool(name, value) -> bool:
+    if not isinstance(value, bool):
+        fail(TypeError, name, repr(value), "True or False")
+    return value
 
 
-def _check_cu_seqlens(name, cu, total, batch=None):
-    if not isinstance(cu, torch.Tensor):
-        _fail(TypeError, name, type(cu).__name__, "an int32 tensor of cumulative lengths, shape (B+1,)")
-    if cu.dtype != torch.int32:
-        _fail(TypeError, name, f"dtype {cu.dtype}", "torch.int32 (cumulative sequence offsets)")
-    if cu.dim() != 1 or cu.numel() < 2:
-        _fail(ValueError, name, f"shape {tuple(cu.shape)}", "a 1-d tensor of length B+1 >= 2")
-    if batch is not None and cu.numel() != batch + 1:
-        _fail(ValueError, name, f"length {cu.numel()}", f"length {batch + 1} (same batch as the other cu_seqlens)")
-    if torch.compiler.is_compiling():
-        # While torch.compile traces, the offsets are data a graph cannot branch on. The custom op
-        # validates them again, with real values, before it computes anything.
-        return None
+def _check_index_vector(name, t, length, device, what):
+    if not isinstance(t, torch.Tensor):
+        fail(TypeError, name, type(t).__name__, f"an int32 tensor of shape ({length},): {what}")
+    if t.dtype != torch.int32:
+        fail(TypeError, name, f"dtype {t.dtype}", f"torch.int32 ({what})")
+    if t.dim() != 1 or (length is not None and t.numel() != length):
+        fail(ValueError, name, f"shape {tuple(t.shape)}", f"({length if length is not None else 'B+1'},): {what}")
+    if t.device != device:
+        fail(ValueError, name, f"device {t.device}", f"device {device}, as q")
+
+
+def _check_cu_seqlens(name, cu, batch, device):
+    _check_index_vector(name, cu, None if batch is None else batch + 1, device, "cumulative sequence offsets")
+    if cu.numel() < 2:
+        fail(ValueError, name, f"shape {tuple(cu.shape)}", "a 1-d tensor of length B+1 >= 2")
+
+
+def _offsets_max(name, cu, total) -> int:
     values = cu.tolist()
     if values[0] != 0:
-        _fail(ValueError, name, f"first entry {values[0]}", "cumulative offsets starting at 0")
+        fail(ValueError, name, f"first entry {values[0]}", "cumulative offsets starting at 0")
     if any(b < a for a, b in zip(values, values[1:])):
-        _fail(ValueError, name, values, "non-decreasing cumulative offsets")
+        fail(ValueError, name, values, "non-decreasing cumulative offsets")
     if values[-1] != total:
-        _fail(ValueError, name, f"last entry {values[-1]}", f"the token count {total} of the packed tensor")
+        fail(ValueError, name, f"last entry {values[-1]}", f"the token count {total} of the packed tensor")
     return max(b - a for a, b in zip(values, values[1:]))
 
 
-def make_inputs(
-    q,
-    k,
-    v,
-    *,
-    layout="BNSD",
-    num_heads=None,
-    scale=None,
-    causal=False,
-    window=None,
-    mask=None,
-    bias=None,
-    alibi_slopes=None,
-    softcap=0.0,
-    dropout_p=0.0,
-    seed=None,
-    generator=None,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    deterministic=False,
-) -> AttentionInputs:
-    """Validate a call and build its :class:`AttentionInputs`. Raises before any compute."""
+def check_sequence_values(spec: "AttentionSpec", max_seqlen_q=None, max_seqlen_k=None) -> "AttentionSpec":
+    """Check the values of cu_seqlens, seqused_k and block_table (data, read from the device) and
+    return the spec with the true longest lengths. :func:`build_spec` calls it; while
+    ``torch.compile`` traces, the values are data a graph cannot branch on, so the op calls it
+    instead, with real tensors, before computing (:mod:`tileattn.ops`)."""
+    sq, sk = spec.seqlen_q, spec.seqlen_k
+    if spec.is_varlen:
+        sq = _offsets_max("cu_seqlens_q", spec.cu_seqlens_q, spec.q_c.shape[0])
+        if spec.cu_seqlens_k is not None:
+            sk = _offsets_max("cu_seqlens_k", spec.cu_seqlens_k, spec.k_c.shape[0])
+        for name, given, actual in (("max_seqlen_q", max_seqlen_q, sq), ("max_seqlen_k", max_seqlen_k, sk)):
+            if given is not None and given < actual and not (name == "max_seqlen_k" and spec.is_paged):
+                fail(ValueError, name, given, f">= {actual}, the longest sequence in the cu_seqlens")
+    if spec.is_paged and spec.block_table.numel():
+        lo, hi = int(spec.block_table.min()), int(spec.block_table.max())
+        if lo < 0 or hi >= spec.k_c.shape[0]:
+            fail(ValueError, "block_table", f"block indices in [{lo}, {hi}]",
+                 f"indices in [0, {spec.k_c.shape[0]}) (the blocks of k/v)")
+    if spec.seqused_k is not None:
+        used = spec.seqused_k.tolist()
+        capacity = spec.cu_seqlens_k.diff().tolist() if spec.cu_seqlens_k is not None else [sk] * spec.batch
+        bad = [(b, n, c) for b, (n, c) in enumerate(zip(used, capacity)) if not 0 <= n <= c]
+        if bad:
+            b, n, c = bad[0]
+            fail(ValueError, "seqused_k", f"{n} keys for sequence {b}", f"a count in [0, {c}] (the keys it has)")
+    if (sq, sk) == (spec.seqlen_q, spec.seqlen_k):
+        return spec
+    return replace(spec, seqlen_q=sq, seqlen_k=sk)
+
+
+def _check_align(align):
+    if isinstance(align, str):
+        if align not in ALIGNS:
+            fail(ValueError, "align", repr(align), "'bottom_right', 'top_left' or an int diagonal offset")
+        return align
+    if isinstance(align, bool) or not isinstance(align, numbers.Integral):
+        fail(TypeError, "align", repr(align), "'bottom_right', 'top_left' or an int diagonal offset")
+    if abs(align) > 2**62:
+        fail(ValueError, "align", repr(align), f"an offset within +-2**62")
+    return int(align)
+
+
+def build_spec(
+    q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
+    mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None,
+    sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+    block_table=None, deterministic=False,
+) -> AttentionSpec:
+    """Validate a call and build its :class:`AttentionSpec`. Raises before any compute."""
     if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
         exc = ValueError if isinstance(layout, str) else TypeError
-        _fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
+        fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
     layout = layout.upper()
+    paged = block_table is not None
     rank = _RANK[layout]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, rank, layout)
+    _check_tensor("q", q, rank, _SHAPE_NAME[layout], f" for layout='{layout}'")
+    for name, t in (("k", k), ("v", v)):
+        if paged:
+            _check_tensor(name, t, 4, _PAGED_SHAPE, " (a paged cache: block_table is given)")
+        else:
+            _check_tensor(name, t, rank, _SHAPE_NAME[layout], f" for layout='{layout}'")
     if not (q.dtype == k.dtype == v.dtype):
-        _fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}", "one shared dtype")
+        fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}", "one shared dtype")
     if not (q.device == k.device == v.device):
-        _fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
+        fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
+    device = q.device
 
     if layout in ("BSH", "SBH"):
         if num_heads is None:
-            _fail(ValueError, "num_heads", None, f"the number of query heads (required for layout='{layout}')")
-        num_heads = _check_int("num_heads", num_heads, 1)
-        if q.shape[2] % num_heads:
-            _fail(ValueError, "num_heads", num_heads, f"a divisor of q's width {q.shape[2]}")
+            fail(ValueError, "num_heads", None, f"the number of query heads (required for layout='{layout}')")
+        num_heads = check_int("num_heads", num_heads, 1)
+        if q.shape[2] == 0 or q.shape[2] % num_heads:
+            fail(ValueError, "num_heads", num_heads, f"a divisor of q's width {q.shape[2]} (which must be positive)")
         d = q.shape[2] // num_heads
-        if k.shape[2] % d or k.shape[2] == 0:
-            _fail(ValueError, "k", f"width {k.shape[2]}", f"a positive multiple of the head dim {d} (q width / num_heads)")
-        hkv = k.shape[2] // d
-        if v.shape[2] % hkv:
-            _fail(ValueError, "v", f"width {v.shape[2]}", f"a multiple of the {hkv} kv heads")
         q_c = to_canonical(q, layout, num_heads)
-        k_c = to_canonical(k, layout, hkv)
-        v_c = to_canonical(v, layout, hkv)
+        if paged:
+            k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            if k.shape[2] == 0 or k.shape[2] % d:
+                fail(ValueError, "k", f"width {k.shape[2]}", f"a positive multiple of the head dim {d} (q width / num_heads)")
+            hkv = k.shape[2] // d
+            if v.shape[2] == 0 or v.shape[2] % hkv:
+                fail(ValueError, "v", f"width {v.shape[2]}", f"a positive multiple of the {hkv} kv heads")
+            k_c, v_c = to_canonical(k, layout, hkv), to_canonical(v, layout, hkv)
     else:
         if num_heads is not None:
-            num_heads = _check_int("num_heads", num_heads, 1)
-        q_c, k_c, v_c = (to_canonical(t, layout, None) for t in (q, k, v))
+            num_heads = check_int("num_heads", num_heads, 1)
+        q_c = to_canonical(q, layout, None)
+        k_c, v_c = (t.transpose(1, 2) for t in (k, v)) if paged else (to_canonical(t, layout, None) for t in (k, v))
 
-    head_axis = 1
-    if layout == "TND":
-        hq, hkv = q_c.shape[1], k_c.shape[1]
-        batch = None
-    else:
-        hq, hkv = q_c.shape[1], k_c.shape[1]
-        batch = q_c.shape[0]
-        if k_c.shape[0] != batch or v_c.shape[0] != batch:
-            _fail(ValueError, "k/v", f"batch sizes q={batch}, k={k_c.shape[0]}, v={v_c.shape[0]}", "equal batch sizes")
+    hq, hkv = q_c.shape[1], k_c.shape[1]
+    batch = None if layout == "TND" else q_c.shape[0]
+    if batch is not None and not paged and (k_c.shape[0] != batch or v_c.shape[0] != batch):
+        fail(ValueError, "k/v", f"batch sizes q={batch}, k={k_c.shape[0]}, v={v_c.shape[0]}", "equal batch sizes")
     if num_heads is not None and hq != num_heads:
-        _fail(ValueError, "num_heads", num_heads, f"{hq}, the number of heads in q")
-    if v_c.shape[head_axis] != hkv:
-        _fail(ValueError, "v", f"{v_c.shape[head_axis]} heads", f"{hkv} heads, as in k")
+        fail(ValueError, "num_heads", num_heads, f"{hq}, the number of heads in q")
+    if v_c.shape[1] != hkv:
+        fail(ValueError, "v", f"{v_c.shape[1]} heads", f"{hkv} heads, as in k")
     if hq == 0:
-        _fail(ValueError, "q", "0 heads", "at least one query head")
+        fail(ValueError, "q", "0 heads", "at least one query head")
     if hkv == 0 or hq % hkv:
-        _fail(ValueError, "k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads (GQA/MQA)")
+        fail(ValueError, "k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads (GQA/MQA)")
     d, dv = q_c.shape[-1], v_c.shape[-1]
     if k_c.shape[-1] != d:
-        _fail(ValueError, "k", f"head dim {k_c.shape[-1]}", f"the head dim of q, {d}")
+        fail(ValueError, "k", f"head dim {k_c.shape[-1]}", f"the head dim of q, {d}")
     if d == 0 or dv == 0:
-        _fail(ValueError, "q/v", f"head dims {d}/{dv}", "positive head dims")
-    if k_c.shape[-2] != v_c.shape[-2]:
-        _fail(ValueError, "v", f"sequence length {v_c.shape[-2]}", f"the sequence length of k, {k_c.shape[-2]}")
-    if layout == "TND" and k_c.shape[0] != v_c.shape[0]:
-        _fail(ValueError, "v", f"{v_c.shape[0]} tokens", f"{k_c.shape[0]} tokens, as in k")
+        fail(ValueError, "q/v", f"head dims {d}/{dv}", "positive head dims")
+    if paged:
+        if v_c.shape[:3] != k_c.shape[:3]:
+            fail(ValueError, "v", f"shape {tuple(v.shape)}", f"the blocks, block size and heads of k {tuple(k.shape[:3])}")
+    elif k_c.shape[-2] != v_c.shape[-2] or (layout == "TND" and k_c.shape[0] != v_c.shape[0]):
+        fail(ValueError, "v", f"shape {tuple(v.shape)}", f"the sequence length of k {tuple(k.shape)}")
 
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        _fail(TypeError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
+        fail(TypeError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
     if not math.isfinite(scale):
-        _fail(ValueError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
-    if not isinstance(causal, bool):
-        _fail(TypeError, "causal", repr(causal), "True or False")
-    if not isinstance(deterministic, bool):
-        _fail(TypeError, "deterministic", repr(deterministic), "True or False")
+        fail(ValueError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
+    check_bool("deterministic", deterministic)
+    align = _check_align(align)
 
-    # Variable length.
+    # Sequence lengths: varlen offsets, a paged cache, keys used per sequence. Their values are
+    # checked at the end, by check_sequence_values.
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if given is not None:
+            check_int(name, given, 0)
     if layout == "TND":
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            _fail(ValueError, "cu_seqlens_q/cu_seqlens_k", "None", "int32 cumulative offsets, required for layout='TND'")
-        mq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q_c.shape[0])
-        mk = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k_c.shape[0], cu_seqlens_q.numel() - 1)
+        if cu_seqlens_q is None:
+            fail(ValueError, "cu_seqlens_q", "None", "int32 cumulative offsets, required for layout='TND'")
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, device)
         batch = cu_seqlens_q.numel() - 1
-        for name, given, actual in (("max_seqlen_q", max_seqlen_q, mq), ("max_seqlen_k", max_seqlen_k, mk)):
-            if given is not None:
-                given = _check_int(name, given, 0)
-                if actual is not None and given < actual:
-                    _fail(ValueError, name, given, f">= {actual}, the longest sequence in the cu_seqlens")
-        sq = mq if mq is not None else (max_seqlen_q or 0)
-        sk = mk if mk is not None else (max_seqlen_k or 0)
+        if paged:
+            if cu_seqlens_k is not None:
+                fail(ValueError, "cu_seqlens_k", "a tensor with a paged cache", "None (key lengths come from seqused_k)")
+        else:
+            if cu_seqlens_k is None:
+                fail(ValueError, "cu_seqlens_k", "None", "int32 cumulative offsets, required for layout='TND'")
+            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch, device)
+        sq, sk = max_seqlen_q or 0, max_seqlen_k or 0
     else:
         for name, val in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                           ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if val is not None:
-                _fail(ValueError, name, repr(val) if isinstance(val, int) else "a tensor",
-                      f"None for the padded layout '{layout}' (varlen arguments need layout='TND')")
-        sq, sk = q_c.shape[2], k_c.shape[2]
-
-    # Window.
-    if window is None:
-        window = (None, None)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        _fail(TypeError, "window", repr(window), "a pair (left, right) of ints; None or negative = unbounded")
-    win = []
-    for side in window:
-        if side is None:
-            win.append(None)
-            continue
-        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
-            _fail(TypeError, "window", repr(tuple(window)), "a pair (left, right) of ints; None or negative = unbounded")
-        win.append(None if side < 0 else int(side))
-    window = tuple(win)
-
-    for name, value in (("softcap", softcap), ("dropout_p", dropout_p)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            _fail(TypeError, name, repr(value), "a float")
-    if not math.isfinite(softcap) or softcap < 0:
-        _fail(ValueError, "softcap", repr(softcap), "a float > 0 (or 0 to disable)")
-    if not (0.0 <= dropout_p < 1.0):
-        _fail(ValueError, "dropout_p", repr(dropout_p), "a float in [0, 1)")
-    if seed is not None and generator is not None:
-        _fail(ValueError, "seed/generator", "both", "at most one of them")
-    if seed is not None:
-        seed = _check_int("seed", seed)
-    elif generator is not None:
-        if not isinstance(generator, torch.Generator):
-            _fail(TypeError, "generator", type(generator).__name__, "a torch.Generator")
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-    elif dropout_p > 0:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    else:
-        seed = 0
-    # 63 bits: the seed travels through torch.library ops as a signed int64.
-    seed &= (1 << 63) - 1
+                fail(ValueError, name, repr(val) if isinstance(val, int) else "a tensor",
+                     f"None for the padded layout '{layout}' (varlen arguments need layout='TND')")
+        sq, sk = q_c.shape[2], (0 if paged else k_c.shape[2])
+    if paged:
+        _check_index_vector("block_table", block_table, None, device, "the cache blocks of each sequence")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            fail(ValueError, "block_table", f"shape {tuple(block_table.shape)}", f"({batch}, max_blocks_per_sequence)")
+        sk = block_table.shape[1] * k_c.shape[2]
+    if seqused_k is not None:
+        _check_index_vector("seqused_k", seqused_k, batch, device, "keys used by each sequence")
 
     full = (batch, hq, sq, sk)
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            given = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-            _fail(TypeError, "mask", given, "a bool tensor (True = take part) broadcastable to (B, Hq, Sq, Sk)")
-        if layout == "TND":
-            _fail(ValueError, "mask", "a mask with layout='TND'", "no mask for varlen inputs (sequences are already separated)")
-        if not _broadcastable(mask.shape, full):
-            _fail(ValueError, "mask", f"shape {tuple(mask.shape)}", f"a shape broadcastable to (B, Hq, Sq, Sk) = {full}")
-        if mask.device != q.device:
-            _fail(ValueError, "mask", f"device {mask.device}", f"device {q.device}, as q")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            given = f"dtype {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
-            _fail(TypeError, "bias", given, "a floating tensor broadcastable to (B, Hq, Sq, Sk)")
-        if layout == "TND":
-            _fail(ValueError, "bias", "a bias with layout='TND'", "no bias for varlen inputs")
-        if not _broadcastable(bias.shape, full):
-            _fail(ValueError, "bias", f"shape {tuple(bias.shape)}", f"a shape broadcastable to (B, Hq, Sq, Sk) = {full}")
-        if bias.device != q.device:
-            _fail(ValueError, "bias", f"device {bias.device}", f"device {q.device}, as q")
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
-            given = f"dtype {alibi_slopes.dtype}" if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-            _fail(TypeError, "alibi_slopes", given, f"a float32 tensor of shape ({hq},) or ({batch}, {hq})")
-        if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)):
-            _fail(ValueError, "alibi_slopes", f"shape {tuple(alibi_slopes.shape)}", f"({hq},) or ({batch}, {hq})")
-        if alibi_slopes.device != q.device:
-            _fail(ValueError, "alibi_slopes", f"device {alibi_slopes.device}", f"device {q.device}, as q")
-
-    return AttentionInputs(
-        q=q, k=k, v=v, layout=layout, scale=float(scale), causal=causal, window=window,
-        mask=mask, bias=bias, alibi_slopes=alibi_slopes, softcap=float(softcap),
-        dropout_p=float(dropout_p), seed=seed, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=sq, max_seqlen_k=sk, deterministic=deterministic,
-        batch=batch, heads_q=hq, heads_kv=hkv, seqlen_q=sq, seqlen_k=sk, head_dim=d, head_dim_v=dv,
-        q_c=q_c, k_c=k_c, v_c=v_c,
+    per_sequence = "layout='TND'" if layout == "TND" else ("a paged cache" if paged else None)
+    found = [
+        Softcap.from_args(softcap),
+        Alibi.from_args(alibi_slopes, batch, hq, device),
+        Bias.from_args(bias, full, device, per_sequence),
+        Band.from_args(causal, window),
+        Mask.from_args(mask, full, device, per_sequence),
+        Sinks.from_args(sinks, hq, device),
+        Dropout.from_args(dropout_p, seed, generator),
+    ]
+    modifiers = tuple(m for m in found if m is not None)  # `found` is in pipeline order
+    spec = AttentionSpec(
+        q=q, k=k, v=v, layout=layout, heads_q=hq, heads_kv=hkv, batch=batch, seqlen_q=sq, seqlen_k=sk,
+        head_dim=d, head_dim_v=dv, scale=float(scale), align=align, modifiers=modifiers,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table,
+        deterministic=deterministic, q_c=q_c, k_c=k_c, v_c=v_c,
     )
+    if torch.compiler.is_compiling():
+        return spec
+    return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)

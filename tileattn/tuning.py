@@ -326,9 +326,9 @@ def tune(backend: str, case, budget: int, reps: int = 3, warmup: int = 1, seed: 
     tick = on_step or (lambda label: None)
     candidates_of, working_set, _, model = SPACES[backend]
     q, k, v, dout = case.make_tensors(seed)
-    from .spec import make_inputs
+    from .spec import build_spec
 
-    inp = make_inputs(q, k, v, causal=case.causal)
+    inp = build_spec(q, k, v, causal=case.causal)
     current = current_config(backend, inp)
     configs = candidates_of(inp)
     if current is not None and current not in configs:

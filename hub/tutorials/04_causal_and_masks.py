@@ -18,30 +18,28 @@
 #
 # tileattn aligns causal (and sliding windows) to the **bottom-right** corner like FlashAttention-2:
 # query `i` sees key `j` iff `j <= i + (Sk - Sq)`. For `Sq == Sk` that is the usual lower triangle.
-# `tileattn.scores.key_range` is the function the CPU engine uses to decide which key columns a
-# block of queries can possibly see; we use it here to count tiles exactly as the engine does.
+# `tileattn.modifiers.Band` owns that geometry for every engine: `Band.tile_state` classifies a
+# (query block, key block) tile as EMPTY (skipped), PARTIAL (masked) or FULL (no mask needed); we
+# use it here to count tiles exactly as the engines do.
 
 # %%
 import tileattn
 from tileattn.backends.cpu import TileConfig
-from tileattn.scores import band_fully_visible, key_range
+from tileattn.modifiers import Band, TileState
 from tileattn.testing import check_against_reference
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded
 
 
 def tile_census(S, block, left=None, right=None):
     """(total tiles, tiles never visited, tiles that need an element-wise mask)."""
+    band = Band(left, right)
     total = skipped = partial = 0
     for i0 in range(0, S, block):
-        i1 = min(i0 + block, S)
-        lo, hi = key_range(i0, i1, S, S, left, right)
         for j0 in range(0, S, block):
-            j1 = min(j0 + block, S)
+            state = band.tile_state(i0, min(i0 + block, S), j0, min(j0 + block, S), offset=0)
             total += 1
-            if j1 <= lo or j0 >= hi:
-                skipped += 1
-            elif not band_fully_visible(i0, i1, j0, j1, S, S, left, right):
-                partial += 1
+            skipped += state == TileState.EMPTY
+            partial += state == TileState.PARTIAL
     return total, skipped, partial
 
 

@@ -33,7 +33,7 @@ import torch
 
 import tileattn
 from tileattn.backends.cpu import TileConfig, default_config
-from tileattn.spec import make_inputs
+from tileattn.spec import build_spec
 from tileattn.testing import judge
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded
 
@@ -156,7 +156,7 @@ os.environ["TILEATTN_CACHE_DIR"] = cache_dir
 cache = json.loads((Path(cache_dir) / "tune_cache.json").read_text())
 print(json.dumps(cache, indent=1))
 b, h, s, d = (int(x) for x in tune_shape.split(","))
-probe = make_inputs(*(seeded(b, h, s, d, seed=i) for i in range(3)))
+probe = build_spec(*(seeded(b, h, s, d, seed=i) for i in range(3)))
 tuned = default_config(probe)
 stored = tileattn.tuning.lookup("cpu", probe)
 check(stored is not None and (tuned.block_m, tuned.block_n) == (int(stored["block_m"]), int(stored["block_n"])),

@@ -1,50 +1,32 @@
 """The exact reference as a backend: materialises the scores, for tests and teaching only.
 
-Never chosen by ``backend="auto"``. It computes in fp32 (fp64 for fp64 inputs) and rounds the
-result to the input dtype, so it has the accuracy a fused kernel should reach.
+Never chosen by ``backend="auto"``. It computes in fp32 (fp64 for fp64 inputs) and rounds the result
+to the output's dtype, so it has the accuracy a fused kernel should reach. Its backward is
+:func:`tileattn.reference.reference_backward` (the formulas written out, using the given LSE).
 """
 
 from __future__ import annotations
 
-import torch
-
-from ..dispatch import Backend, register
-from ..reference import reference_from_inputs
-from ..spec import AttentionInputs, make_inputs
+from ..dispatch import ALL_DTYPES, ALL_MODIFIERS, Backend, Capabilities, Gradients, register
+from ..reference import reference_backward, reference_from_spec
+from ..spec import AttentionSpec, to_canonical
 
 
 class ReferenceBackend(Backend):
     name = "reference"
     auto = False
     priority = 1000
+    capabilities = Capabilities(devices=frozenset(("cpu", "cuda", "meta")), dtypes=ALL_DTYPES,
+                                modifiers=ALL_MODIFIERS - {"sinks"})
 
-    def forward(self, inp: AttentionInputs):
-        out, lse = reference_from_inputs(inp, compute_dtype=inp.acc_dtype(), return_lse=True)
-        return out.to(inp.dtype).contiguous(), lse
+    def forward(self, spec: AttentionSpec, out, lse):
+        result, result_lse = reference_from_spec(spec, compute_dtype=spec.acc_dtype())
+        out.copy_(to_canonical(result, spec.layout, spec.heads_q))
+        lse.copy_(result_lse)
 
-    def backward(self, inp: AttentionInputs, out, lse, dout, need_dbias: bool):
-        cdt = inp.acc_dtype()
-        primals = [t.detach().to(cdt) for t in (inp.q, inp.k, inp.v)]
-        if need_dbias:
-            primals.append(inp.bias.detach().to(cdt))
-
-        def attention(q, k, v, *maybe_bias):
-            sub = make_inputs(
-                q, k, v, layout=inp.layout, num_heads=inp.heads_q,
-                scale=inp.scale, causal=inp.causal, window=inp.window, mask=inp.mask,
-                bias=maybe_bias[0] if need_dbias else inp.bias, alibi_slopes=inp.alibi_slopes,
-                softcap=inp.softcap, dropout_p=inp.dropout_p, seed=inp.seed,
-                cu_seqlens_q=inp.cu_seqlens_q, cu_seqlens_k=inp.cu_seqlens_k,
-            )
-            return reference_from_inputs(sub, compute_dtype=cdt)
-
-        # torch.func.vjp, not torch.autograd.grad: this runs inside a torch.library custom op, where
-        # the autograd dispatch keys are excluded and plain autograd records no graph.
-        _, pullback = torch.func.vjp(attention, *primals)
-        grads = pullback(dout.to(cdt))
-        dq, dk, dv = (g.to(inp.dtype) for g in grads[:3])
-        dbias = grads[3].to(inp.bias.dtype) if need_dbias else None
-        return dq, dk, dv, dbias
+    def backward(self, spec: AttentionSpec, grads: Gradients):
+        reference_backward(spec, grads.out, grads.dout, grads.lse, grads.delta, grads.dq, grads.dk, grads.dv,
+                           grads.dbias)
 
 
 register(ReferenceBackend())

@@ -2,7 +2,7 @@
 
 A preset gives every setting; any explicit option overrides it. Each cell (sequence length, causal,
 mode) times all providers round-robin, so noise hits them alike. Reported per provider: median
-time, spread ((max - min) / median), throughput (attention FLOPs: ``AttentionInputs.flops()``,
+time, spread ((max - min) / median), throughput (attention FLOPs: ``AttentionSpec.flops()``,
 backward = 2.5x forward), measured peak extra memory and speed-up against the baseline.
 """
 

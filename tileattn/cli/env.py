@@ -31,14 +31,14 @@ def probe_backend(backend, device: str) -> list:
     import torch
 
     from .. import flash_attention
-    from ..spec import make_inputs
+    from ..spec import build_spec
 
-    why = list(backend.available())
-    if why:
-        return why
+    unavailable = backend.unavailable_reason()
+    if unavailable:
+        return [unavailable]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 16, generator=gen).to(device) for _ in range(3))
-    why = backend.not_supported_reasons(make_inputs(q, k, v))
+    why = backend.not_supported_reasons(build_spec(q, k, v))
     if why:
         return why
     try:

@@ -52,7 +52,7 @@ def child() -> None:
 
     from ..bench import PROVIDERS, Case, make_step, measure_peak_memory
     from ..dispatch import select
-    from ..spec import make_inputs
+    from ..spec import build_spec
 
     job = json.loads(sys.argv[1])
     dtype = getattr(torch, job["dtype"])
@@ -62,7 +62,7 @@ def child() -> None:
         rec = {"seqlen": job["seqlen"], "mode": mode, "provider": provider, "status": "ok", "note": ""}
         try:
             q, k, v, dout = case.make_tensors()
-            rec["engine"] = select(make_inputs(q, k, v, causal=case.causal)).name if provider == "tileattn" else provider
+            rec["engine"] = select(build_spec(q, k, v, causal=case.causal)).name if provider == "tileattn" else provider
             prepare, run = make_step(PROVIDERS[provider](case, q, k, v), case, q, k, v, dout)
             small = Case(case.batch, case.heads, 64, 64, case.head_dim, dtype, case.causal, mode, case.device)
             sq, sk, sv, sd = small.make_tensors()

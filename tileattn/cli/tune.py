@@ -35,7 +35,7 @@ def add_parser(subparsers):
 def run(args) -> int:
     from .. import tuning
     from ..bench import Case, Progress
-    from ..spec import make_inputs
+    from ..spec import build_spec
 
     b, h, s, d = parse_shape(args.shape)
     dtype = parse_dtype(args.dtype)
@@ -60,8 +60,8 @@ def run(args) -> int:
     import torch
 
     probe = torch.empty(b, h, s, d, dtype=dtype, device=device)
-    inp = make_inputs(probe, probe, probe, causal=args.causal)
-    why = list(backend.available()) or backend.not_supported_reasons(inp)
+    inp = build_spec(probe, probe, probe, causal=args.causal)
+    why = backend.not_supported_reasons(inp)
     if why:
         raise CliError(f"backend {name!r} cannot run {args.dtype} shape {args.shape} here: {'; '.join(why)}")
     del probe

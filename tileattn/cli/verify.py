@@ -67,17 +67,17 @@ def _sdpa_verdicts(backend_name, q, k, v, causal, seed):
 def _candidates(args, q, k, v):
     """[(backend, reasons it cannot run this call)] for the requested backend or all of them."""
     from ..dispatch import list_backends
-    from ..spec import make_inputs
+    from ..spec import build_spec
 
-    inp = make_inputs(q, k, v, causal=args.causal)
+    inp = build_spec(q, k, v, causal=args.causal)
     if args.backend:
         b = resolve_backend(args.backend)
-        why = list(b.available()) or b.not_supported_reasons(inp)
+        why = b.not_supported_reasons(inp)
         if why:
             raise CliError(f"backend {b.name!r} cannot run {args.dtype} shape {args.shape} here: {'; '.join(why)}")
         return [(b, [])]
     # The reference is the oracle itself: it is checked only when asked for by name.
-    return [(b, list(b.available()) or b.not_supported_reasons(inp)) for b in list_backends() if b.name != "reference"]
+    return [(b, b.not_supported_reasons(inp)) for b in list_backends() if b.name != "reference"]
 
 
 def run(args) -> int:

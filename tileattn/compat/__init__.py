@@ -6,5 +6,6 @@
 * :mod:`tileattn.npu`: ``torch_npu.npu_fusion_attention`` and its grad.
 * :mod:`tileattn.integrations.transformers`: a Hugging Face attention implementation.
 
-:mod:`.bands` holds the one piece of geometry they share (top-left bands on bottom-right windows).
+Top-left causal masks (SDPA, some torch_npu modes) need no translation: ``flash_attention``'s ``align``
+places the diagonal.
 """

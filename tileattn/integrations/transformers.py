@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from ..sdpa import attend_top_left
+from ..api import flash_attention
 
 NAME = "tileattn"
 
@@ -43,9 +43,10 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
             bias = attention_mask.to(query.dtype)
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
-    out = attend_top_left(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), "BSND", causal=causal, mask=mask,
-        bias=bias, scale=scaling, dropout_p=float(dropout), softcap=float(softcap or 0.0),
+    out = flash_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), layout="BSND", causal=causal,
+        align="top_left", mask=mask, bias=bias, scale=scaling, dropout_p=float(dropout),
+        softcap=float(softcap or 0.0),
     )
     return out, None
 

@@ -29,7 +29,7 @@ textbook step (row max, subtract, exp2, row sum, rescale) makes four passes; her
   that, the maximum must not see hidden scores, so the first tile is masked the slow way.
 
 Backward (FlashAttention-2): the probabilities are recomputed from the saved LSE, never stored.
-With ``Delta_i = sum_d dO_id * O_id``::
+With ``Delta_i = sum_d dO_id * O_id`` (given by the caller, minus the LSE gradient)::
 
     P = 2^(s - lse2)        dV += P^T dO        dP = dO V^T
     dS = P * (dP - Delta)   dQ += dS K * scale  dK += dS^T Q * scale
@@ -47,13 +47,14 @@ import math
 
 import torch
 
-from ...scores import key_range
 from .tiles import LOG2E, SequenceProblem, scratch, scratch_tile
 
 
 def key_blocks(prob: SequenceProblem, i0: int, i1: int, block_n: int):
-    lo, hi = key_range(i0, i1, prob.sq, prob.sk, prob.left, prob.right)
-    for j0 in range(lo, hi, block_n):
+    """Key blocks [j0, j1) that some row of [i0, i1) sees, on the grid of ``block_n`` (so a mask's
+    per-tile states, computed once per call on that grid, apply)."""
+    lo, hi = prob.key_range(i0, i1)
+    for j0 in range(lo - lo % block_n, hi, block_n):
         yield j0, min(j0 + block_n, hi)
 
 
@@ -161,11 +162,12 @@ def _rescale(s, m, tile_max, l, acc):
     return m_new
 
 
-def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv, dbias, block_m: int,
+def backward_heads(prob: SequenceProblem, hs: slice, dout, lse, delta, dq, dk, dv, dbias, block_m: int,
                    block_n: int) -> None:
     """Gradients for kv heads ``hs`` of one sequence and their query heads.
 
-    ``out``/``dout`` (Hq, Sq, Dv), ``lse`` (Hq, Sq), ``dq`` (Hq, Sq, D): the sequence's views.
+    ``dout`` (Hq, Sq, Dv), ``lse`` and ``delta`` (Hq, Sq; ``delta = rowsum(dO * O) - dLSE``),
+    ``dq`` (Hq, Sq, D): the sequence's views.
     ``dk`` (nh, Sk, D) and ``dv`` (nh, Sk, Dv): the zero-initialised compute-dtype buffers of
     heads ``hs``. ``dbias``, when not None, is a compute-dtype buffer of the (per batch item)
     broadcast bias shape.
@@ -194,15 +196,13 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
         qb = qa[..., :d]
         doa = prob.load_rows(dout, hs, i0, i1, 1, "do")
         dob = doa[..., :dvd]
-        o = out[heads, i0:i1].unflatten(0, (nh, g))
-        product = scratch(nh * g * bm * dvd, cdt, "acc").view(nh, g, bm, dvd)
-        delta = torch.mul(dob.view(nh, g, bm, dvd), o, out=product).sum(-1).view(nh, g * bm, 1)
+        row_delta = delta[heads, i0:i1].reshape(nh, g * bm, 1).to(cdt)
         lse2 = lse[heads, i0:i1].reshape(nh, g * bm, 1).to(cdt) * LOG2E  # a copy: never write lse
         # Rows that saw no key: a huge finite lse2 makes every probability exactly 0 (not NaN, which
         # an infinite one could give inside the GEMM).
         lse2.masked_fill_(lse2 == -math.inf, torch.finfo(lse2.dtype).max)
         torch.neg(lse2, out=qa[..., d:])
-        torch.neg(delta, out=doa[..., dvd:])
+        torch.neg(row_delta, out=doa[..., dvd:])
         dq_acc = None
         for j0, j1, hidden in blocks:
             tile_s = scratch_tile(buffers[0], nh, g * bm, j1 - j0)
@@ -227,7 +227,7 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
                     dv[:, j0:j1].baddbmm_(p.masked_fill(drop, 0.0).mul_(keep_scale).transpose(1, 2), dob)
                 else:
                     dv[:, j0:j1].baddbmm_(p.transpose(1, 2), dob)
-                dp_minus_delta = dp.sub_(delta)
+                dp_minus_delta = dp.sub_(row_delta)
             ds = p.mul_(dp_minus_delta)
             if dbias is not None:
                 _accumulate_bias_grad(dbias, ds, prob, hs, i0, i1, j0, j1)

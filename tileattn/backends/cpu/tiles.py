@@ -1,9 +1,12 @@
 """Per-tile score construction for the CPU engine.
 
 A :class:`SequenceProblem` describes one (batch item or varlen sequence) attention problem in the
-terms a kernel needs: strided ``(H, S, D)`` tensors and the score options, nothing of the public API.
-:meth:`SequenceProblem.scores` turns ``q_tile . k_tile^T`` into base-2 logits with every score
-modifier applied, for forward and backward alike, so the two passes can never disagree.
+terms a kernel needs: strided ``(H, S, D)`` tensors and the modifier objects of the call
+(:mod:`tileattn.modifiers`), nothing of the public API. :meth:`SequenceProblem.scores` turns
+``q_tile . k_tile^T`` into base-2 logits with every score modifier applied, for forward and backward
+alike, so the two passes can never disagree. Geometry (which keys a query block sees, whether a
+tile is cut by the band, which tiles a mask hides) comes from the modifiers; this module only does
+the in-place tile arithmetic.
 
 Work is cut per range of kv heads ``hs``: the queries of the ``G = Hq / Hkv`` heads that share a
 kv head are stacked into one ``(G * block_m, D)`` matrix, so one GEMM serves the whole group and K/V
@@ -14,8 +17,8 @@ matters because every operation has a fixed cost (~5-10 microseconds from Python
 Augmented operands (why ``kt_aug``/``vt_aug`` exist): K and V are copied once per sequence,
 transposed, with a row of ones appended. A query block with an extra column ``-c`` then gives
 ``q.k^T - c`` straight out of the GEMM, so subtracting the row maximum (forward), the log-sum-exp
-(backward) or ``Delta = rowsum(dO * O)`` (backward, with ``dO`` augmented against ``vt_aug``) costs
-no pass over the score tile. The copy is ``O(S * D)`` against the ``O(S^2 * D)`` of the attention.
+(backward) or ``Delta`` (backward, with ``dO`` augmented against ``vt_aug``) costs no pass over the
+score tile. The copy is ``O(S * D)`` against the ``O(S^2 * D)`` of the attention.
 """
 
 from __future__ import annotations
@@ -27,11 +30,21 @@ from typing import Optional
 
 import torch
 
-from ... import scores as S
+from ...modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap, TileState
 
 LOG2E = 1.4426950408889634
-#: :meth:`SequenceProblem.mask_hidden`'s answer for a tile the user's mask hides entirely.
-ALL_HIDDEN = "all hidden"
+
+
+@dataclass(frozen=True)
+class MaskTile:
+    """What the user's bool mask does to one tile: its state, and for a PARTIAL tile the bool
+    tensor (True = hidden) broadcastable to (nh, G, bm, bn)."""
+
+    state: TileState
+    hidden: Optional[torch.Tensor] = None
+
+
+_NO_MASK = MaskTile(TileState.FULL)
 
 
 @dataclass
@@ -40,15 +53,16 @@ class SequenceProblem:
     k: torch.Tensor  # (Hkv, Sk, D); in the compute dtype once prepare() ran
     v: torch.Tensor  # (Hkv, Sk, Dv); in the compute dtype once prepare() ran
     scale: float
-    left: Optional[int]
-    right: Optional[int]
-    softcap: float = 0.0
-    mask: Optional[torch.Tensor] = None  # (Hm, Sqm, Skm) broadcastable, for this batch item
-    bias: Optional[torch.Tensor] = None  # (Hb, Sqb, Skb) broadcastable, for this batch item
-    slopes: Optional[torch.Tensor] = None  # (Hq,)
-    dropout_p: float = 0.0
-    seed: int = 0
+    offset: int  # query row i is aligned with key column i + offset
     batch_index: int = 0
+    block_m: int = 64
+    block_n: int = 64
+    band: Optional[Band] = None
+    softcap: Optional[Softcap] = None
+    alibi: Optional[Alibi] = None
+    bias: Optional[Bias] = None
+    mask: Optional[Mask] = None
+    dropout: Optional[Dropout] = None
     compute_dtype: torch.dtype = torch.float32
     kt_aug: Optional[torch.Tensor] = None  # (Hkv, D + 1, Sk): K^T with a row of ones, see module doc
     vt_aug: Optional[torch.Tensor] = None  # (Hkv, Dv + 1, Sk): V^T with a row of ones
@@ -78,9 +92,13 @@ class SequenceProblem:
         return self.q.shape[2]
 
     @property
+    def dropout_p(self) -> float:
+        return 0.0 if self.dropout is None else self.dropout.p
+
+    @property
     def plain(self) -> bool:
         """No score modifier between the GEMM and the softmax: fold scale*log2(e) into q."""
-        return self.softcap == 0 and self.bias is None and self.slopes is None
+        return self.softcap is None and self.bias is None and self.alibi is None
 
     @property
     def q_factor(self) -> float:
@@ -102,6 +120,12 @@ class SequenceProblem:
     def q_heads(self, hs: slice) -> slice:
         """The query heads served by the kv heads ``hs``."""
         return slice(hs.start * self.group, hs.stop * self.group)
+
+    def key_range(self, i0: int, i1: int):
+        """Keys that some query row of [i0, i1) sees under the band: (lo, hi)."""
+        if self.band is None:
+            return 0, self.sk
+        return self.band.key_range(i0, i1, self.sk, self.offset)
 
     def load_q(self, hs: slice, i0: int, i1: int) -> torch.Tensor:
         """Rows [i0, i1) of the query heads of kv heads ``hs``, stacked, pre-scaled:
@@ -126,64 +150,35 @@ class SequenceProblem:
             target.mul_(factor)
         return block
 
-    def mask_hidden(self, hs: slice, i0, i1, j0, j1):
-        """The user's mask on the tile: None when it hides nothing there (or there is no mask),
-        :data:`ALL_HIDDEN` when it hides the whole tile (skip it), otherwise a bool tensor
-        (True = hidden) broadcastable to (nh, G, bm, bn). The band (causal/window) is separate.
-
-        Telling the two uniform cases apart costs two reductions over a bool tile and saves a
-        masked fill (slow: ~10x a float pass) on every tile that a block-sparse mask leaves whole.
-        """
+    def mask_hidden(self, hs: slice, i0, i1, j0, j1) -> MaskTile:
+        """The user's mask on the tile (the band is separate). Tiles on the block grid read their
+        state from :meth:`Mask.tile_states` (computed once per call); a tile the mask keeps whole
+        skips the masked fill (slow: ~10x a float pass)."""
         if self.mask is None:
-            return None
-        summary = self._mask_summary(hs, i1 - i0, j1 - j0)
-        if summary is not None and i0 % (i1 - i0) == 0 and j0 % (j1 - j0) == 0:
-            any_kept, all_kept = summary
-            bi, bj = i0 // (i1 - i0), j0 // (j1 - j0)
-            if not any_kept[bi][bj]:
-                return ALL_HIDDEN
-            if all_kept[bi][bj]:
-                return None
-        keep = self._head_slice(_slice_broadcast(self.mask, i0, i1, j0, j1), hs)
-        if summary is None:
-            if not bool(keep.any()):
-                return ALL_HIDDEN
-            if bool(keep.all()):
-                return None
-        return ~keep
+            return _NO_MASK
+        heads = self.q_heads(hs)
+        if i0 % self.block_m == 0 and j0 % self.block_n == 0:
+            states = self.mask.tile_states(self.batch_index, heads, self.sq, self.sk, self.block_m, self.block_n)
+            state = TileState(int(states[i0 // self.block_m, j0 // self.block_n]))
+        else:
+            state = TileState.PARTIAL
+        if state != TileState.PARTIAL:
+            return MaskTile(state)
+        keep = self._head_slice(self.mask.block(self.batch_index, heads, i0, i1, j0, j1), hs)
+        return MaskTile(TileState.PARTIAL, ~keep)
 
-    def _mask_summary(self, hs: slice, bm: int, bn: int):
-        """For a mask that tiles exactly into (bm, bn) blocks: per block, whether any / all of its
-        entries are kept for every query head of ``hs`` (nested lists), computed once per call
-        with two reductions over the whole mask instead of two per tile. None otherwise."""
-        cache = self.__dict__.setdefault("_mask_summaries", {})
-        key = (hs.start, hs.stop, bm, bn)
-        if key not in cache:
-            m = self.mask
-            summary = None
-            exact = m.shape[-2] == self.sq and m.shape[-1] == self.sk
-            if exact and self.sq % bm == 0 and self.sk % bn == 0:
-                heads = m if m.shape[0] == 1 else m[self.q_heads(hs)]
-                blocks = heads.reshape(heads.shape[0], self.sq // bm, bm, self.sk // bn, bn)
-                # max/min of the bytes = any/all, and 30x faster than bool any/all on this layout.
-                blocks = blocks.view(torch.uint8)
-                summary = (blocks.amax((0, 2, 4)).tolist(), blocks.amin((0, 2, 4)).tolist())
-            cache[key] = summary
-        return cache[key]
-
-    def tile_is_empty(self, hidden) -> bool:
-        """Whether the user's mask hides the whole tile. The band alone never does: ``key_blocks``
-        only visits key blocks that some row of the query block sees (the rows' windows are
-        contiguous)."""
-        return hidden is ALL_HIDDEN
+    def tile_is_empty(self, hidden: MaskTile) -> bool:
+        """Whether the user's mask hides the whole tile. The band alone never does: the key blocks
+        visited are those some row of the query block sees (the rows' windows are contiguous)."""
+        return hidden.state == TileState.EMPTY
 
     def on_band_edge(self, i0, i1, j0, j1) -> bool:
-        """Whether the band (causal/window) hides part of the tile."""
-        return not S.band_fully_visible(i0, i1, j0, j1, self.sq, self.sk, self.left, self.right)
+        """Whether the band (causal/window) or the end of the keys cuts the tile."""
+        return self.band is not None and self.band.tile_state(i0, i1, j0, j1, self.offset) != TileState.FULL
 
     def hide_outside_band(self, s: torch.Tensor, i0, i1, j0, j1):
         """Set the scores outside the band to -inf (before a row maximum is taken)."""
-        lo, hi = self._band_diagonals(i0, j0)
+        lo, hi = self.band.tile_diagonals(i0, j0, self.offset)
         bm, bn = i1 - i0, j1 - j0
         hidden = None
         if hi is not None:
@@ -195,23 +190,16 @@ class SequenceProblem:
 
     def zero_outside_band(self, p: torch.Tensor, i0, i1, j0, j1):
         """Set the probabilities outside the band to 0 (after exp2; whatever exp2 gave there, inf or
-        NaN included, is discarded). Query i sees key j iff ``lo <= j - i - (Sk - Sq) <= hi``: in
-        tile coordinates two diagonals, so ``tril_``/``triu_`` do it (10x faster than a masked
-        fill with a bool tile)."""
+        NaN included, is discarded). In tile coordinates the band lies between two diagonals, so
+        ``tril_``/``triu_`` do it (10x faster than a masked fill with a bool tile)."""
         p3 = p.view(-1, i1 - i0, j1 - j0)
-        lo, hi = self._band_diagonals(i0, j0)
+        lo, hi = self.band.tile_diagonals(i0, j0, self.offset)
         if hi is not None:
             p3.tril_(hi)
         if lo is not None:
             p3.triu_(lo)
 
-    def _band_diagonals(self, i0, j0):
-        """(lo, hi): tile element (r, c) is inside the band iff ``lo <= c - r <= hi`` (None = open)."""
-        shift = (self.sk - self.sq) + i0 - j0
-        return (None if self.left is None else shift - self.left,
-                None if self.right is None else shift + self.right)
-
-    def scores(self, hs: slice, qb: torch.Tensor, i0, i1, j0, j1, hidden, out: torch.Tensor):
+    def scores(self, hs: slice, qb: torch.Tensor, i0, i1, j0, j1, hidden: MaskTile, out: torch.Tensor):
         """Base-2 logits of the tile, (nh, G*bm, bn), and the tanh of the softcap (or None).
 
         ``qb`` is the (nh, G*bm, D) pre-scaled query block (without the augmented column); ``out``
@@ -222,45 +210,39 @@ class SequenceProblem:
         if not self.plain:
             g, bm, bn = self.group, i1 - i0, j1 - j0
             s3 = s.view(-1, g, bm, bn)
-            if self.softcap > 0:
-                tanh = torch.tanh(s.div_(self.softcap))
-                s.copy_(tanh).mul_(self.softcap)
-            if self.slopes is not None:
+            if self.softcap is not None:
+                tanh = torch.tanh(s.div_(self.softcap.cap))
+                s.copy_(tanh).mul_(self.softcap.cap)
+            if self.alibi is not None:
                 dev = s.device
-                dist = S.alibi_distance(
-                    torch.arange(i0, i1, device=dev), torch.arange(j0, j1, device=dev),
-                    self.sq, self.sk, s.dtype,
-                )
-                slopes = self.slopes[self.q_heads(hs)].view(-1, g, 1, 1).to(s.dtype)
-                s3.sub_(slopes * dist)
+                term = self.alibi.scores(self.batch_index, self.q_heads(hs), torch.arange(i0, i1, device=dev),
+                                         torch.arange(j0, j1, device=dev), self.offset, s.dtype)
+                s3.add_(term.view(-1, g, bm, bn))
             if self.bias is not None:
-                b = self._head_slice(_slice_broadcast(self.bias, i0, i1, j0, j1), hs)
+                b = self._head_slice(self.bias.block(self.batch_index, self.q_heads(hs), i0, i1, j0, j1), hs)
                 s3.add_(b.to(s.dtype))
             s.mul_(LOG2E)
         self.apply_mask(s, hidden, i0, i1)
         return s, tanh
 
-    def apply_mask(self, s: torch.Tensor, hidden, i0, i1):
-        """Set the scores the user's mask hides (``hidden`` from :meth:`mask_hidden`) to -inf."""
-        if hidden is not None:
-            s.view(s.shape[0], self.group, i1 - i0, -1).masked_fill_(hidden, -math.inf)
+    def apply_mask(self, s: torch.Tensor, hidden: MaskTile, i0, i1):
+        """Set the scores the user's mask hides (a PARTIAL :class:`MaskTile`) to -inf."""
+        if hidden.hidden is not None:
+            s.view(s.shape[0], self.group, i1 - i0, -1).masked_fill_(hidden.hidden, -math.inf)
 
     def dropout_keep(self, hs: slice, i0, i1, j0, j1) -> torch.Tensor:
         """Bool (nh, G*bm, bn): which probabilities of the tile survive dropout."""
         dev = self.q.device
         qh = self.q_heads(hs)
-        keys = S.dropout_row_keys(
-            self.seed, self.batch_index, torch.arange(qh.start, qh.stop, device=dev),
-            torch.arange(i0, i1, device=dev),
-        )
-        keep = S.dropout_keep(keys, torch.arange(j0, j1, device=dev), self.dropout_p)
+        keep = self.dropout.keep(self.batch_index, torch.arange(qh.start, qh.stop, device=dev),
+                                 torch.arange(i0, i1, device=dev), torch.arange(j0, j1, device=dev))
         return keep.view(hs.stop - hs.start, self.group * (i1 - i0), j1 - j0)
 
     def _head_slice(self, x: torch.Tensor, hs: slice) -> torch.Tensor:
         """(Hq or 1, r, c) -> broadcastable to (nh, G, r, c) for the query heads of kv heads ``hs``."""
         if x.shape[0] == 1:
             return x.unsqueeze(0)
-        return x[self.q_heads(hs)].unflatten(0, (hs.stop - hs.start, self.group))
+        return x.unflatten(0, (hs.stop - hs.start, self.group))
 
 
 _per_thread = threading.local()
@@ -297,10 +279,3 @@ def _transposed_with_ones_row(x: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     out[:, :e].copy_(x.transpose(1, 2))
     out[:, e].fill_(1.0)
     return out
-
-
-def _slice_broadcast(x: torch.Tensor, i0, i1, j0, j1) -> torch.Tensor:
-    """Tile [i0:i1, j0:j1] of an (H?, Sq?, Sk?) tensor whose dims may be broadcast (size 1)."""
-    rows = slice(None) if x.shape[-2] == 1 else slice(i0, i1)
-    cols = slice(None) if x.shape[-1] == 1 else slice(j0, j1)
-    return x[..., rows, cols]

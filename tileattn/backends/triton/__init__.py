@@ -19,47 +19,44 @@ from __future__ import annotations
 
 import torch
 
-from ...dispatch import Backend, register
-from ...spec import AttentionInputs
+from ...dispatch import Backend, Capabilities, register
+from ...spec import AttentionSpec
 from . import launch
 
 
 class TritonBackend(Backend):
     name = "triton"
     priority = 10
+    capabilities = Capabilities(
+        devices=frozenset(("cuda", "cpu")), dtypes=frozenset((torch.float16, torch.bfloat16, torch.float32)),
+        max_head_dim=launch.MAX_HEAD_DIM, modifiers=frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout")),
+        seqused_k=False, paged_kv=False,
+    )
 
-    def available(self):
+    def unavailable_reason(self):
         if torch.cuda.is_available() or launch.interpreter_active():
-            return []
-        return ["needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 set before triton is imported (interpreter)"]
+            return None
+        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 set before triton is imported (interpreter)"
 
-    def not_supported_reasons(self, inp: AttentionInputs):
+    def extra_reasons(self, spec: AttentionSpec, backward: bool):
         why = []
-        dev = inp.device.type
-        if dev == "cpu" and not launch.interpreter_active():
+        if spec.device.type == "cpu" and not launch.interpreter_active():
             why.append("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1 set before "
                        "triton is imported); use backend='cpu'")
-        elif dev not in ("cpu", "cuda"):
-            why.append(f"needs CUDA/ROCm tensors (got {dev})")
-        if inp.dtype == torch.float64:
-            why.append("float64 is not supported (fp16, bf16, fp32); use backend='cpu'")
-        if inp.dtype == torch.bfloat16 and launch.interpreter_active():
+        if spec.dtype == torch.bfloat16 and launch.interpreter_active():
             why.append("bfloat16 under Triton's interpreter: its bf16 tl.dot gives wrong results")
-        for name, d in (("head_dim", inp.head_dim), ("head_dim_v", inp.head_dim_v)):
-            if d > launch.MAX_HEAD_DIM:
-                why.append(f"{name} {d} > {launch.MAX_HEAD_DIM}")
         return why
 
-    def auto_refusal(self, inp: AttentionInputs):
-        if inp.device.type == "cpu":
+    def auto_refusal(self, spec: AttentionSpec):
+        if spec.device.type == "cpu":
             return ["CPU tensors: the Triton interpreter is for tests; 'auto' uses the cpu engine"]
         return []
 
-    def forward(self, inp: AttentionInputs):
-        return launch.forward(inp)
+    def forward(self, spec: AttentionSpec, out, lse):
+        launch.forward(spec, out, lse)
 
-    def backward(self, inp: AttentionInputs, out, lse, dout, need_dbias: bool):
-        return launch.backward(inp, out, lse, dout, need_dbias)
+    def backward(self, spec: AttentionSpec, grads):
+        launch.backward(spec, grads)
 
 
 register(TritonBackend())

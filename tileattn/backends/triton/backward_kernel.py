@@ -4,7 +4,7 @@ The gradients
 -------------
 The forward saved only ``out`` and the base-2 log-sum-exp ``lse2`` per row. The backward rebuilds
 each probability tile from them, ``P = 2^(s - lse2)``, instead of storing the Sq x Sk matrix. With
-``Delta_i = sum_d dO_id O_id`` (computed first by :func:`attention_backward_preprocess`)::
+``Delta_i = sum_d dO_id O_id - dLSE_i`` (computed by the caller, :mod:`tileattn.ops`)::
 
     dV_j = sum_i P_ij dO_i          dP_ij = dO_i . V_j          dS_ij = P_ij (dP_ij - Delta_i)
     dQ_i = scale * sum_j dS_ij K_j  dK_j  = scale * sum_i dS_ij Q_i
@@ -36,36 +36,8 @@ accumulators are (BLOCK_N, D) row blocks; :func:`~.tile_math.score_tile` is elem
 import triton
 import triton.language as tl
 
-from .tile_math import (dropout_head_key, dropout_keep, score_tile, sequence_bounds,
+from .tile_math import (diagonal_offset, dropout_head_key, dropout_keep, score_tile, sequence_bounds,
                         visible_key_blocks, visible_query_blocks)
-
-
-@triton.jit
-def attention_backward_preprocess(
-    Out, DOut, Delta, CuSeqQ,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_gb, stride_gh, stride_gs, stride_gd,
-    stride_lb, stride_lh, stride_ls,
-    seqlen_q, head_dim_v,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """``Delta_i = sum_d dO_id * O_id`` in fp32 for one (query block, head, sequence)."""
-    block = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2)
-    q_start, q_len = sequence_bounds(CuSeqQ, batch, seqlen_q, IS_VARLEN)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    inside = (rows[:, None] < q_len) & (offs_dv[None, :] < head_dim_v)
-    batch64 = batch.to(tl.int64)
-    start64 = q_start.to(tl.int64)
-    o = tl.load(Out + batch64 * stride_ob + head * stride_oh + (start64 + rows[:, None]) * stride_os
-                + offs_dv[None, :] * stride_od, mask=inside, other=0.0)
-    do = tl.load(DOut + batch64 * stride_gb + head * stride_gh + (start64 + rows[:, None]) * stride_gs
-                 + offs_dv[None, :] * stride_gd, mask=inside, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + batch64 * stride_lb + head * stride_lh + (start64 + rows) * stride_ls, delta,
-             mask=rows < q_len)
 
 
 @triton.jit
@@ -134,9 +106,9 @@ def attention_backward_dkdv_kernel(
     stride_bb, stride_bh, stride_bq, stride_bk,
     stride_ab, stride_ah,
     seqlen_q, seqlen_k, group, head_dim, head_dim_v,
-    sm_scale, softcap, window_left, window_right,
+    sm_scale, softcap, window_left, window_right, align_shift,
     seed_lo, seed_hi, drop_threshold, drop_scale, tune_bucket,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -151,7 +123,7 @@ def attention_backward_dkdv_kernel(
     j0 = block * BLOCK_N
     if j0 >= k_len:
         return
-    offset = k_len - q_len
+    offset = diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT)
     batch64 = batch.to(tl.int64)
     q_start64 = q_start.to(tl.int64)
 
@@ -169,7 +141,7 @@ def attention_backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     start, mid_lo, mid_hi, end = visible_query_blocks(
-        j0, q_len, k_len, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        j0, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     # The query heads of this kv head, in a fixed order (part of what makes the sum reproducible).
     for g in range(0, group):
@@ -281,9 +253,9 @@ def attention_backward_dq_kernel(
     stride_bb, stride_bh, stride_bq, stride_bk,
     stride_ab, stride_ah,
     seqlen_q, seqlen_k, group, head_dim, head_dim_v,
-    sm_scale, softcap, window_left, window_right,
+    sm_scale, softcap, window_left, window_right, align_shift,
     seed_lo, seed_hi, drop_threshold, drop_scale, tune_bucket,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -299,7 +271,7 @@ def attention_backward_dq_kernel(
     if i0 >= q_len:
         return
     kv_head = head // group
-    offset = k_len - q_len
+    offset = diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT)
     batch64 = batch.to(tl.int64)
     head64 = head.to(tl.int64)
     q_start64 = q_start.to(tl.int64)
@@ -330,7 +302,7 @@ def attention_backward_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     start, mid_lo, mid_hi, end = visible_key_blocks(
-        i0, q_len, k_len, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        i0, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_key_blocks(
         dq, q, do, lse2, delta, rows, start, mid_lo,
         k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, dbias_base, stride_dbq,

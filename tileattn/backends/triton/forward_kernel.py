@@ -3,7 +3,7 @@
 The problem
 -----------
 For one query row ``q_i`` and the keys it may see, attention is ``sum_j softmax(s_i)_j v_j`` with
-``s_ij`` the score of :mod:`tileattn.scores`. Materialising ``s`` costs O(Sq * Sk) memory; the
+``s_ij`` the score of :mod:`tileattn.modifiers`. Materialising ``s`` costs O(Sq * Sk) memory; the
 FlashAttention idea is never to hold more than one ``BLOCK_M x BLOCK_N`` tile of it.
 
 The grid
@@ -36,13 +36,14 @@ loads; the padding columns load as zeros and contribute nothing to the dot produ
 
 Dropout drops probabilities *after* they enter ``l`` (the softmax denominator is that of the undropped
 weights) and scales the output by ``1 / (1 - p)``; the keep decision is the counter-based hash of
-:mod:`tileattn.scores`, so the backward regenerates it instead of storing it.
+:mod:`tileattn.modifiers`, so the backward regenerates it instead of storing it.
 """
 
 import triton
 import triton.language as tl
 
-from .tile_math import dropout_head_key, dropout_keep, score_tile, sequence_bounds, visible_key_blocks
+from .tile_math import (diagonal_offset, dropout_head_key, dropout_keep, score_tile, sequence_bounds,
+                        visible_key_blocks)
 
 
 @triton.jit
@@ -100,9 +101,9 @@ def attention_forward_kernel(
     stride_bb, stride_bh, stride_bq, stride_bk,
     stride_ab, stride_ah,
     seqlen_q, seqlen_k, group, head_dim, head_dim_v,
-    sm_scale, softcap, window_left, window_right,
+    sm_scale, softcap, window_left, window_right, align_shift,
     seed_lo, seed_hi, drop_threshold, drop_scale, tune_bucket,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -121,7 +122,7 @@ def attention_forward_kernel(
     if i0 >= q_len:
         return
     kv_head = head // group
-    offset = k_len - q_len  # bottom-right alignment of causal and window
+    offset = diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT)
 
     # 64-bit base offsets: B * H * S * D overflows int32 on large problems.
     batch64 = batch.to(tl.int64)
@@ -149,7 +150,7 @@ def attention_forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     start, mid_lo, mid_hi, end = visible_key_blocks(
-        i0, q_len, k_len, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        i0, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # Three stages over the visible keys: masked head, unmasked interior, masked tail.
     acc, m_i, l_i = _attend_key_blocks(
         acc, m_i, l_i, q, rows, start, mid_lo, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,

@@ -1,6 +1,6 @@
 """Launchers of the Triton kernels: validate, allocate, pick a configuration, launch.
 
-The kernels know nothing of the public API. This layer turns an :class:`~tileattn.spec.AttentionInputs`
+The kernels know nothing of the public API. This layer turns an :class:`~tileattn.spec.AttentionSpec`
 into pointers, strides and flags: canonical strided views are passed as they are (a transposed BSND or
 SBH tensor is read in place, never copied), broadcast masks and biases become stride-0 dimensions, and
 packed (TND) problems pass ``stride_b = 0`` plus their ``cu_seqlens``.
@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...spec import AttentionInputs, empty_in_layout, to_canonical
+from ...modifiers import reduce_to_shape
+from ...spec import AttentionSpec
 from ...tuning import lookup, seqlen_bucket
 
 LOG2E = 1.4426950408889634
@@ -98,7 +99,7 @@ DKDV_SPACE = (KernelConfig(32, 128, 4, 3), KernelConfig(64, 128, 8, 3), KernelCo
               KernelConfig(32, 64, 4, 2))
 DQ_SPACE = (KernelConfig(128, 32, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3),
             KernelConfig(64, 32, 4, 2))
-_TUNE_KEY = ["tune_bucket", "BLOCK_D", "BLOCK_DV", "HAS_LEFT", "HAS_RIGHT", "IS_VARLEN", "HAS_MASK",
+_TUNE_KEY = ["tune_bucket", "BLOCK_D", "BLOCK_DV", "HAS_LEFT", "HAS_RIGHT", "BOTTOM_RIGHT", "IS_VARLEN", "HAS_MASK",
              "HAS_BIAS", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_DROPOUT", "DOT_PRECISION"]
 
 
@@ -134,8 +135,8 @@ def _launch(name, kernel, space, grid_of, args, flags, cached: KernelConfig = No
     tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags)
 
 
-def _cached_forward_config(inp: AttentionInputs):
-    entry = lookup("triton", inp)
+def _cached_forward_config(spec: AttentionSpec):
+    entry = lookup("triton", spec)
     if not entry:
         return None
     return KernelConfig(int(entry["block_m"]), int(entry["block_n"]), int(entry.get("num_warps", 4)),
@@ -160,47 +161,53 @@ def _broadcast4(x: torch.Tensor, full):
     return x.expand(full)
 
 
-def _common(inp: AttentionInputs):
+def _common(spec: AttentionSpec):
     """Pointer arguments, strides, scalars and flags shared by every kernel of a call."""
-    dev = inp.device
+    dev = spec.device
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    full = (inp.batch, inp.heads_q, inp.seqlen_q, inp.seqlen_k)
-    if inp.mask is not None:
-        mask = _broadcast4(inp.mask.view(torch.uint8), full)
-        mask_strides = mask.stride()
+    full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
+    mask, bias, alibi = spec.modifier("mask"), spec.modifier("bias"), spec.modifier("alibi")
+    band, softcap, dropout = spec.modifier("band"), spec.modifier("softcap"), spec.modifier("dropout")
+    if mask is not None:
+        # A stride-0 broadcast view: no copy, no materialised mask.
+        mask_t = mask.view4.view(torch.uint8).expand(full)
+        mask_strides = mask_t.stride()
     else:
-        mask, mask_strides = dummy, (0, 0, 0, 0)
-    if inp.bias is not None:
-        bias = _broadcast4(inp.bias, full)
-        bias_strides = bias.stride()
+        mask_t, mask_strides = dummy, (0, 0, 0, 0)
+    if bias is not None:
+        bias_t = bias.view4.expand(full)
+        bias_strides = bias_t.stride()
     else:
-        bias, bias_strides = dummy, (0, 0, 0, 0)
-    if inp.alibi_slopes is not None:
-        slopes = inp.alibi_slopes
+        bias_t, bias_strides = dummy, (0, 0, 0, 0)
+    if alibi is not None:
+        slopes = alibi.slopes
         slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
     else:
         slopes, slope_strides = dummy, (0, 0)
-    if inp.is_varlen:
-        cu_q, cu_k = inp.cu_seqlens_q, inp.cu_seqlens_k
+    if spec.is_varlen:
+        cu_q, cu_k = spec.cu_seqlens_q, spec.cu_seqlens_k
     else:
         cu_q = cu_k = torch.zeros(2, dtype=torch.int32, device=dev)
-    left, right = inp.window_bounds
-    threshold = int(round(inp.dropout_p * (1 << 24)))
+    left, right = (band.left, band.right) if band is not None else (None, None)
+    p = dropout.p if dropout is not None else 0.0
+    seed = dropout.seed if dropout is not None else 0
+    threshold = dropout.threshold if dropout is not None else 0
     scalars = (
-        inp.seqlen_q, inp.seqlen_k, inp.group_size, inp.head_dim, inp.head_dim_v,
-        inp.scale, inp.softcap if inp.softcap > 0 else 1.0, left or 0, right or 0,
-        inp.seed & 0xFFFFFFFF, (inp.seed >> 32) & 0xFFFFFFFF, threshold,
-        1.0 / (1.0 - inp.dropout_p), seqlen_bucket(max(inp.seqlen_q, inp.seqlen_k)),
+        spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v,
+        spec.scale, softcap.cap if softcap is not None else 1.0, left or 0, right or 0,
+        spec.align if isinstance(spec.align, int) else 0,
+        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, threshold,
+        1.0 / (1.0 - p), seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)),
     )
     flags = dict(
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, IS_VARLEN=inp.is_varlen,
-        HAS_MASK=inp.mask is not None, HAS_BIAS=inp.bias is not None,
-        HAS_ALIBI=inp.alibi_slopes is not None, HAS_SOFTCAP=inp.softcap > 0,
-        HAS_DROPOUT=inp.dropout_p > 0, BLOCK_D=_block_dim(inp.head_dim), BLOCK_DV=_block_dim(inp.head_dim_v),
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, BOTTOM_RIGHT=spec.align == "bottom_right",
+        IS_VARLEN=spec.is_varlen, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
+        HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_DROPOUT=dropout is not None, BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
         # fp32 inputs must not be rounded to TF32 inside tl.dot: the accuracy rule is fp32's.
-        DOT_PRECISION="ieee" if inp.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
     )
-    extras = (mask, bias, slopes, cu_q, cu_k)
+    extras = (mask_t, bias_t, slopes, cu_q, cu_k)
     strides = tuple(mask_strides) + tuple(bias_strides) + tuple(slope_strides)
     return extras, strides, scalars, flags
 
@@ -209,90 +216,55 @@ def _lse_strides(lse: torch.Tensor, varlen: bool):
     return (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
 
 
-def forward(inp: AttentionInputs):
-    """(out in the user's layout, natural-log LSE of shape ``inp.lse_shape()``)."""
+def forward(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None:
+    """Write ``out_c`` (canonical view, any float dtype) and the natural-log ``lse``."""
     fwd, _ = kernels()
-    s = inp.q.shape[0] if inp.is_varlen else inp.seqlen_q
-    out, out_c = empty_in_layout(inp.layout, inp.batch, inp.heads_q, s, inp.head_dim_v, inp.q)
-    lse = torch.empty(inp.lse_shape(), dtype=torch.float32, device=inp.device)
-    (mask, bias, slopes, cu_q, cu_k), extra_strides, scalars, flags = _common(inp)
-    v = inp.is_varlen
-    args = (inp.q_c, inp.k_c, inp.v_c, out_c, lse, mask, bias, slopes, cu_q, cu_k,
-            *_strides4(inp.q_c, v), *_strides4(inp.k_c, v), *_strides4(inp.v_c, v), *_strides4(out_c, v),
+    (mask, bias, slopes, cu_q, cu_k), extra_strides, scalars, flags = _common(spec)
+    v = spec.is_varlen
+    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, mask, bias, slopes, cu_q, cu_k,
+            *_strides4(spec.q_c, v), *_strides4(spec.k_c, v), *_strides4(spec.v_c, v), *_strides4(out_c, v),
             *_lse_strides(lse, v), *extra_strides, *scalars)
 
     def grid(block_m, block_n):
-        return (triton.cdiv(max(inp.seqlen_q, 1), block_m), inp.heads_q, inp.batch)
+        return (triton.cdiv(max(spec.seqlen_q, 1), block_m), spec.heads_q, spec.batch)
 
-    if out.numel():
-        _launch("forward", fwd.attention_forward_kernel, FORWARD_SPACE, grid, args, flags,
-                _cached_forward_config(inp))
+    _launch("forward", fwd.attention_forward_kernel, FORWARD_SPACE, grid, args, flags, _cached_forward_config(spec))
     lse.mul_(LN2)  # the kernel stores log2; the API's LSE is a natural log (-inf stays -inf)
-    return out, lse
 
 
-def backward(inp: AttentionInputs, out, lse, dout, need_dbias: bool):
-    """(dq, dk, dv, dbias or None) in the shapes of q, k, v and bias."""
+def backward(spec: AttentionSpec, grads) -> None:
+    """dq, dk, dv (and the reduced bias gradient) of a :class:`~tileattn.dispatch.Gradients` bundle."""
     _, bwd = kernels()
-    v = inp.is_varlen
-    out_c = to_canonical(out, inp.layout, inp.heads_q)
-    dout_c = to_canonical(dout, inp.layout, inp.heads_q)
-    dq = torch.empty_like(inp.q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(inp.k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(inp.v, memory_format=torch.contiguous_format)
-    dq_c = to_canonical(dq, inp.layout, inp.heads_q)
-    dk_c = to_canonical(dk, inp.layout, inp.heads_kv)
-    dv_c = to_canonical(dv, inp.layout, inp.heads_kv)
+    v = spec.is_varlen
     # Base-2 LSE; rows that saw no key get +inf so every recomputed probability is exactly 0.
-    lse2 = (lse.float() * LOG2E).masked_fill_(lse == -math.inf, math.inf)
-    delta = torch.empty_like(lse2)
-    (mask, bias, slopes, cu_q, cu_k), extra_strides, scalars, flags = _common(inp)
+    lse2 = (grads.lse.float() * LOG2E).masked_fill_(grads.lse == -math.inf, math.inf)
+    # The kernels index delta with the LSE's strides.
+    delta = grads.delta.float().contiguous()
+    (mask, bias, slopes, cu_q, cu_k), extra_strides, scalars, flags = _common(spec)
     lse_strides = _lse_strides(lse2, v)
-    q_strides, k_strides, v_strides = _strides4(inp.q_c, v), _strides4(inp.k_c, v), _strides4(inp.v_c, v)
-    g_strides = _strides4(dout_c, v)
-    n_q_blocks_max = max(inp.seqlen_q, 1)
-
-    if dq.numel() == 0 or dk.numel() == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv, (torch.zeros_like(inp.bias) if need_dbias else None)
-
-    pre_block = 64 if not interpreter_active() else FIXED_CONFIG.block_m
-    bwd.attention_backward_preprocess[(triton.cdiv(n_q_blocks_max, pre_block), inp.heads_q, inp.batch)](
-        out_c, dout_c, delta, cu_q, *_strides4(out_c, v), *g_strides, *lse_strides,
-        inp.seqlen_q, inp.head_dim_v, IS_VARLEN=v, BLOCK_M=pre_block, BLOCK_DV=flags["BLOCK_DV"])
-
-    dkdv_args = (inp.q_c, inp.k_c, inp.v_c, dout_c, lse2, delta, dk_c, dv_c, mask, bias, slopes, cu_q, cu_k,
-                 *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
-                 *_strides4(dk_c, v), *_strides4(dv_c, v), *extra_strides, *scalars)
+    q_strides, k_strides, v_strides = _strides4(spec.q_c, v), _strides4(spec.k_c, v), _strides4(spec.v_c, v)
+    g_strides = _strides4(grads.dout, v)
+    dkdv_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dk, grads.dv, mask, bias, slopes,
+                 cu_q, cu_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
+                 *_strides4(grads.dk, v), *_strides4(grads.dv, v), *extra_strides, *scalars)
     _launch("dkdv", bwd.attention_backward_dkdv_kernel, DKDV_SPACE,
-            lambda bm, bn: (triton.cdiv(max(inp.seqlen_k, 1), bn), inp.heads_kv, inp.batch),
+            lambda bm, bn: (triton.cdiv(max(spec.seqlen_k, 1), bn), spec.heads_kv, spec.batch),
             dkdv_args, flags)
 
+    need_dbias = grads.dbias is not None
     if need_dbias:
         # dS is written densely (B, Hq, Sq, Sk) in fp32, then reduced over the bias's broadcast dims.
-        dbias_full = torch.zeros((inp.batch, inp.heads_q, inp.seqlen_q, inp.seqlen_k), dtype=torch.float32,
-                                 device=inp.device)
+        dbias_full = torch.zeros((spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k), dtype=torch.float32,
+                                 device=spec.device)
         dbias_strides = dbias_full.stride()[:3]
     else:
-        dbias_full = torch.empty(1, dtype=torch.float32, device=inp.device)
+        dbias_full = torch.empty(1, dtype=torch.float32, device=spec.device)
         dbias_strides = (0, 0, 0)
-    dq_args = (inp.q_c, inp.k_c, inp.v_c, dout_c, lse2, delta, dq_c, dbias_full, mask, bias, slopes, cu_q, cu_k,
-               *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
-               *_strides4(dq_c, v), *dbias_strides, *extra_strides, *scalars)
+    dq_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dq, dbias_full, mask, bias, slopes,
+               cu_q, cu_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
+               *_strides4(grads.dq, v), *dbias_strides, *extra_strides, *scalars)
     _launch("dq", bwd.attention_backward_dq_kernel, DQ_SPACE,
-            lambda bm, bn: (triton.cdiv(n_q_blocks_max, bm), inp.heads_q, inp.batch),
+            lambda bm, bn: (triton.cdiv(max(spec.seqlen_q, 1), bm), spec.heads_q, spec.batch),
             dq_args, dict(flags, WRITE_DBIAS=need_dbias))
-
-    dbias = None
     if need_dbias:
-        dbias = _reduce_to_shape(dbias_full, inp.bias.shape).to(inp.bias.dtype)
-    return dq, dk, dv, dbias
-
-
-def _reduce_to_shape(full: torch.Tensor, shape) -> torch.Tensor:
-    """Sum a (B, Hq, Sq, Sk) gradient over the dimensions a broadcast bias of ``shape`` repeated."""
-    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
-    dims = [i for i, (n, f) in enumerate(zip(shape4, full.shape)) if n == 1 and f != 1]
-    if dims:
-        full = full.sum(dim=dims, keepdim=True)
-    return full.reshape(shape)
+        grads.dbias.add_(reduce_to_shape(dbias_full, grads.dbias.shape))

@@ -1,7 +1,7 @@
 """Device helpers shared by the forward and backward kernels: one score pipeline, written once.
 
 Both passes must turn ``q . k^T`` into the *same* base-2 logits, or the backward differentiates a
-different function than the forward computed. So the whole pipeline of :mod:`tileattn.scores`
+different function than the forward computed. So the whole pipeline of :mod:`tileattn.modifiers`
 
     s = scale * q.k^T -> softcap -> + ALiBi + bias -> band (causal/window) and bool mask
 
@@ -18,7 +18,7 @@ import triton.language as tl
 # log2(e): the kernels work in base 2 (exp2 is one hardware instruction, exp is exp2 plus a multiply).
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# The counter-based dropout hash of tileattn/scores.py, in uint32 arithmetic. The multipliers are
+# The counter-based dropout hash of tileattn/modifiers.py (Dropout), in uint32 arithmetic. The multipliers are
 # below 2**31, which is what lets the torch reference emulate these exact products in int64.
 MUL_A = tl.constexpr(0x7FEB352D)
 MUL_B = tl.constexpr(0x5BD1E995)
@@ -27,7 +27,7 @@ GOLDEN = tl.constexpr(0x1E3779B9)
 
 @triton.jit
 def mix32(x):
-    """The 32-bit finaliser of scores._mix32 (x is uint32; products wrap modulo 2**32)."""
+    """The 32-bit finaliser of modifiers._mix32 (x is uint32; products wrap modulo 2**32)."""
     x = x ^ (x >> 16)
     x = x * MUL_A
     x = x ^ (x >> 15)
@@ -37,7 +37,7 @@ def mix32(x):
 
 @triton.jit
 def dropout_head_key(seed_lo, seed_hi, batch, head):
-    """The per (seed, batch, head) key of scores.dropout_row_keys, before the row is mixed in."""
+    """The per (seed, batch, head) key of modifiers.Dropout.row_keys, before the row is mixed in."""
     k = mix32(seed_lo.to(tl.uint32) ^ GOLDEN)
     k = mix32(k ^ seed_hi.to(tl.uint32))
     k = mix32(k ^ batch.to(tl.uint32))
@@ -46,7 +46,7 @@ def dropout_head_key(seed_lo, seed_hi, batch, head):
 
 @triton.jit
 def dropout_keep(head_key, rows, cols, threshold):
-    """True where the probability at (row, col) survives dropout; same bits as scores.dropout_keep."""
+    """True where the probability at (row, col) survives dropout; same bits as modifiers.Dropout.keep."""
     row_key = mix32(head_key ^ rows.to(tl.uint32))
     x = mix32(row_key ^ (cols.to(tl.uint32) * GOLDEN))
     return (x >> 8) >= threshold
@@ -129,7 +129,7 @@ def score_tile(
 
 
 @triton.jit
-def visible_key_blocks(i0, q_len, k_len, window_left, window_right,
+def visible_key_blocks(i0, q_len, k_len, offset, window_left, window_right,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key-block ranges for query rows [i0, i0 + BLOCK_M): ``(start, mid_lo, mid_hi, end)``.
@@ -139,7 +139,6 @@ def visible_key_blocks(i0, q_len, k_len, window_left, window_right,
     [start, end) are hidden from every row and are never loaded. All bounds are multiples of BLOCK_N
     counted from ``start`` (itself a multiple of BLOCK_N).
     """
-    offset = k_len - q_len
     i_last = tl.minimum(i0 + BLOCK_M, q_len) - 1
     lo = 0
     hi = k_len
@@ -155,11 +154,10 @@ def visible_key_blocks(i0, q_len, k_len, window_left, window_right,
 
 
 @triton.jit
-def visible_query_blocks(j0, q_len, k_len, window_left, window_right,
+def visible_query_blocks(j0, q_len, k_len, offset, window_left, window_right,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """The transpose of :func:`visible_key_blocks`: query-block ranges for keys [j0, j0 + BLOCK_N)."""
-    offset = k_len - q_len
     j_last = tl.minimum(j0 + BLOCK_N, k_len) - 1
     lo = 0
     hi = q_len
@@ -185,6 +183,15 @@ def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
     mid_lo = tl.minimum(mid_lo, end)
     mid_hi = tl.maximum(tl.minimum(mid_hi, end), mid_lo)
     return start, mid_lo, mid_hi, end
+
+
+@triton.jit
+def diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT: tl.constexpr):
+    """Query row i is aligned with key column i + offset (tileattn.modifiers.diagonal_offset):
+    ``k_len - q_len`` bottom-right (FlashAttention-2), 0 top-left (SDPA), plus a fixed shift."""
+    if BOTTOM_RIGHT:
+        return align_shift + k_len - q_len
+    return align_shift + q_len * 0
 
 
 @triton.jit

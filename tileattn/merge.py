@@ -1,0 +1,69 @@
+"""Merging partial attention results by their log-sum-exp (split-KV, ring attention, sinks).
+
+Attention over keys ``K = K_1 ∪ ... ∪ K_n`` is a weighted mix of the attentions over each part::
+
+    lse = log(sum_i exp(lse_i))        out = sum_i exp(lse_i - lse) * out_i
+
+computed here in fp32 (fp64 for fp64 inputs) with a detached maximum as stabiliser, so that no
+``exp`` overflows and a row whose every part is empty (``lse_i = -inf``) gives out 0 and LSE -inf
+with zero gradients rather than NaN. Differentiable through plain autograd.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+from .modifiers import fail
+from .spec import LAYOUTS
+
+
+def _weights_to_out_layout(w: torch.Tensor, layout: str, out_dim: int) -> torch.Tensor:
+    """An LSE-shaped (B, H, S) / (H, T) tensor as a factor broadcasting against an output in ``layout``."""
+    if layout == "BNSD":
+        return w[..., None]
+    if layout == "TND":
+        return w.transpose(0, 1)[..., None]
+    if layout == "BSND":
+        return w.transpose(1, 2)[..., None]
+    per_head = w.transpose(1, 2) if layout == "BSH" else w.permute(2, 0, 1)  # (B, S, H) / (S, B, H)
+    return per_head.repeat_interleave(out_dim // per_head.shape[-1], dim=-1)
+
+
+def merge_attentions(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout: str = "BNSD",
+                     out_dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial results ``(out_i, lse_i)`` over disjoint key sets into ``(out, lse)``.
+
+    ``outs`` are outputs in ``layout`` (as :func:`tileattn.attention_partial` returns them, fp32),
+    ``lses`` their natural-log LSEs ((B, H, S), or (H, T) for TND). Returns ``out`` in ``out_dtype``
+    (default: the accumulation dtype) and ``lse`` in fp32 (fp64 for fp64 parts).
+    """
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)) or not outs:
+        fail(TypeError, "outs/lses", f"{type(outs).__name__}/{type(lses).__name__}", "two non-empty lists of tensors")
+    if len(outs) != len(lses):
+        fail(ValueError, "lses", f"{len(lses)} tensors for {len(outs)} outputs", "one LSE per output")
+    if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
+        fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
+    layout = layout.upper()
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
+            fail(TypeError, f"outs[{i}]/lses[{i}]", f"{type(o).__name__}/{type(l).__name__}", "tensors")
+        if o.shape != outs[0].shape or l.shape != lses[0].shape:
+            fail(ValueError, f"outs[{i}]/lses[{i}]", f"shapes {tuple(o.shape)}/{tuple(l.shape)}",
+                 f"the shapes of the first part {tuple(outs[0].shape)}/{tuple(lses[0].shape)}")
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in list(outs) + list(lses)) else torch.float32
+    stacked = torch.stack([l.to(acc) for l in lses])
+    top = stacked.amax(0).detach()
+    top = top.masked_fill(~torch.isfinite(top), 0.0)
+    total = torch.exp(stacked - top).sum(0)
+    seen = total > 0
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))), -math.inf)
+    lse_safe = lse.masked_fill(~seen, 0.0)
+    out = None
+    for o, l in zip(outs, stacked):
+        w = _weights_to_out_layout(torch.exp(l - lse_safe), layout, o.shape[-1])
+        term = w * o.to(acc)
+        out = term if out is None else out + term
+    return out.to(out_dtype or acc), lse
