@@ -3,6 +3,11 @@
 Every correctness check goes through :func:`tileattn.testing.check_against_reference` (FlashAttention's
 rule: at most 2x the error of plain same-dtype math, plus a floor), via :func:`assert_matches_reference`,
 which also insists that the expected verdicts exist, so a check can never pass by comparing nothing.
+
+The ``backend`` fixture is generated from the registered engines: every engine that ``auto`` would
+run on CPU tensors. The exact reference is not among them: it is the oracle, tested on its own
+against an independent implementation (``tests/test_reference.py``). A call an engine does not
+declare in its capabilities is skipped with the engine's own reason.
 """
 
 from __future__ import annotations
@@ -14,15 +19,23 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.spec import to_canonical, user_shape
+from tileattn.dispatch import explain, list_backends
+from tileattn.spec import build_spec, to_canonical, user_shape
 from tileattn.testing import check_against_reference
 
 # A user's tuned tile cache or backend override must not change what the tests exercise.
 os.environ.pop("TILEATTN_BACKEND", None)
 os.environ["TILEATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tileattn-test-cache-")
 
-#: Engines that run on CPU tensors. The Triton engine has its own test file.
-CPU_BACKENDS = ("cpu", "reference")
+def _cpu_engines():
+    """Engines that ``backend="auto"`` may choose for CPU tensors (the Triton engine runs CPU tensors
+    only under its interpreter and has its own test file)."""
+    probe = build_spec(*(torch.zeros(1, 1, 4, 8) for _ in range(3)))
+    return tuple(b.name for b in list_backends()
+                 if b.auto and not b.not_supported_reasons(probe) and not b.auto_refusal(probe))
+
+
+CPU_BACKENDS = _cpu_engines()
 
 
 @pytest.fixture(params=CPU_BACKENDS)
@@ -40,8 +53,17 @@ def attention_fn(backend: str):
     return run
 
 
+def skip_unless_supported(backend, q, k, v, grad=False, **kwargs):
+    """Skip the test when ``backend``'s declared capabilities exclude this call (with its reason)."""
+    kwargs = {key: val for key, val in kwargs.items() if key not in ("return_lse", "backend")}
+    why = explain(build_spec(q, k, v, **kwargs), backward=grad)[backend]
+    if why:
+        pytest.skip(f"{backend}: " + "; ".join(why))
+
+
 def assert_matches_reference(backend, q, k, v, grad=True, **kwargs):
     """Forward (and backward) of ``backend`` within FlashAttention's error bound of the fp64 oracle."""
+    skip_unless_supported(backend, q, k, v, grad=grad, **kwargs)
     verdicts = check_against_reference(attention_fn(backend), q, k, v, grad=grad, **kwargs)
     expected = ["out"]
     if kwargs.get("return_lse"):

@@ -52,7 +52,7 @@ def with_qkv(make, **changes):
 
 
 # (id, builder of (q, k, v), kwargs, exception type, argument named in the message)
-ISSUE_2_CASES = [
+CORE_ARGUMENT_CASES = [
     ("q rank for BNSD", with_qkv(bnsd, q=lambda t: t[0]), {}, ValueError, "q"),
     ("k rank for BSND", with_qkv(bnsd, k=lambda t: t.flatten(2)), {"layout": "BSND"}, ValueError, "k"),
     ("v rank for BSH", with_qkv(bsh, v=lambda t: t[..., None]), {"layout": "BSH", "num_heads": 4}, ValueError, "v"),
@@ -88,7 +88,7 @@ ISSUE_2_CASES = [
     ("deterministic not a bool", bnsd, {"deterministic": "yes"}, TypeError, "deterministic"),
 ]
 
-ISSUE_3_CASES = [
+MODIFIER_ARGUMENT_CASES = [
     ("mask not bool", bnsd, {"mask": torch.ones(8, 8)}, TypeError, "mask"),
     ("mask int", bnsd, {"mask": torch.ones(8, 8, dtype=torch.int32)}, TypeError, "mask"),
     ("mask not a tensor", bnsd, {"mask": [[True] * 8] * 8}, TypeError, "mask"),
@@ -149,6 +149,26 @@ ISSUE_3_CASES = [
                             "mask": torch.ones(1, dtype=torch.bool)}, ValueError, "mask"),
     ("bias with TND", tnd, {"layout": "TND", "cu_seqlens_q": CU_Q, "cu_seqlens_k": CU_K,
                             "bias": torch.zeros(1)}, ValueError, "bias"),
+    ("window side beyond int64", bnsd, {"window": (2**70, 0)}, ValueError, "window"),
+    ("cu_seqlens on another device", tnd, {"layout": "TND", "cu_seqlens_q": CU_Q.to("meta"), "cu_seqlens_k": CU_K},
+     ValueError, "cu_seqlens_q"),
+    ("sparse mask", bnsd, {"mask": torch.ones(8, 8, dtype=torch.bool).to_sparse()}, TypeError, "mask"),
+    ("return_lse not a bool", bnsd, {"return_lse": 1}, TypeError, "return_lse"),
+    ("align unknown", bnsd, {"align": "centre"}, ValueError, "align"),
+    ("align float", bnsd, {"align": 1.5}, TypeError, "align"),
+    ("sinks wrong shape", bnsd, {"sinks": torch.zeros(2)}, ValueError, "sinks"),
+    ("sinks not floating", bnsd, {"sinks": torch.zeros(4, dtype=torch.int64)}, TypeError, "sinks"),
+    ("seqused_k int64", bnsd, {"seqused_k": torch.tensor([8, 8])}, TypeError, "seqused_k"),
+    ("seqused_k wrong batch", bnsd, {"seqused_k": torch.tensor([8], dtype=I32)}, ValueError, "seqused_k"),
+    ("seqused_k beyond the keys", bnsd, {"seqused_k": torch.tensor([8, 9], dtype=I32)}, ValueError, "seqused_k"),
+    ("block_table 1-d", bnsd, {"block_table": torch.zeros(2, dtype=I32)}, ValueError, "k"),
+]
+
+DENSE_ONLY_CASES = [
+    ("sparse q", with_qkv(bnsd, q=lambda t: t.to_sparse()), {}, TypeError, "q"),
+    ("nested q", with_qkv(bnsd, q=lambda t: torch.nested.nested_tensor(list(t))), {}, TypeError, "q"),
+    ("BSH q of width 0", with_qkv(bsh, q=lambda t: t[..., :0]), {"layout": "BSH", "num_heads": 4}, ValueError,
+     "num_heads"),
 ]
 
 
@@ -166,7 +186,8 @@ def no_compute(monkeypatch):
     return ran
 
 
-@pytest.mark.parametrize("case", ISSUE_2_CASES + ISSUE_3_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("case", CORE_ARGUMENT_CASES + MODIFIER_ARGUMENT_CASES + DENSE_ONLY_CASES,
+                         ids=lambda c: c[0])
 def test_bad_input_is_rejected_before_compute(case, no_compute):
     _, build, kwargs, exc, argument = case
     q, k, v = build()
@@ -179,7 +200,7 @@ def test_bad_input_is_rejected_before_compute(case, no_compute):
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in ISSUE_2_CASES + ISSUE_3_CASES if "backend" not in c[2]], ids=lambda c: c[0]
+    "case", [c for c in CORE_ARGUMENT_CASES + MODIFIER_ARGUMENT_CASES if "backend" not in c[2]], ids=lambda c: c[0]
 )
 def test_reference_and_explain_reject_the_same_input(case):
     """The oracle and explain() validate through the same spec: same exception type."""

@@ -347,6 +347,43 @@ def test_dropout_rate():
     assert (out != out[0, 0, 0, 0]).any()
 
 
+# ------------------------------------------------- alignment, sinks, partial results, LSE gradient
+
+
+@interpreted
+@pytest.mark.parametrize("align, window", [("top_left", (None, 0)), (5, (3, 0)), (-4, (None, 2))])
+def test_align_places_the_diagonal(align, window):
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=40, sk=56, d=16, seed=41)
+    check(q, k, v, window=window, align=align)
+
+
+@interpreted
+def test_sinks():
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=33, sk=20, d=16, seed=42)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    check(q, k, v, causal=True, sinks=sinks)
+    out = tileattn.flash_attention(q, k, v, causal=True, sinks=sinks, backend="triton")
+    ref = tileattn.reference(q, k, v, causal=True, sinks=sinks, compute_dtype=torch.float64)
+    (g,) = torch.autograd.grad(out, sinks, torch.ones_like(out))
+    (g_ref,) = torch.autograd.grad(ref, sinks, torch.ones_like(ref))
+    torch.testing.assert_close(g.double(), g_ref.double(), rtol=1e-4, atol=1e-5)
+
+
+@interpreted
+def test_partial_result_is_fp32_and_lse_is_differentiable():
+    q, k, v = (t.requires_grad_() for t in make_qkv(b=1, hq=2, sq=24, sk=40, d=16, dtype=torch.float16, seed=43))
+    out, lse = tileattn.attention_partial(q, k, v, causal=True, backend="triton")
+    assert out.dtype == torch.float32
+    want_out, want_lse = tileattn.reference(q, k, v, causal=True, return_lse=True, compute_dtype=torch.float64)
+    torch.testing.assert_close(out.double(), want_out, rtol=2e-3, atol=2e-3)
+    gen = torch.Generator().manual_seed(44)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    want = torch.autograd.grad((want_out, want_lse), (q, k, v), (dout.double(), dlse.double()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), rtol=2e-2, atol=2e-2)
+
+
 # ------------------------------------------------------------------------- determinism, dispatch
 
 

@@ -193,5 +193,5 @@ def explain(q, k, v, **kwargs):
     """Which backend would run this call, and every backend's reasons for refusing it
     ({backend name: [reasons]}; an empty list = would run)."""
     kwargs.pop("backend", None)
-    kwargs.pop("return_lse", None)
+    check_bool("return_lse", kwargs.pop("return_lse", False))
     return _explain(build_spec(q, k, v, **kwargs))

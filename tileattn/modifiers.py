@@ -246,12 +246,6 @@ class Band(Modifier):
         hi = k_len if self.right is None else min(k_len, i1 - 1 + offset + self.right + 1)
         return lo, max(lo, hi)
 
-    def query_range(self, j0: int, j1: int, q_len: int, offset: int) -> Tuple[int, int]:
-        """Half-open range of query rows that see some key in [j0, j1)."""
-        lo = 0 if self.right is None else max(0, j0 - offset - self.right)
-        hi = q_len if self.left is None else min(q_len, j1 - 1 - offset + self.left + 1)
-        return lo, max(lo, hi)
-
     def tile_state(self, i0, i1, j0, j1, offset: int) -> TileState:
         lowest = j0 - (i1 - 1) - offset  # smallest j - i - off in the tile
         highest = (j1 - 1) - i0 - offset

@@ -145,6 +145,9 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     delta = _rows_to_lse((dout_c.to(acc) * out_c.to(acc)).sum(-1), spec)
     if dlse is not None:
         delta = delta - dlse.to(acc)
+    if dout.dtype != spec.dtype:
+        # A partial result's output (and so its gradient) is fp32; engines take dO in the input dtype.
+        dout_c = dout_c.to(spec.dtype)
     dq = torch.empty(spec.q.shape, dtype=spec.dtype, device=spec.device)
     dk = torch.empty(spec.k.shape, dtype=spec.dtype, device=spec.device)
     dv = torch.empty(spec.v.shape, dtype=spec.dtype, device=spec.device)

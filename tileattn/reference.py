@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .spec import AttentionSpec, SequenceSlice, build_spec
+from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool
 
 
 def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
@@ -29,6 +29,7 @@ def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
     cu_seqlens_q/k, seqused_k, block_table, ...).
     """
     kwargs.pop("backend", None)
+    check_bool("return_lse", return_lse)
     spec = build_spec(q, k, v, **kwargs)
     out, lse = reference_from_spec(spec, compute_dtype)
     return (out, lse) if return_lse else out

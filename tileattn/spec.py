@@ -241,19 +241,21 @@ def check_bool(name, value) -> bool:
     return value
 
 
-def _check_index_vector(name, t, length, device, what):
+def _check_index_tensor(name, t, shape, device, what):
+    """An int32 index tensor of ``shape`` (None: any size along that dim) on ``device``."""
+    shown = "(" + ", ".join("n" if n is None else str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
     if not isinstance(t, torch.Tensor):
-        fail(TypeError, name, type(t).__name__, f"an int32 tensor of shape ({length},): {what}")
+        fail(TypeError, name, type(t).__name__, f"an int32 tensor of shape {shown}: {what}")
     if t.dtype != torch.int32:
         fail(TypeError, name, f"dtype {t.dtype}", f"torch.int32 ({what})")
-    if t.dim() != 1 or (length is not None and t.numel() != length):
-        fail(ValueError, name, f"shape {tuple(t.shape)}", f"({length if length is not None else 'B+1'},): {what}")
+    if t.dim() != len(shape) or any(n is not None and m != n for m, n in zip(t.shape, shape)):
+        fail(ValueError, name, f"shape {tuple(t.shape)}", f"{shown}: {what}")
     if t.device != device:
         fail(ValueError, name, f"device {t.device}", f"device {device}, as q")
 
 
 def _check_cu_seqlens(name, cu, batch, device):
-    _check_index_vector(name, cu, None if batch is None else batch + 1, device, "cumulative sequence offsets")
+    _check_index_tensor(name, cu, (None if batch is None else batch + 1,), device, "cumulative sequence offsets")
     if cu.numel() < 2:
         fail(ValueError, name, f"shape {tuple(cu.shape)}", "a 1-d tensor of length B+1 >= 2")
 
@@ -417,12 +419,10 @@ def build_spec(
                      f"None for the padded layout '{layout}' (varlen arguments need layout='TND')")
         sq, sk = q_c.shape[2], (0 if paged else k_c.shape[2])
     if paged:
-        _check_index_vector("block_table", block_table, None, device, "the cache blocks of each sequence")
-        if block_table.dim() != 2 or block_table.shape[0] != batch:
-            fail(ValueError, "block_table", f"shape {tuple(block_table.shape)}", f"({batch}, max_blocks_per_sequence)")
+        _check_index_tensor("block_table", block_table, (batch, None), device, "the cache blocks of each sequence")
         sk = block_table.shape[1] * k_c.shape[2]
     if seqused_k is not None:
-        _check_index_vector("seqused_k", seqused_k, batch, device, "keys used by each sequence")
+        _check_index_tensor("seqused_k", seqused_k, (batch,), device, "keys used by each sequence")
 
     full = (batch, hq, sq, sk)
     per_sequence = "layout='TND'" if layout == "TND" else ("a paged cache" if paged else None)

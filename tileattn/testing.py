@@ -63,13 +63,6 @@ def judge(name, result, oracle, baseline, dtype, factor: float = 2.0, floor: flo
     return Verdict(name, max_error(result, oracle), base, factor * base + floor)
 
 
-def assert_close_to_reference(name, result, oracle, baseline, dtype, factor=2.0, floor=None):
-    v = judge(name, result, oracle, baseline, dtype, factor, floor)
-    if not v.ok:
-        raise AssertionError(str(v))
-    return v
-
-
 def check_against_reference(fn, q, k, v, grad=True, grad_seed=0, **kwargs):
     """Run ``fn(q, k, v, **kwargs)`` and the reference (fp64 and same-dtype), forward and backward.
 
