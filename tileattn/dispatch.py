@@ -163,13 +163,18 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-# The first call may come from inside torch.compile: the import's side effect (registering engines)
-# cannot be traced, so dynamo runs this function eagerly at trace time and treats it as a constant.
-@torch.compiler.assume_constant_result
 def _load_builtin() -> bool:
     if not _REGISTRY:
         importlib.import_module("tileattn.backends")  # registers the built-in engines
     return True
+
+
+# The first call may come from inside torch.compile: the import's side effect (registering engines)
+# cannot be traced, so dynamo must run this function eagerly at trace time and treat it as a
+# constant. That is all torch.compiler.assume_constant_result does (it sets this attribute), but
+# calling it imports torch._dynamo, which costs seconds of `import tileattn`; tests/test_compile.py
+# checks that a first call inside a compiled function still works.
+_load_builtin._dynamo_marked_constant = True
 
 
 def explain(spec: AttentionSpec, backward: bool = False) -> Dict[str, List[str]]:
