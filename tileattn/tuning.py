@@ -1,132 +1,23 @@
-"""Tile-configuration tuning: the cache dispatch reads, and the search ``tileattn tune`` runs.
+"""The search ``tileattn tune`` runs: which tile configuration of an engine is fastest for a shape.
 
-Cache key: (device, backend, dtype, head dim, causal, sequence-length bucket). The cache is a JSON
-file in the user's cache directory (``$TILEATTN_CACHE_DIR`` or ``~/.cache/tileattn``). Engines call
-:func:`lookup` when they pick a configuration (the CPU engine's ``default_config``, the Triton
-launcher's forward configuration).
-
-The search (:func:`tune`): a grid of candidates per engine; a budget model rejects those whose
-working set cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton:
-the forward kernel's shared memory against the GPU's per-block limit); every survivor must pass
+The cache the engines read lives in :mod:`tileattn.tunecache` (core); this module is tooling and
+only writes to it. A grid of candidates per engine; a budget model rejects those whose working set
+cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton: the forward
+kernel's shared memory against the GPU's per-block limit); every survivor must pass
 FlashAttention's accuracy rule against the fp64 reference before it is timed; the candidates are
 timed round-robin and the fastest is stored. Candidates run through the public operator with
-:func:`overriding` in force, so what is timed is exactly what dispatch will run.
+:func:`tileattn.tunecache.overriding` in force, so what is timed is exactly what dispatch will run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 from .bench import TimingStats
-
-_MEMO = {}
-#: backend name -> config dict that :func:`lookup` returns while :func:`overriding` is active.
-_OVERRIDES = {}
-
-
-def cache_path() -> Path:
-    root = os.environ.get("TILEATTN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tileattn"
-    )
-    return Path(root) / "tune_cache.json"
-
-
-def seqlen_bucket(n: int) -> int:
-    """Next power of two >= n (at least 64): calls of similar length share a tuned config."""
-    b = 64
-    while b < n:
-        b *= 2
-    return b
-
-
-def device_name(device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return "cuda:" + torch.cuda.get_device_name(device)
-    return _cpu_name()
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_name() -> str:
-    """'cpu:<model>:<n> cores': tile sizes that suit one CPU model and core count may not suit another.
-
-    Cached: every CPU attention call looks up the tune cache.
-    """
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    import platform
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return f"cpu:{model or platform.processor() or platform.machine()}:{cores} cores"
-
-
-def cache_key(backend: str, inp) -> str:
-    return "|".join(
-        str(x)
-        for x in (
-            device_name(inp.device), backend, str(inp.dtype).replace("torch.", ""), inp.head_dim,
-            bool(inp.causal), seqlen_bucket(max(inp.seqlen_q, inp.seqlen_k)),
-        )
-    )
-
-
-def load() -> dict:
-    path = cache_path()
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    if _MEMO.get("path") != path or _MEMO.get("stamp") != stamp:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
-        _MEMO.update(path=path, stamp=stamp, data=data if isinstance(data, dict) else {})
-    return _MEMO["data"]
-
-
-def lookup(backend: str, inp) -> Optional[dict]:
-    if backend in _OVERRIDES:
-        return dict(_OVERRIDES[backend])
-    return load().get(cache_key(backend, inp))
-
-
-@contextlib.contextmanager
-def overriding(backend: str, config: dict):
-    """Make :func:`lookup` answer ``config`` for ``backend`` (every shape) inside the block."""
-    previous = _OVERRIDES.get(backend)
-    _OVERRIDES[backend] = dict(config)
-    try:
-        yield
-    finally:
-        if previous is None:
-            _OVERRIDES.pop(backend, None)
-        else:
-            _OVERRIDES[backend] = previous
-
-
-def store(backend: str, inp, config: dict) -> Path:
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(load())
-    data[cache_key(backend, inp)] = config
-    path.write_text(json.dumps(data, indent=1, sort_keys=True))
-    return path
+from .tunecache import lookup, overriding, store
 
 
 # ---------------------------------------------------------------------------------------------

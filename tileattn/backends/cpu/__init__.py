@@ -52,7 +52,7 @@ class TileConfig:
 
 
 def default_config(inp: AttentionInputs) -> TileConfig:
-    from ...tuning import lookup
+    from ...tunecache import lookup
 
     tuned = lookup("cpu", inp)
     if tuned is not None:

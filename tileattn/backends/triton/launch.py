@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...spec import AttentionInputs, empty_in_layout, to_canonical
-from ...tuning import lookup, seqlen_bucket
+from ...tunecache import lookup, seqlen_bucket
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
