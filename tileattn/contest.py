@@ -13,7 +13,8 @@ A submission is a Python file defining ``attention(q, k, v, causal=False)``; the
    The rule is applied in the scorer's own process to the outputs the worker saved, so code in the
    submission can never reach the reference or the judge.
 3. Timing: for each timed shape, the submission, the baseline and tileattn run round-robin (so machine
-   noise hits all three alike); the median of the repeats is kept.
+   noise hits all three alike; :func:`tileattn.measure.median_times`); the median of the repeats is
+   kept.
 4. Score: the geometric mean over the timed shapes of ``baseline time / submission time``.
 
 Any failure in 1-2 rejects the submission with the reason and no score. Accepted or not, the result
@@ -30,11 +31,9 @@ import math
 import os
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -160,16 +159,11 @@ def _judge_shape(shape: Shape, seed: int, out_path: Path) -> Optional[str]:
 
 
 def _time(contenders: dict, shape: Shape, seed: int, repeats: int) -> dict:
+    from .measure import median_times
+
     q, k, v = _inputs(shape, seed)
-    for fn in contenders.values():
-        fn(q, k, v, causal=shape.causal)  # warm-up
-    samples = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn(q, k, v, causal=shape.causal)
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    calls = {name: (lambda fn=fn: fn(q, k, v, causal=shape.causal)) for name, fn in contenders.items()}
+    return median_times(calls, repeats, warmup=1)
 
 
 def _tileattn_attention(q, k, v, causal=False):

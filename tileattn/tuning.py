@@ -5,18 +5,20 @@ only writes to it. A grid of candidates per engine; a budget model rejects those
 cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton: the forward
 kernel's shared memory against the GPU's per-block limit); every survivor must pass
 FlashAttention's accuracy rule against the fp64 reference before it is timed; the candidates are
-timed round-robin and the fastest is stored. Candidates run through the public operator with
-:func:`tileattn.tunecache.overriding` in force, so what is timed is exactly what dispatch will run.
+timed round-robin (:func:`tileattn.measure.time_interleaved`) and the fastest is stored. Candidates
+run through the public operator with :func:`tileattn.tunecache.overriding` in force, so what is
+timed is exactly what dispatch will run.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import Enum
 from typing import Callable, List, Optional, Tuple
 
-from .bench import TimingStats
+from .bench import describe_error, make_step
+from .measure import Step, TimingStats, l2_per_core, time_interleaved
 from .tunecache import lookup, overriding, store
 
 
@@ -81,27 +83,11 @@ def cpu_working_set(config: dict, inp) -> int:
 
 
 def cpu_budget() -> Tuple[int, str]:
-    """(bytes, where the figure comes from): the per-core L2 from sysfs, else lscpu, else 1 MiB."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for index in sorted(root.glob("index*")):
-            if (index / "level").read_text().strip() == "2":
-                text = (index / "size").read_text().strip().upper().rstrip("B").rstrip("I")
-                mult = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
-                return int(text.rstrip("KM")) * mult, "L2 per core (sysfs)"
-    except (OSError, ValueError):
-        pass
-    try:
-        import subprocess
-
-        out = subprocess.run(["lscpu", "-B", "-C=NAME,ONE-SIZE"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            parts = line.split()
-            if parts[:1] == ["L2"] and len(parts) > 1 and parts[1].isdigit():
-                return int(parts[1]), "L2 per core (lscpu)"
-    except (OSError, ValueError, subprocess.SubprocessError):
-        pass
-    return 2**20, "assumed 1 MiB (no cache information found)"
+    """(bytes, where the figure comes from): the per-core L2, else 1 MiB assumed."""
+    size, source = l2_per_core()
+    if size is None:
+        return 2**20, f"assumed 1 MiB ({source})"
+    return size, source
 
 
 def triton_candidates(inp) -> List[dict]:
@@ -143,18 +129,31 @@ SPACES = {
 # The search.
 
 
+class Verdict(str, Enum):
+    """Where a candidate ended; the value is what the table and ``--json`` show."""
+
+    PENDING = "pending"  # not yet judged
+    REJECTED = "rejected"  # over the budget: never run
+    WRONG = "wrong"  # fails the accuracy rule
+    ERROR = "error"  # the engine raised
+    TIMED = "timed"  # survived and was timed
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Candidate(TimingStats):
     config: dict
     working_set: int
-    status: str = "pending"  # "rejected" (budget), "wrong" (accuracy), "error", "timed"
+    status: Verdict = Verdict.PENDING
     reason: str = ""
     current: bool = False
     max_error_ratio: Optional[float] = None  # worst max-error / tolerance over the checked tensors
     times_ms: List[float] = field(default_factory=list)
 
     def as_record(self) -> dict:
-        return dict(self.config, working_set_bytes=self.working_set, status=self.status, reason=self.reason,
+        return dict(self.config, working_set_bytes=self.working_set, status=self.status.value, reason=self.reason,
                     current=self.current, max_error_ratio=self.max_error_ratio, median_ms=self.median_ms,
                     spread_pct=self.spread_pct, times_ms=list(self.times_ms))
 
@@ -209,16 +208,15 @@ def tune(backend: str, case, budget: int, reps: int = 3, warmup: int = 1, seed: 
          on_step: Optional[Callable[[str], None]] = None, store_winner: bool = True):
     """Search the configurations of ``backend`` for ``case`` (a :class:`tileattn.bench.Case`).
 
-    Returns ``(candidates, winner or None, cache path or None)``.
+    Returns ``(candidates, winner or None, cache path or None)``. Storing replaces whatever the cache
+    held for this bucket, a malformed entry included.
     """
     from . import flash_attention
-    from .bench import make_step, time_call
+    from .spec import make_inputs
 
     tick = on_step or (lambda label: None)
     candidates_of, working_set, _, model = SPACES[backend]
     q, k, v, dout = case.make_tensors(seed)
-    from .spec import make_inputs
-
     inp = make_inputs(q, k, v, causal=case.causal)
     current = current_config(backend, inp)
     configs = candidates_of(inp)
@@ -227,36 +225,38 @@ def tune(backend: str, case, budget: int, reps: int = 3, warmup: int = 1, seed: 
     cands = [Candidate(cfg, working_set(cfg, inp), current=(cfg == current)) for cfg in configs]
     for c in cands:
         if c.working_set > budget:
-            c.status = "rejected"
+            c.status = Verdict.REJECTED
             c.reason = f"{model} {c.working_set // 1024} KiB > budget {budget // 1024} KiB"
     oracle, yardstick = _oracle(case, q, k, v, dout)
-    alive = [c for c in cands if c.status == "pending"]
-    for c in alive:
+    for c in cands:
+        if c.status is not Verdict.PENDING:
+            continue
         try:
             with overriding(backend, c.config):
                 c.max_error_ratio = _check(backend, case, q, k, v, dout, oracle, yardstick)
             if c.max_error_ratio > 1.0:
-                c.status, c.reason = "wrong", f"fails the accuracy rule (error {c.max_error_ratio:.2f}x tolerance)"
+                c.status = Verdict.WRONG
+                c.reason = f"fails the accuracy rule (error {c.max_error_ratio:.2f}x tolerance)"
         except Exception as exc:  # a configuration the engine cannot launch is reported, not fatal
-            c.status, c.reason = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+            c.status, c.reason = Verdict.ERROR, describe_error(exc, 160)
         tick("check")
-    alive = [c for c in alive if c.status == "pending"]
+    alive = {i: c for i, c in enumerate(cands) if c.status is Verdict.PENDING}
 
     def forward(q_, k_, v_):
         return flash_attention(q_, k_, v_, causal=case.causal, backend=backend)
 
     prepare, run = make_step(forward, case, q, k, v, dout)
-    for rep in range(warmup + reps):
-        shift = rep % len(alive) if alive else 0
-        for c in alive[shift:] + alive[:shift]:
-            with overriding(backend, c.config):
-                prepare()
-                elapsed = time_call(run, case.device)
-            if rep >= warmup:
-                c.times_ms.append(elapsed * 1e3)
-            tick("time")
-    for c in alive:
-        c.status = "timed"
-    winner = min(alive, key=lambda c: c.median_ms) if alive else None
+
+    def failed(i, exc):
+        alive[i].status, alive[i].reason = Verdict.ERROR, describe_error(exc, 160)
+
+    steps = {i: Step(run=run, prepare=prepare, context=lambda c=c: overriding(backend, c.config))
+             for i, c in alive.items()}
+    samples = time_interleaved(steps, reps, warmup, case.device, on_error=failed, on_step=lambda i: tick("time"))
+    for i, c in alive.items():
+        if c.status is Verdict.PENDING:
+            c.status, c.times_ms = Verdict.TIMED, [t * 1e3 for t in samples[i]]
+    timed = [c for c in cands if c.status is Verdict.TIMED]
+    winner = min(timed, key=lambda c: c.median_ms) if timed else None
     path = store(backend, inp, winner.config) if (winner is not None and store_winner) else None
     return cands, winner, path

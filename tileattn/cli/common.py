@@ -1,4 +1,7 @@
-"""Helpers shared by the subcommands: argument parsing, tables, CSV/JSON, plots, machine facts."""
+"""Helpers shared by the subcommands: argument parsing, tables, CSV/JSON, plots.
+
+Machine facts come from :mod:`tileattn.measure`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import csv
 import json
 import math
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
@@ -167,75 +169,3 @@ def pyplot():
     except ImportError:
         raise CliError("--plot needs matplotlib (pip install 'tileattn[plot]')") from None
     return plt
-
-
-# ---------------------------------------------------------------------------------------------
-# Machine facts.
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "neon", "asimd", "sve")
-
-
-def cpu_flags() -> List[str]:
-    """The SIMD features of interest that /proc/cpuinfo lists (empty when it is unavailable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return [f for f in SIMD_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _parse_size(text: str) -> Optional[int]:
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-    if not m:
-        return None
-    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
-
-
-def cache_size(level: int, kind: str = "Unified") -> Optional[int]:
-    """Size in bytes of the level-``level`` cache of CPU 0 (sysfs), or None when unknown."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for index in sorted(root.glob("index*")):
-            if int((index / "level").read_text()) == level and (index / "type").read_text().strip() in (kind, "Data"):
-                return _parse_size((index / "size").read_text())
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def gpus() -> List[dict]:
-    import torch
-
-    found = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            found.append({
-                "index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                "compute_capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
-                "shared_memory_per_block_optin": getattr(p, "shared_memory_per_block_optin", None),
-            })
-    return found

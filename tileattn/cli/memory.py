@@ -2,7 +2,7 @@
 
 Each sequence length is measured in a fresh Python process, so one length's allocations cannot hide
 in another's freed memory and a naive run that exhausts memory kills only its own process. Inside
-it :func:`tileattn.bench.measure_peak_memory` reads the real peak: the CUDA allocator's on GPUs, the
+it :func:`tileattn.measure.peak_memory` reads the real peak: the CUDA allocator's on GPUs, the
 resident-set high-water mark (reset just before the call) on CPUs. The child uses glibc's fixed mmap
 threshold, so freed buffers go back to the kernel and every new buffer shows up in the peak.
 
@@ -50,7 +50,8 @@ def child() -> None:
     """Entry point of the measuring subprocess: one JSON line per measurement on stdout."""
     import torch
 
-    from ..bench import PROVIDERS, Case, make_step, measure_peak_memory
+    from ..bench import PROVIDERS, Case, describe_error, make_step
+    from ..measure import peak_memory
     from ..dispatch import select
     from ..spec import make_inputs
 
@@ -70,12 +71,12 @@ def child() -> None:
             warm_prepare()
             warm_run()  # one-time costs (kernel loading, thread pools) stay out of the figure
             prepare()
-            rec["peak_bytes"] = measure_peak_memory(run, case.device)
+            _, rec["peak_bytes"] = peak_memory(run, case.device)
             if rec["peak_bytes"] is None:
                 rec.update(status="unmeasurable", note="no way to read peak memory on this system")
             del q, k, v, dout, prepare, run
         except Exception as exc:  # reported per row; the parent goes on with the next one
-            rec.update(status="error", note=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+            rec.update(status="error", note=describe_error(exc))
         print(json.dumps(rec), flush=True)
 
 
