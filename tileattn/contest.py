@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from .cli.common import CliError, SEED_LIMIT, int_arg, positive_float_arg, seed_arg
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = REPO_ROOT / "hub" / "contest" / "baseline.py"
 DEFAULT_LEADERBOARD = REPO_ROOT / "hub" / "contest" / "leaderboard"
@@ -107,7 +109,7 @@ def _inputs(shape: Shape, seed: int):
     import torch
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[shape.dtype]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed % SEED_LIMIT)  # seeds derived as seed + i may pass 2**64
     dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
     return [torch.randn(dims, generator=gen).to(dtype) for _ in range(3)]
 
@@ -244,13 +246,15 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
     submission, baseline = Path(submission), Path(baseline)
     for what, path in (("SUBMISSION", submission), ("--baseline", baseline)):
         if not path.is_file():
-            raise ValueError(f"tileattn contest: argument '{what}': got {str(path)!r}, which is not a file; "
+            raise ValueError(f"argument '{what}': got {str(path)!r}, which is not a file; "
                              "expected a Python file defining attention(q, k, v, causal=False)")
-    if not time_limit_s > 0:
-        raise ValueError(f"tileattn contest: argument '--time-limit': got {time_limit_s}; expected seconds > 0")
-    if threads is not None and not (isinstance(threads, int) and threads > 0):
-        raise ValueError(f"tileattn contest: argument '--threads': got {threads!r}; expected a positive int")
-    seed = secrets.randbits(31) if seed is None else int(seed)
+    if not (isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise ValueError(f"argument '--time-limit': got {time_limit_s!r}; expected a finite number of seconds > 0")
+    if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool) and threads > 0):
+        raise ValueError(f"argument '--threads': got {threads!r}; expected a positive int")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"argument '--seed': got {seed!r}; expected an int in 0..{SEED_LIMIT - 1}")
+    seed = secrets.randbits(31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="tileattn-contest-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "tileattn.contest", "_worker", "--submission", str(submission.resolve()),
@@ -269,6 +273,10 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             return Outcome("rejected", f"timed out: still running after the {time_limit_s:g} s limit", seed, [])
+        except BaseException:  # Ctrl-C: the worker, in its own session, did not get it; end it too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         if not out.exists():
             tail = " | ".join((log or "").strip().splitlines()[-3:])
             return Outcome("rejected", f"crashed: worker exited with status {proc.returncode} "
@@ -352,8 +360,7 @@ def _cmd_score(args) -> int:
     try:
         outcome = score_submission(args.submission, args.baseline, args.time_limit, args.seed, small, args.threads)
     except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
     name = args.name or Path(args.submission).stem
     print(f"submission {args.submission} ({name}), seed {outcome.seed}: {outcome.status.upper()}")
     if not outcome.accepted:
@@ -385,12 +392,12 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--name", default=None, help="name on the leaderboard (default: the file's stem)")
     s.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory "
                    f"(default {DEFAULT_LEADERBOARD})")
-    s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+    s.add_argument("--time-limit", type=positive_float_arg, default=DEFAULT_TIME_LIMIT_S,
                    help=f"seconds for the whole check and timing run (default {DEFAULT_TIME_LIMIT_S:g})")
-    s.add_argument("--seed", type=int, default=None, help="replay a run's inputs (default: a fresh seed)")
+    s.add_argument("--seed", type=seed_arg, default=None, help="replay a run's inputs (default: a fresh seed)")
     s.add_argument("--baseline", default=str(DEFAULT_BASELINE), help="the baseline kernel file")
     s.add_argument("--small", action="store_true", help="small shapes (also TILEATTN_SMALL=1): a quick trial")
-    s.add_argument("--threads", type=int, default=None,
+    s.add_argument("--threads", type=int_arg(1), default=None,
                    help="torch threads for every contender (default: torch's default, one per core)")
     s.set_defaults(func=_cmd_score)
 
