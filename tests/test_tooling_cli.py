@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from tileattn import tuning
+from tileattn import contest, tuning
 from tileattn.cli import main
 
 
@@ -94,6 +95,55 @@ def test_an_unexpected_error_is_one_line_and_exit_1(monkeypatch, capsys):
     assert main(["env"]) == 1
     _one_line_error(capsys, "tileattn env: internal error: RuntimeError: the probe exploded with a second line",
                     "TILEATTN_DEBUG=1")
+
+
+# ------------------------------------------------------------------------------------ contest
+
+
+def test_contest_leaderboard_on_a_missing_file_is_an_error(tmp_path, capsys):
+    assert main(["contest", "leaderboard", "--leaderboard", str(tmp_path)]) == 2
+    _one_line_error(capsys, "argument '--leaderboard'", "holds no leaderboard.csv")
+    (tmp_path / "leaderboard.csv").write_text("a,b\n1,2\n")
+    assert main(["contest", "leaderboard", "--leaderboard", str(tmp_path)]) == 2
+    _one_line_error(capsys, "is not a contest leaderboard")
+
+
+def test_contest_score_refuses_a_missing_or_unwritable_leaderboard_before_scoring(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(contest, "score_submission", lambda *a, **k: pytest.fail("scored before checking"))
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--leaderboard", str(tmp_path / "nope")]) == 2
+    _one_line_error(capsys, "argument --leaderboard", "does not exist")
+    (tmp_path / "file").write_text("")
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--leaderboard", str(tmp_path / "file")]) == 2
+    _one_line_error(capsys, "is not a folder")
+
+
+def test_contest_score_records_in_the_current_directory_not_the_package(tmp_path, monkeypatch, capsys):
+    package = Path(contest.__file__).resolve().parent
+    before = sorted(p.name for p in package.iterdir())
+    shapes = [{"shape": "s", "submission": 0.5, "baseline": 1.0, "tileattn": 0.25}]
+    monkeypatch.setattr(contest, "score_submission", lambda *a, **k: contest.Outcome("accepted", "", 7, shapes))
+    monkeypatch.chdir(tmp_path)
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--name", "me"]) == 0
+    assert "score 2.000" in capsys.readouterr().out
+    assert [r["name"] for r in contest.read_rows(tmp_path)] == ["me"]
+    assert (tmp_path / "LEADERBOARD.md").read_text().count("| 1 | me | 2.000 |") == 1
+    assert main(["contest", "leaderboard"]) == 0
+    assert "| 1 | me |" in capsys.readouterr().out
+    assert sorted(p.name for p in package.iterdir()) == before
+
+
+def test_the_contest_baseline_ships_inside_the_package():
+    """A wheel holds the package only: the command must not reach into a repository checkout."""
+    package = Path(contest.__file__).resolve().parent
+    assert contest.DEFAULT_BASELINE.parent == package and contest.DEFAULT_BASELINE.is_file()
+    import torch
+
+    from tileattn.contest_baseline import attention
+
+    q = torch.randn(1, 2, 16, 8)
+    assert torch.allclose(attention(q, q, q, causal=True), torch.nn.functional.scaled_dot_product_attention(
+        q, q, q, is_causal=True), atol=1e-6)
+    assert "hub" not in Path(contest.__file__).read_text().split('"""', 2)[2].split("def ")[0]
 
 
 # ------------------------------------------------------------------------------------ Ctrl-C

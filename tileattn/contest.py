@@ -18,7 +18,10 @@ A submission is a Python file defining ``attention(q, k, v, causal=False)``; the
 4. Score: the geometric mean over the timed shapes of ``baseline time / submission time``.
 
 Any failure in 1-2 rejects the submission with the reason and no score. Accepted or not, the result
-is appended to ``leaderboard.csv`` and ``LEADERBOARD.md`` is re-rendered from it.
+is appended to ``leaderboard.csv`` in the leaderboard folder the user chooses (``--leaderboard``,
+default the current directory; never the installed package) and ``LEADERBOARD.md`` is re-rendered
+from it. The baseline is :mod:`tileattn.contest_baseline`, inside the package, so the command works
+from an installed wheel.
 """
 
 from __future__ import annotations
@@ -38,11 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from .cli.common import CliError, SEED_LIMIT, int_arg, positive_float_arg, seed_arg
+from .cli.common import CliError, SEED_LIMIT, check_writable_dir, int_arg, positive_float_arg, seed_arg
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BASELINE = REPO_ROOT / "hub" / "contest" / "baseline.py"
-DEFAULT_LEADERBOARD = REPO_ROOT / "hub" / "contest" / "leaderboard"
+#: The baseline's file, next to this module in the installed package.
+DEFAULT_BASELINE = Path(__file__).resolve().with_name("contest_baseline.py")
 DEFAULT_TIME_LIMIT_S = 600.0
 CSV_FIELDS = ["time_utc", "name", "submission", "status", "reason", "score", "vs_tileattn", "seed", "threads", "shapes",
               "details"]
@@ -299,10 +301,9 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
 # The leaderboard.
 
 
-def record(outcome: Outcome, name: str, submission, leaderboard_dir=DEFAULT_LEADERBOARD) -> Path:
-    """Append ``outcome`` to ``leaderboard.csv`` in the directory and re-render ``LEADERBOARD.md``."""
+def record(outcome: Outcome, name: str, submission, leaderboard_dir) -> Path:
+    """Append ``outcome`` to ``leaderboard.csv`` in the (existing) folder and re-render ``LEADERBOARD.md``."""
     root = Path(leaderboard_dir)
-    root.mkdir(parents=True, exist_ok=True)
     csv_path = root / "leaderboard.csv"
     new = not csv_path.exists()
     row = {
@@ -324,11 +325,17 @@ def record(outcome: Outcome, name: str, submission, leaderboard_dir=DEFAULT_LEAD
 
 
 def read_rows(leaderboard_dir) -> List[dict]:
+    """The rows of ``leaderboard.csv`` in the folder; ValueError if it is missing or not a leaderboard."""
     path = Path(leaderboard_dir) / "leaderboard.csv"
-    if not path.exists():
-        return []
+    if not path.is_file():
+        raise ValueError(f"argument '--leaderboard': got {str(leaderboard_dir)!r}, which holds no leaderboard.csv; "
+                         "expected a folder where `tileattn contest score` recorded results")
     with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        missing = [c for c in ("name", "status", "score") if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path} is not a contest leaderboard: no {', '.join(missing)} column")
+        return list(reader)
 
 
 def render(rows: List[dict]) -> str:
@@ -355,8 +362,18 @@ def render(rows: List[dict]) -> str:
 # Command line.
 
 
+def _check_leaderboard_writable(folder) -> None:
+    """Before minutes of scoring: the folder exists and its two files can be (re)written."""
+    check_writable_dir(folder, "argument --leaderboard")
+    for name in ("leaderboard.csv", "LEADERBOARD.md"):
+        path = Path(folder) / name
+        if path.exists() and not os.access(path, os.W_OK):
+            raise CliError(f"argument --leaderboard: cannot write {str(path)!r} (permission denied)")
+
+
 def _cmd_score(args) -> int:
     small = args.small or os.environ.get("TILEATTN_SMALL") == "1"
+    _check_leaderboard_writable(args.leaderboard)
     try:
         outcome = score_submission(args.submission, args.baseline, args.time_limit, args.seed, small, args.threads)
     except ValueError as exc:
@@ -376,7 +393,11 @@ def _cmd_score(args) -> int:
 
 
 def _cmd_leaderboard(args) -> int:
-    print(render(read_rows(args.leaderboard)), end="")
+    try:
+        rows = read_rows(args.leaderboard)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(render(rows), end="")
     return 0
 
 
@@ -390,19 +411,20 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     s = actions.add_parser("score", help="check, time and record a submission (exit 0 accepted, 1 rejected)")
     s.add_argument("submission", help="Python file defining attention(q, k, v, causal=False)")
     s.add_argument("--name", default=None, help="name on the leaderboard (default: the file's stem)")
-    s.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory "
-                   f"(default {DEFAULT_LEADERBOARD})")
+    s.add_argument("--leaderboard", default=".", help="existing folder for leaderboard.csv and LEADERBOARD.md "
+                   "(default: the current directory)")
     s.add_argument("--time-limit", type=positive_float_arg, default=DEFAULT_TIME_LIMIT_S,
                    help=f"seconds for the whole check and timing run (default {DEFAULT_TIME_LIMIT_S:g})")
     s.add_argument("--seed", type=seed_arg, default=None, help="replay a run's inputs (default: a fresh seed)")
-    s.add_argument("--baseline", default=str(DEFAULT_BASELINE), help="the baseline kernel file")
+    s.add_argument("--baseline", default=str(DEFAULT_BASELINE),
+                   help="the baseline kernel file (default: tileattn's contest_baseline.py)")
     s.add_argument("--small", action="store_true", help="small shapes (also TILEATTN_SMALL=1): a quick trial")
     s.add_argument("--threads", type=int_arg(1), default=None,
                    help="torch threads for every contender (default: torch's default, one per core)")
     s.set_defaults(func=_cmd_score)
 
     b = actions.add_parser("leaderboard", help="print the leaderboard as Markdown")
-    b.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory")
+    b.add_argument("--leaderboard", default=".", help="folder holding leaderboard.csv (default: the current directory)")
     b.set_defaults(func=_cmd_leaderboard)
     return p
 
