@@ -387,7 +387,7 @@ def _cmd_score(args) -> int:
               f"   tileattn {s['tileattn'] * 1e3:9.2f} ms")
     if outcome.accepted:
         print(f"  score {outcome.score:.3f} (x baseline), {outcome.vs_tileattn:.3f} x tileattn")
-    root = record(outcome, name, args.submission, args.leaderboard)
+    root = record(outcome, name, args.submission, args.leaderboard).resolve()
     print(f"  recorded in {root / 'leaderboard.csv'} and {root / 'LEADERBOARD.md'}")
     return 0 if outcome.accepted else 1
 
