@@ -5,16 +5,17 @@
     python benchmarks/bench_cpu.py --quick         # tiny sizes, seconds (used by the tests)
 
 Every case is timed **interleaved**: after one warm-up call per provider, each repetition calls every
-provider once in turn (round-robin), so a noisy neighbour slows all providers alike and the ratios
-stay meaningful even when absolute times drift. Reported per (case, provider): median latency, spread
-(interquartile range / median), GFLOP/s of the useful work (visible (query, key) pairs; backward
+provider once in turn (round-robin, the starting provider rotating), so a noisy neighbour slows all
+providers alike and the ratios stay meaningful even when absolute times drift. Reported per (case,
+provider): median latency, spread ((max - min) / median), GFLOP/s of the useful work (visible (query, key) pairs; backward
 counted as 2.5x forward), peak memory and the speed ratios vs SDPA and vs naive (> 1 = tileattn
 faster).
 
 Peak memory is the growth of the resident set (VmHWM - VmRSS before the call) of a fresh subprocess
 that builds the inputs and makes exactly one call, so it sees every allocation torch makes (the
 high-water mark is reset through /proc/self/clear_refs where the kernel allows it). It includes the
-outputs and gradients; the ``extra_mib`` column subtracts them.
+outputs and gradients; the ``extra_mib`` column subtracts them. Timing, statistics, the memory
+reading and the machine description all come from :mod:`tileattn.measure`, as in ``tileattn bench``.
 
 Results go to ``benchmarks/results/cpu_<tag>.csv`` and ``.json`` (tag ``full`` or ``quick``).
 """
@@ -26,8 +27,6 @@ import csv
 import json
 import math
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
-from tileattn.bench import measure_peak_memory
+from tileattn import measure
 from tileattn.modifiers import Band
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -155,19 +154,6 @@ def runner(case: Case, provider: str, seed: int = 0):
 # ------------------------------------------------------------------------------------ measuring
 
 
-def time_interleaved(fns: dict, reps: int) -> dict:
-    """{name: [seconds per call]}: one warm-up call each, then ``reps`` round-robin repetitions."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def memory_child(case_json: str) -> None:
     """Subprocess body: one call of one provider; prints the resident-set growth in bytes."""
     spec = json.loads(case_json)
@@ -178,7 +164,7 @@ def memory_child(case_json: str) -> None:
     tiny = Case(**{**spec, "seqlen": 16, "block_mask": min(case.block_mask, 8),
                    "window": min(case.window, 8)})
     runner(tiny, provider)()
-    print(json.dumps({"peak_bytes": measure_peak_memory(runner(case, provider), "cpu")}))
+    print(json.dumps({"peak_bytes": measure.peak_memory(runner(case, provider))[1]}))
 
 
 def measure_memory(case: Case, provider: str, timeout: float = 900.0):
@@ -206,8 +192,8 @@ def run_case(case: Case, reps: int, memory: bool) -> list:
     rows = []
     times = {}
     if case.timed:
-        times = time_interleaved({p: runner(case, p) for p in case.providers}, reps)
-    med = {p: statistics.median(t) for p, t in times.items()}
+        times = measure.time_interleaved({p: runner(case, p) for p in case.providers}, reps, warmup=1)
+    med = {p: measure.median(t) for p, t in times.items()}
     for p in case.providers:
         row = {
             "section": case.section, "case": case.name, "dtype": case.dtype, "batch": case.batch,
@@ -218,9 +204,7 @@ def run_case(case: Case, reps: int, memory: bool) -> list:
             "peak_mib": None, "extra_mib": None, "vs_sdpa": None, "vs_naive": None,
         }
         if p in times:
-            t = sorted(times[p])
-            q1, _, q3 = statistics.quantiles(t, n=4) if len(t) >= 2 else (t[0], t[0], t[0])
-            row.update(median_ms=med[p] * 1e3, min_ms=t[0] * 1e3, spread_pct=100.0 * (q3 - q1) / med[p],
+            row.update(median_ms=med[p] * 1e3, min_ms=min(times[p]) * 1e3, spread_pct=measure.spread_pct(times[p]),
                        gflops=case.flops() / med[p] / 1e9)
             if "sdpa" in med:
                 row["vs_sdpa"] = med["sdpa"] / med[p]
@@ -345,7 +329,7 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     meta = {
-        "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "machine": measure.cpu_model(), "cpu_count": measure.usable_cores(), "simd": measure.cpu_flags(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": reps,
         "seconds": round(time.time() - started, 1),
         "geomean_vs_sdpa": summary(rows),

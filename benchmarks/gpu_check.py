@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 import tileattn
+from tileattn import measure
 from tileattn.testing import check_against_reference
 
 TOKENS = 16 * 1024
@@ -126,16 +126,6 @@ def run_correctness(outdir: Path, device: str, dry_run: bool) -> bool:
 # ----------------------------------------------------------------------------------------- speed
 
 
-def _time_ms(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 _FLEX = {}
 
 
@@ -207,13 +197,10 @@ def run_speed(outdir: Path, seqlens, head_dims, rounds: int, flex_seqlens) -> bo
                     ours, theirs = impls["tileattn-triton"](q, k, v), impls["sdpa-flash"](q, k, v)
                     diff = float((ours.float() - theirs.float()).abs().max())
                 mismatches += diff > MAX_DIFF_VS_SDPA
-                torch.cuda.synchronize()
-                samples = {key: [] for key in steps}
-                for _ in range(rounds):  # interleaved: every implementation once per round
-                    for key, step in steps.items():
-                        samples[key].append(_time_ms(step, iters=5))
+                # Interleaved: every implementation once per round, 5 calls per sample.
+                samples = measure.time_interleaved(steps, rounds, device="cuda", iters=5)
                 for (name, mode), times in samples.items():
-                    ms = statistics.median(times)
+                    ms = measure.median(times) * 1e3
                     flops = fwd_flops * (1.0 if mode == "fwd" else 3.5)  # backward = 2.5x forward
                     tflops = flops / (ms * 1e-3) / 1e12
                     rows.append([name, mode, d, int(causal), s, b, f"{ms:.4f}", f"{tflops:.1f}", f"{diff:.2e}"])

@@ -74,7 +74,8 @@ def _run(cmd, cwd, timeout):
 
 
 def _score(path, name, board, limit):
-    """What ``tileattn contest score --small --threads 1`` does, as (exit status, printed reason)."""
+    """What ``tileattn contest score --small --threads 1 --leaderboard board`` does, as (exit status,
+    printed reason)."""
     outcome = contest.score_submission(path, time_limit_s=limit, small=True, threads=1)
     contest.record(outcome, name, path, board)
     return (0 if outcome.accepted else 1), f"{outcome.status}: {outcome.reason}"
@@ -101,6 +102,7 @@ def runs(request, tmp_path_factory):
             continue
         jobs[path.name] = (_run, [sys.executable, str(path)], str(path.parent), SCRIPT_TIMEOUT_S)
     root = tmp_path_factory.mktemp("contest")
+    # The hub's baseline.py re-exports the packaged one: scoring it checks the hub still points there.
     submissions = {"baseline": REPO / "hub" / "contest" / "baseline.py",
                    "example": REPO / "hub" / "contest" / "examples" / "online_softmax.py"}
     for name, source in SUBMISSIONS.items():
@@ -108,11 +110,12 @@ def runs(request, tmp_path_factory):
         submissions[name].write_text(source)
     for name, path in submissions.items():
         board = root / f"board_{name}"
+        board.mkdir()
         limit = SLOW_LIMIT_S if name == "too_slow" else SCRIPT_TIMEOUT_S
-        if name == "baseline":  # once through the `tileattn` command, end to end
+        if name == "baseline":  # once through the `tileattn` command, end to end, into its working directory
             cmd = [sys.executable, "-m", "tileattn", "contest", "score", str(path), "--small", "--name", name,
-                   "--leaderboard", str(board), "--time-limit", str(limit)]
-            jobs[f"contest:{name}"] = (_run, cmd, str(root), SCRIPT_TIMEOUT_S + 30)
+                   "--time-limit", str(limit)]
+            jobs[f"contest:{name}"] = (_run, cmd, str(board), SCRIPT_TIMEOUT_S + 30)
         else:  # the scorer in this process (its worker is still a subprocess): one interpreter start less
             jobs[f"contest:{name}"] = (_score, path, name, board, limit)
     needed = _selected_jobs(request.session)

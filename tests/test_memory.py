@@ -48,8 +48,8 @@ else:
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
 # VmHWM, the peak RSS of this process image. Not ru_maxrss: that one carries over the parent's peak
 # through fork + exec, so a worker started from a big pytest process would report the parent's size.
-peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"peak_bytes": peak_kib * 1024}))
+from tileattn.measure import proc_status_bytes
+print(json.dumps({"peak_bytes": proc_status_bytes("VmHWM")}))
 """
 
 

@@ -1,4 +1,4 @@
-"""Measurement engine: attention providers, interleaved timing and peak-memory measurement.
+"""Benchmark cases and attention providers, and the driver that times them against each other.
 
 Used by ``tileattn bench``/``tileattn memory``/``tileattn tune``, by ``benchmarks/`` and by the hub.
 
@@ -7,25 +7,22 @@ Used by ``tileattn bench``/``tileattn memory``/``tileattn tune``, by ``benchmark
   engines), ``tileattn`` (automatic dispatch), ``sdpa`` (PyTorch's fused kernel), ``naive``
   (matmul-softmax-matmul in the input dtype) and ``flex`` (FlexAttention). A provider that cannot run
   a case says why instead of crashing.
-* :func:`run_cases` times every provider round-robin within each repetition (the starting provider
-  rotates), so machine noise hits all providers alike; compare ratios, not absolute times.
-* :func:`measure_peak_memory` measures the extra memory a call really uses: the CUDA allocator's peak
-  on GPUs; on Linux CPUs the process's peak resident set (``VmHWM``), reset just before the call
-  through ``/proc/self/clear_refs`` after returning free heap pages to the kernel, so it sees every
-  allocation (PyTorch, NumPy, numba), not only PyTorch's.
+* :func:`run_case` times every provider round-robin within each repetition (the starting provider
+  rotates), so machine noise hits all providers alike; compare ratios, not absolute times. The
+  timing loop, its statistics and the peak-memory reading come from :mod:`tileattn.measure`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from .measure import Step, TimingStats, peak_memory, time_interleaved
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 #: FLOPs of a mode relative to the forward pass (FlashAttention's convention: backward = 2.5x).
@@ -60,11 +57,6 @@ class Case:
 
     def flops(self) -> float:
         return self.spec().flops() * MODE_FLOP_FACTOR[self.mode]
-
-    def score_matrix_bytes(self) -> int:
-        """Size of the (B, H, Sq, Sk) score matrix that naive attention materialises."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.batch * self.heads * self.seqlen_q * self.seqlen_k * itemsize
 
     def make_tensors(self, seed: int = 0):
         """Seeded q, k, v (requiring grad unless the mode is forward only) and an output gradient."""
@@ -177,17 +169,6 @@ PROVIDERS: Dict[str, Callable] = {
     "flex": _build_flex,
 }
 
-PROVIDER_HELP = {
-    "cpu": "tileattn's tiled CPU engine",
-    "triton": "tileattn's Triton engine",
-    "reference": "tileattn's exact reference (materialises the scores)",
-    "tileattn": "tileattn with automatic backend choice",
-    "sdpa": "torch.nn.functional.scaled_dot_product_attention",
-    "naive": "matmul-softmax-matmul in the input dtype",
-    "flex": "torch FlexAttention, compiled (forward only on CPU)",
-}
-
-
 def make_step(forward: Callable, case: Case, q, k, v, dout):
     """(prepare, run): ``prepare`` does the untimed part of one repetition, ``run`` the timed part."""
     state = {}
@@ -213,93 +194,18 @@ def make_step(forward: Callable, case: Case, q, k, v, dout):
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing and memory.
-
-
-def _sync(device: str):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_call(run: Callable, device: str) -> float:
-    """Seconds taken by ``run()``, with the device synchronised before and after."""
-    _sync(device)
-    t0 = time.perf_counter()
-    run()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def _proc_status_bytes(key: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Return free heap pages to the kernel, then make VmHWM equal the current RSS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def cpu_memory_method() -> Optional[str]:
-    """How CPU peak memory is measured here, or None when this system offers no way."""
-    if _proc_status_bytes("VmHWM") is None or not _reset_peak_rss():
-        return None
-    return "peak RSS (VmHWM reset via /proc/self/clear_refs)"
-
-
-def measure_peak_memory(run: Callable, device: str) -> Optional[int]:
-    """Peak bytes allocated by ``run()`` above what was in use before it; None if not measurable."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        run()
-        torch.cuda.synchronize()
-        return max(0, torch.cuda.max_memory_allocated() - before)
-    if not _reset_peak_rss():
-        return None
-    before = _proc_status_bytes("VmRSS")
-    run()
-    peak = _proc_status_bytes("VmHWM")
-    if before is None or peak is None:
-        return None
-    return max(0, peak - before)
-
-
-# ---------------------------------------------------------------------------------------------
 # Benchmark driver.
 
 
-class TimingStats:
-    """Median and spread of ``times_ms``: shared by benchmark results and tuning candidates."""
+class Status(str, Enum):
+    """How a provider fared on a case; the value is the ``status`` field of CSV and JSON rows."""
 
-    times_ms: List[float]
+    OK = "ok"
+    UNSUPPORTED = "unsupported"  # the provider cannot run this case: ``note`` says why
+    ERROR = "error"  # the provider raised: ``note`` holds the first line of the error
 
-    @property
-    def median_ms(self) -> Optional[float]:
-        return statistics.median(self.times_ms) if self.times_ms else None
-
-    @property
-    def spread_pct(self) -> Optional[float]:
-        """(max - min) / median, in percent: how noisy the repetitions were."""
-        if len(self.times_ms) < 2:
-            return None
-        return 100.0 * (max(self.times_ms) - min(self.times_ms)) / self.median_ms
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -314,7 +220,7 @@ class Result(TimingStats):
     head_dim: int
     causal: bool
     mode: str
-    status: str = "ok"  # "ok", "unsupported" or "error"
+    status: Status = Status.OK
     note: str = ""
     times_ms: List[float] = field(default_factory=list)
     flops: float = 0.0
@@ -327,15 +233,19 @@ class Result(TimingStats):
         m = self.median_ms
         return self.flops / (m * 1e-3) if m else None
 
+    def fail(self, status: Status, note: str) -> None:
+        self.status, self.note = status, note
+        self.times_ms.clear()
+
     def as_record(self) -> dict:
         """Flat dict with the fields documented in docs/cli.md (CSV and JSON)."""
         rec = asdict(self)
-        rec.pop("times_ms")
         rec.update(
+            status=self.status.value,
             reps=len(self.times_ms),
             median_ms=self.median_ms,
-            min_ms=min(self.times_ms) if self.times_ms else None,
-            max_ms=max(self.times_ms) if self.times_ms else None,
+            min_ms=self.min_ms,
+            max_ms=self.max_ms,
             spread_pct=self.spread_pct,
             gflops_per_s=None if self.flops_per_s is None else self.flops_per_s / 1e9,
             peak_mem_mib=None if self.peak_mem_bytes is None else self.peak_mem_bytes / 2**20,
@@ -344,9 +254,10 @@ class Result(TimingStats):
         return rec
 
 
-def _first_line(exc: BaseException) -> str:
+def describe_error(exc: BaseException, limit: int = 200) -> str:
+    """'TypeName: first line of the message', at most ``limit`` characters: one table cell."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:limit]
 
 
 _INITIALISED = set()
@@ -357,32 +268,41 @@ COMPILES_PER_SHAPE = {"flex"}
 def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: bool = True,
              baseline: Optional[str] = None, on_step: Optional[Callable[[str], None]] = None,
              seed: int = 0) -> List[Result]:
-    """Time ``providers`` on one case, interleaved. ``on_step(label)`` is called after every call."""
+    """Time ``providers`` on one case, interleaved. ``on_step(label)`` is called after every call.
+
+    A provider that cannot run the case, or raises, is marked so in its :class:`Result`; the others
+    go on.
+    """
     tick = on_step or (lambda label: None)
     q, k, v, dout = case.make_tensors(seed)
     flops = case.flops()
     results: Dict[str, Result] = {}
-    steps = {}
+    steps: Dict[str, Step] = {}
     for name in providers:
         res = Result(provider=name, device=case.device, dtype=case.dtype_name, batch=case.batch,
                      heads=case.heads, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
                      head_dim=case.head_dim, causal=case.causal, mode=case.mode, flops=flops)
         results[name] = res
         try:
-            steps[name] = make_step(PROVIDERS[name](case, q, k, v), case, q, k, v, dout)
+            prepare, run = make_step(PROVIDERS[name](case, q, k, v), case, q, k, v, dout)
+            steps[name] = Step(run=run, prepare=prepare)
         except Unsupported as exc:
-            res.status, res.note = "unsupported", str(exc)
+            res.fail(Status.UNSUPPORTED, str(exc))
         except Exception as exc:  # a provider that fails to build must not stop the others
-            res.status, res.note = "error", _first_line(exc)
+            res.fail(Status.ERROR, describe_error(exc))
 
-    def attempt(name, fn):
+    def untimed(name, fn):
+        """``fn()``, or None with the provider marked as failed (and dropped) if it raises."""
         try:
             return fn()
         except Exception as exc:
-            results[name].status, results[name].note = "error", _first_line(exc)
-            results[name].times_ms.clear()
-            steps.pop(name, None)
+            results[name].fail(Status.ERROR, describe_error(exc))
+            steps.pop(name)
             return None
+
+    def call(step):
+        step.prepare()
+        return step.run()
 
     # A provider's first call in this process pays one-time costs (kernel loading, compilation,
     # thread pools) that belong in neither the memory figure nor the timings. Compiled providers
@@ -390,41 +310,27 @@ def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: b
     for name in list(steps):
         key = (name, case) if name in COMPILES_PER_SHAPE else name
         if key not in _INITIALISED:
-            prepare, run = steps[name]
-            attempt(name, prepare)
-            if name in steps:
-                attempt(name, run)
+            untimed(name, lambda: call(steps[name]))
             if name in steps:
                 _INITIALISED.add(key)
-    # One untimed call per provider measures memory; the warm-up calls after it absorb the page
+    # One untimed call per provider measures memory; the warm-up rounds after it absorb the page
     # faults of memory the measurement returned to the kernel.
+    def peak_bytes(step):
+        step.prepare()
+        return peak_memory(step.run, case.device)[1]
+
     for name in list(steps):
-        prepare, run = steps[name]
         if memory:
-            attempt(name, prepare)
-            if name in steps:
-                results[name].peak_mem_bytes = attempt(name, lambda: measure_peak_memory(run, case.device))
+            results[name].peak_mem_bytes = untimed(name, lambda: peak_bytes(steps[name]))
         tick(name)
-    for _ in range(warmup):
-        for name in list(steps):
-            prepare, run = steps[name]
-            attempt(name, prepare)
-            if name in steps:
-                attempt(name, run)
-            tick(name)
-    for rep in range(reps):
-        order = list(steps)
-        shift = rep % len(order) if order else 0
-        for name in order[shift:] + order[:shift]:
-            if name not in steps:
-                continue
-            prepare, run = steps[name]
-            attempt(name, prepare)
-            if name in steps:
-                elapsed = attempt(name, lambda: time_call(run, case.device))
-                if elapsed is not None:
-                    results[name].times_ms.append(elapsed * 1e3)
-            tick(name)
+
+    def failed(name, exc):
+        results[name].fail(Status.ERROR, describe_error(exc))
+
+    samples = time_interleaved(steps, reps, warmup, case.device, on_error=failed, on_step=tick)
+    for name, seconds in samples.items():
+        if results[name].status is Status.OK:
+            results[name].times_ms = [t * 1e3 for t in seconds]
     base = results.get(baseline) if baseline else None
     for res in results.values():
         if base is not None and base.median_ms and res.median_ms:

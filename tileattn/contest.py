@@ -13,11 +13,15 @@ A submission is a Python file defining ``attention(q, k, v, causal=False)``; the
    The rule is applied in the scorer's own process to the outputs the worker saved, so code in the
    submission can never reach the reference or the judge.
 3. Timing: for each timed shape, the submission, the baseline and tileattn run round-robin (so machine
-   noise hits all three alike); the median of the repeats is kept.
+   noise hits all three alike; :func:`tileattn.measure.median_times`); the median of the repeats is
+   kept.
 4. Score: the geometric mean over the timed shapes of ``baseline time / submission time``.
 
 Any failure in 1-2 rejects the submission with the reason and no score. Accepted or not, the result
-is appended to ``leaderboard.csv`` and ``LEADERBOARD.md`` is re-rendered from it.
+is appended to ``leaderboard.csv`` in the leaderboard folder the user chooses (``--leaderboard``,
+default the current directory; never the installed package) and ``LEADERBOARD.md`` is re-rendered
+from it. The baseline is :mod:`tileattn.contest_baseline`, inside the package, so the command works
+from an installed wheel.
 """
 
 from __future__ import annotations
@@ -30,18 +34,17 @@ import math
 import os
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BASELINE = REPO_ROOT / "hub" / "contest" / "baseline.py"
-DEFAULT_LEADERBOARD = REPO_ROOT / "hub" / "contest" / "leaderboard"
+from .cli.common import CliError, SEED_LIMIT, check_writable_dir, int_arg, positive_float_arg, seed_arg
+
+#: The baseline's file, next to this module in the installed package.
+DEFAULT_BASELINE = Path(__file__).resolve().with_name("contest_baseline.py")
 DEFAULT_TIME_LIMIT_S = 600.0
 CSV_FIELDS = ["time_utc", "name", "submission", "status", "reason", "score", "vs_tileattn", "seed", "threads", "shapes",
               "details"]
@@ -108,7 +111,7 @@ def _inputs(shape: Shape, seed: int):
     import torch
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[shape.dtype]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed % SEED_LIMIT)  # seeds derived as seed + i may pass 2**64
     dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
     return [torch.randn(dims, generator=gen).to(dtype) for _ in range(3)]
 
@@ -160,16 +163,11 @@ def _judge_shape(shape: Shape, seed: int, out_path: Path) -> Optional[str]:
 
 
 def _time(contenders: dict, shape: Shape, seed: int, repeats: int) -> dict:
+    from .measure import median_times
+
     q, k, v = _inputs(shape, seed)
-    for fn in contenders.values():
-        fn(q, k, v, causal=shape.causal)  # warm-up
-    samples = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn(q, k, v, causal=shape.causal)
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    calls = {name: (lambda fn=fn: fn(q, k, v, causal=shape.causal)) for name, fn in contenders.items()}
+    return median_times(calls, repeats, warmup=1)
 
 
 def _tileattn_attention(q, k, v, causal=False):
@@ -250,13 +248,15 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
     submission, baseline = Path(submission), Path(baseline)
     for what, path in (("SUBMISSION", submission), ("--baseline", baseline)):
         if not path.is_file():
-            raise ValueError(f"tileattn contest: argument '{what}': got {str(path)!r}, which is not a file; "
+            raise ValueError(f"argument '{what}': got {str(path)!r}, which is not a file; "
                              "expected a Python file defining attention(q, k, v, causal=False)")
-    if not time_limit_s > 0:
-        raise ValueError(f"tileattn contest: argument '--time-limit': got {time_limit_s}; expected seconds > 0")
-    if threads is not None and not (isinstance(threads, int) and threads > 0):
-        raise ValueError(f"tileattn contest: argument '--threads': got {threads!r}; expected a positive int")
-    seed = secrets.randbits(31) if seed is None else int(seed)
+    if not (isinstance(time_limit_s, (int, float)) and math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise ValueError(f"argument '--time-limit': got {time_limit_s!r}; expected a finite number of seconds > 0")
+    if threads is not None and not (isinstance(threads, int) and not isinstance(threads, bool) and threads > 0):
+        raise ValueError(f"argument '--threads': got {threads!r}; expected a positive int")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"argument '--seed': got {seed!r}; expected an int in 0..{SEED_LIMIT - 1}")
+    seed = secrets.randbits(31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="tileattn-contest-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "tileattn.contest", "_worker", "--submission", str(submission.resolve()),
@@ -275,6 +275,10 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             return Outcome("rejected", f"timed out: still running after the {time_limit_s:g} s limit", seed, [])
+        except BaseException:  # Ctrl-C: the worker, in its own session, did not get it; end it too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         if not out.exists():
             tail = " | ".join((log or "").strip().splitlines()[-3:])
             return Outcome("rejected", f"crashed: worker exited with status {proc.returncode} "
@@ -297,10 +301,9 @@ def score_submission(submission, baseline=DEFAULT_BASELINE, time_limit_s=DEFAULT
 # The leaderboard.
 
 
-def record(outcome: Outcome, name: str, submission, leaderboard_dir=DEFAULT_LEADERBOARD) -> Path:
-    """Append ``outcome`` to ``leaderboard.csv`` in the directory and re-render ``LEADERBOARD.md``."""
+def record(outcome: Outcome, name: str, submission, leaderboard_dir) -> Path:
+    """Append ``outcome`` to ``leaderboard.csv`` in the (existing) folder and re-render ``LEADERBOARD.md``."""
     root = Path(leaderboard_dir)
-    root.mkdir(parents=True, exist_ok=True)
     csv_path = root / "leaderboard.csv"
     new = not csv_path.exists()
     row = {
@@ -322,11 +325,17 @@ def record(outcome: Outcome, name: str, submission, leaderboard_dir=DEFAULT_LEAD
 
 
 def read_rows(leaderboard_dir) -> List[dict]:
+    """The rows of ``leaderboard.csv`` in the folder; ValueError if it is missing or not a leaderboard."""
     path = Path(leaderboard_dir) / "leaderboard.csv"
-    if not path.exists():
-        return []
+    if not path.is_file():
+        raise ValueError(f"argument '--leaderboard': got {str(leaderboard_dir)!r}, which holds no leaderboard.csv; "
+                         "expected a folder where `tileattn contest score` recorded results")
     with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        missing = [c for c in ("name", "status", "score") if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path} is not a contest leaderboard: no {', '.join(missing)} column")
+        return list(reader)
 
 
 def render(rows: List[dict]) -> str:
@@ -353,13 +362,22 @@ def render(rows: List[dict]) -> str:
 # Command line.
 
 
+def _check_leaderboard_writable(folder) -> None:
+    """Before minutes of scoring: the folder exists and its two files can be (re)written."""
+    check_writable_dir(folder, "argument --leaderboard")
+    for name in ("leaderboard.csv", "LEADERBOARD.md"):
+        path = Path(folder) / name
+        if path.exists() and not os.access(path, os.W_OK):
+            raise CliError(f"argument --leaderboard: cannot write {str(path)!r} (permission denied)")
+
+
 def _cmd_score(args) -> int:
     small = args.small or os.environ.get("TILEATTN_SMALL") == "1"
+    _check_leaderboard_writable(args.leaderboard)
     try:
         outcome = score_submission(args.submission, args.baseline, args.time_limit, args.seed, small, args.threads)
     except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
     name = args.name or Path(args.submission).stem
     print(f"submission {args.submission} ({name}), seed {outcome.seed}: {outcome.status.upper()}")
     if not outcome.accepted:
@@ -369,13 +387,17 @@ def _cmd_score(args) -> int:
               f"   tileattn {s['tileattn'] * 1e3:9.2f} ms")
     if outcome.accepted:
         print(f"  score {outcome.score:.3f} (x baseline), {outcome.vs_tileattn:.3f} x tileattn")
-    root = record(outcome, name, args.submission, args.leaderboard)
+    root = record(outcome, name, args.submission, args.leaderboard).resolve()
     print(f"  recorded in {root / 'leaderboard.csv'} and {root / 'LEADERBOARD.md'}")
     return 0 if outcome.accepted else 1
 
 
 def _cmd_leaderboard(args) -> int:
-    print(render(read_rows(args.leaderboard)), end="")
+    try:
+        rows = read_rows(args.leaderboard)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(render(rows), end="")
     return 0
 
 
@@ -389,19 +411,20 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     s = actions.add_parser("score", help="check, time and record a submission (exit 0 accepted, 1 rejected)")
     s.add_argument("submission", help="Python file defining attention(q, k, v, causal=False)")
     s.add_argument("--name", default=None, help="name on the leaderboard (default: the file's stem)")
-    s.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory "
-                   f"(default {DEFAULT_LEADERBOARD})")
-    s.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+    s.add_argument("--leaderboard", default=".", help="existing folder for leaderboard.csv and LEADERBOARD.md "
+                   "(default: the current directory)")
+    s.add_argument("--time-limit", type=positive_float_arg, default=DEFAULT_TIME_LIMIT_S,
                    help=f"seconds for the whole check and timing run (default {DEFAULT_TIME_LIMIT_S:g})")
-    s.add_argument("--seed", type=int, default=None, help="replay a run's inputs (default: a fresh seed)")
-    s.add_argument("--baseline", default=str(DEFAULT_BASELINE), help="the baseline kernel file")
+    s.add_argument("--seed", type=seed_arg, default=None, help="replay a run's inputs (default: a fresh seed)")
+    s.add_argument("--baseline", default=str(DEFAULT_BASELINE),
+                   help="the baseline kernel file (default: tileattn's contest_baseline.py)")
     s.add_argument("--small", action="store_true", help="small shapes (also TILEATTN_SMALL=1): a quick trial")
-    s.add_argument("--threads", type=int, default=None,
+    s.add_argument("--threads", type=int_arg(1), default=None,
                    help="torch threads for every contender (default: torch's default, one per core)")
     s.set_defaults(func=_cmd_score)
 
     b = actions.add_parser("leaderboard", help="print the leaderboard as Markdown")
-    b.add_argument("--leaderboard", default=str(DEFAULT_LEADERBOARD), help="leaderboard directory")
+    b.add_argument("--leaderboard", default=".", help="folder holding leaderboard.csv (default: the current directory)")
     b.set_defaults(func=_cmd_leaderboard)
     return p
 

@@ -1,132 +1,25 @@
-"""Tile-configuration tuning: the cache dispatch reads, and the search ``tileattn tune`` runs.
+"""The search ``tileattn tune`` runs: which tile configuration of an engine is fastest for a shape.
 
-Cache key: (device, backend, dtype, head dim, causal, sequence-length bucket). The cache is a JSON
-file in the user's cache directory (``$TILEATTN_CACHE_DIR`` or ``~/.cache/tileattn``). Engines call
-:func:`lookup` when they pick a configuration (the CPU engine's ``default_config``, the Triton
-launcher's forward configuration).
-
-The search (:func:`tune`): a grid of candidates per engine; a budget model rejects those whose
-working set cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton:
-the forward kernel's shared memory against the GPU's per-block limit); every survivor must pass
+The cache the engines read lives in :mod:`tileattn.tunecache` (core); this module is tooling and
+only writes to it. A grid of candidates per engine; a budget model rejects those whose working set
+cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton: the forward
+kernel's shared memory against the GPU's per-block limit); every survivor must pass
 FlashAttention's accuracy rule against the fp64 reference before it is timed; the candidates are
-timed round-robin and the fastest is stored. Candidates run through the public operator with
-:func:`overriding` in force, so what is timed is exactly what dispatch will run.
+timed round-robin (:func:`tileattn.measure.time_interleaved`) and the fastest is stored. Candidates
+run through the public operator with :func:`tileattn.tunecache.overriding` in force, so what is
+timed is exactly what dispatch will run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import Enum
 from typing import Callable, List, Optional, Tuple
 
-from .bench import TimingStats
-
-_MEMO = {}
-#: backend name -> config dict that :func:`lookup` returns while :func:`overriding` is active.
-_OVERRIDES = {}
-
-
-def cache_path() -> Path:
-    root = os.environ.get("TILEATTN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tileattn"
-    )
-    return Path(root) / "tune_cache.json"
-
-
-def seqlen_bucket(n: int) -> int:
-    """Next power of two >= n (at least 64): calls of similar length share a tuned config."""
-    b = 64
-    while b < n:
-        b *= 2
-    return b
-
-
-def device_name(device) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return "cuda:" + torch.cuda.get_device_name(device)
-    return _cpu_name()
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_name() -> str:
-    """'cpu:<model>:<n> cores': tile sizes that suit one CPU model and core count may not suit another.
-
-    Cached: every CPU attention call looks up the tune cache.
-    """
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    import platform
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return f"cpu:{model or platform.processor() or platform.machine()}:{cores} cores"
-
-
-def cache_key(backend: str, inp) -> str:
-    return "|".join(
-        str(x)
-        for x in (
-            device_name(inp.device), backend, str(inp.dtype).replace("torch.", ""), inp.head_dim,
-            bool(inp.causal), seqlen_bucket(max(inp.seqlen_q, inp.seqlen_k)),
-        )
-    )
-
-
-def load() -> dict:
-    path = cache_path()
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    if _MEMO.get("path") != path or _MEMO.get("stamp") != stamp:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
-        _MEMO.update(path=path, stamp=stamp, data=data if isinstance(data, dict) else {})
-    return _MEMO["data"]
-
-
-def lookup(backend: str, inp) -> Optional[dict]:
-    if backend in _OVERRIDES:
-        return dict(_OVERRIDES[backend])
-    return load().get(cache_key(backend, inp))
-
-
-@contextlib.contextmanager
-def overriding(backend: str, config: dict):
-    """Make :func:`lookup` answer ``config`` for ``backend`` (every shape) inside the block."""
-    previous = _OVERRIDES.get(backend)
-    _OVERRIDES[backend] = dict(config)
-    try:
-        yield
-    finally:
-        if previous is None:
-            _OVERRIDES.pop(backend, None)
-        else:
-            _OVERRIDES[backend] = previous
-
-
-def store(backend: str, inp, config: dict) -> Path:
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(load())
-    data[cache_key(backend, inp)] = config
-    path.write_text(json.dumps(data, indent=1, sort_keys=True))
-    return path
+from .bench import describe_error, make_step
+from .measure import Step, TimingStats, l2_per_core, time_interleaved
+from .tunecache import lookup, overriding, store
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,27 +83,11 @@ def cpu_working_set(config: dict, inp) -> int:
 
 
 def cpu_budget() -> Tuple[int, str]:
-    """(bytes, where the figure comes from): the per-core L2 from sysfs, else lscpu, else 1 MiB."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for index in sorted(root.glob("index*")):
-            if (index / "level").read_text().strip() == "2":
-                text = (index / "size").read_text().strip().upper().rstrip("B").rstrip("I")
-                mult = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
-                return int(text.rstrip("KM")) * mult, "L2 per core (sysfs)"
-    except (OSError, ValueError):
-        pass
-    try:
-        import subprocess
-
-        out = subprocess.run(["lscpu", "-B", "-C=NAME,ONE-SIZE"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            parts = line.split()
-            if parts[:1] == ["L2"] and len(parts) > 1 and parts[1].isdigit():
-                return int(parts[1]), "L2 per core (lscpu)"
-    except (OSError, ValueError, subprocess.SubprocessError):
-        pass
-    return 2**20, "assumed 1 MiB (no cache information found)"
+    """(bytes, where the figure comes from): the per-core L2, else 1 MiB assumed."""
+    size, source = l2_per_core()
+    if size is None:
+        return 2**20, f"assumed 1 MiB ({source})"
+    return size, source
 
 
 def triton_candidates(inp) -> List[dict]:
@@ -252,18 +129,31 @@ SPACES = {
 # The search.
 
 
+class Verdict(str, Enum):
+    """Where a candidate ended; the value is what the table and ``--json`` show."""
+
+    PENDING = "pending"  # not yet judged
+    REJECTED = "rejected"  # over the budget: never run
+    WRONG = "wrong"  # fails the accuracy rule
+    ERROR = "error"  # the engine raised
+    TIMED = "timed"  # survived and was timed
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Candidate(TimingStats):
     config: dict
     working_set: int
-    status: str = "pending"  # "rejected" (budget), "wrong" (accuracy), "error", "timed"
+    status: Verdict = Verdict.PENDING
     reason: str = ""
     current: bool = False
     max_error_ratio: Optional[float] = None  # worst max-error / tolerance over the checked tensors
     times_ms: List[float] = field(default_factory=list)
 
     def as_record(self) -> dict:
-        return dict(self.config, working_set_bytes=self.working_set, status=self.status, reason=self.reason,
+        return dict(self.config, working_set_bytes=self.working_set, status=self.status.value, reason=self.reason,
                     current=self.current, max_error_ratio=self.max_error_ratio, median_ms=self.median_ms,
                     spread_pct=self.spread_pct, times_ms=list(self.times_ms))
 
@@ -318,16 +208,15 @@ def tune(backend: str, case, budget: int, reps: int = 3, warmup: int = 1, seed: 
          on_step: Optional[Callable[[str], None]] = None, store_winner: bool = True):
     """Search the configurations of ``backend`` for ``case`` (a :class:`tileattn.bench.Case`).
 
-    Returns ``(candidates, winner or None, cache path or None)``.
+    Returns ``(candidates, winner or None, cache path or None)``. Storing replaces whatever the cache
+    held for this bucket, a malformed entry included.
     """
     from . import flash_attention
-    from .bench import make_step, time_call
+    from .spec import build_spec
 
     tick = on_step or (lambda label: None)
     candidates_of, working_set, _, model = SPACES[backend]
     q, k, v, dout = case.make_tensors(seed)
-    from .spec import build_spec
-
     inp = build_spec(q, k, v, causal=case.causal)
     current = current_config(backend, inp)
     configs = candidates_of(inp)
@@ -336,36 +225,38 @@ def tune(backend: str, case, budget: int, reps: int = 3, warmup: int = 1, seed: 
     cands = [Candidate(cfg, working_set(cfg, inp), current=(cfg == current)) for cfg in configs]
     for c in cands:
         if c.working_set > budget:
-            c.status = "rejected"
+            c.status = Verdict.REJECTED
             c.reason = f"{model} {c.working_set // 1024} KiB > budget {budget // 1024} KiB"
     oracle, yardstick = _oracle(case, q, k, v, dout)
-    alive = [c for c in cands if c.status == "pending"]
-    for c in alive:
+    for c in cands:
+        if c.status is not Verdict.PENDING:
+            continue
         try:
             with overriding(backend, c.config):
                 c.max_error_ratio = _check(backend, case, q, k, v, dout, oracle, yardstick)
             if c.max_error_ratio > 1.0:
-                c.status, c.reason = "wrong", f"fails the accuracy rule (error {c.max_error_ratio:.2f}x tolerance)"
+                c.status = Verdict.WRONG
+                c.reason = f"fails the accuracy rule (error {c.max_error_ratio:.2f}x tolerance)"
         except Exception as exc:  # a configuration the engine cannot launch is reported, not fatal
-            c.status, c.reason = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+            c.status, c.reason = Verdict.ERROR, describe_error(exc, 160)
         tick("check")
-    alive = [c for c in alive if c.status == "pending"]
+    alive = {i: c for i, c in enumerate(cands) if c.status is Verdict.PENDING}
 
     def forward(q_, k_, v_):
         return flash_attention(q_, k_, v_, causal=case.causal, backend=backend)
 
     prepare, run = make_step(forward, case, q, k, v, dout)
-    for rep in range(warmup + reps):
-        shift = rep % len(alive) if alive else 0
-        for c in alive[shift:] + alive[:shift]:
-            with overriding(backend, c.config):
-                prepare()
-                elapsed = time_call(run, case.device)
-            if rep >= warmup:
-                c.times_ms.append(elapsed * 1e3)
-            tick("time")
-    for c in alive:
-        c.status = "timed"
-    winner = min(alive, key=lambda c: c.median_ms) if alive else None
+
+    def failed(i, exc):
+        alive[i].status, alive[i].reason = Verdict.ERROR, describe_error(exc, 160)
+
+    steps = {i: Step(run=run, prepare=prepare, context=lambda c=c: overriding(backend, c.config))
+             for i, c in alive.items()}
+    samples = time_interleaved(steps, reps, warmup, case.device, on_error=failed, on_step=lambda i: tick("time"))
+    for i, c in alive.items():
+        if c.status is Verdict.PENDING:
+            c.status, c.times_ms = Verdict.TIMED, [t * 1e3 for t in samples[i]]
+    timed = [c for c in cands if c.status is Verdict.TIMED]
+    winner = min(timed, key=lambda c: c.median_ms) if timed else None
     path = store(backend, inp, winner.config) if (winner is not None and store_winner) else None
     return cands, winner, path

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 import tileattn
+from tileattn import tunecache
 from tileattn.backends.cpu import TileConfig, default_config
 from tileattn.spec import build_spec
 from tileattn.testing import judge
@@ -158,7 +159,7 @@ print(json.dumps(cache, indent=1))
 b, h, s, d = (int(x) for x in tune_shape.split(","))
 probe = build_spec(*(seeded(b, h, s, d, seed=i) for i in range(3)))
 tuned = default_config(probe)
-stored = tileattn.tuning.lookup("cpu", probe)
+stored = tunecache.lookup("cpu", probe)
 check(stored is not None and (tuned.block_m, tuned.block_n) == (int(stored["block_m"]), int(stored["block_n"])),
       f"the CPU engine now picks the tuned tiles {tuned.block_m}x{tuned.block_n} for this shape")
 del os.environ["TILEATTN_CACHE_DIR"]

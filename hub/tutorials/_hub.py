@@ -1,18 +1,19 @@
 """Small helpers shared by the tutorials: sizes, checks, timing, peak memory and plots.
 
-Kept deliberately short so a reader can see everything a tutorial relies on.
+Kept deliberately short so a reader can see everything a tutorial relies on. Timing and memory
+go through :mod:`tileattn.measure`, the module ``tileattn bench`` uses, so a tutorial's figures
+mean what the command's mean.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from tileattn import measure
 
 #: ``TILEATTN_SMALL=1`` shrinks every tutorial to seconds (what the test suite runs).
 SMALL = os.environ.get("TILEATTN_SMALL") == "1"
@@ -64,52 +65,22 @@ def figure(*args, **kwargs):
 
 
 def interleaved_times(fns: dict, repeat: int = 5, warmup: int = 1) -> dict:
-    """Median seconds of each function, run round-robin so machine noise hits all of them alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _return_free_memory_to_os() -> None:
-    """Ask glibc to give freed heap pages back to the OS (``malloc_trim``).
-
-    Otherwise a block freed by an earlier step could be reused without touching new pages, and the
-    resident-set high-water mark would miss memory the measured step really needed. (Setting
-    ``M_MMAP_THRESHOLD`` instead would do it too, but makes every later tile allocation a slow
-    ``mmap`` and would distort the timings.)
-    """
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    """Median seconds of each function, run round-robin so machine noise hits all of them alike
+    (tileattn's own timing loop, :func:`tileattn.measure.median_times`)."""
+    return measure.median_times(fns, repeat, warmup)
 
 
 def peak_memory(fn):
     """Run ``fn`` and return (its result, peak extra resident bytes while it ran). Linux only.
 
-    Writing "5" to /proc/self/clear_refs resets the kernel's high-water mark (VmHWM) to the current
-    resident size, so VmHWM after the call minus VmRSS before it is what the call added at its peak.
+    :func:`tileattn.measure.peak_memory` writes "5" to /proc/self/clear_refs, which resets the
+    kernel's high-water mark (VmHWM) to the current resident size, so VmHWM after the call minus
+    VmRSS before it is what the call added at its peak.
     """
-    if not Path("/proc/self/clear_refs").exists():
-        raise RuntimeError("peak_memory needs Linux /proc/self/clear_refs; not supported on this system")
-    _return_free_memory_to_os()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_bytes("VmRSS")
-    result = fn()
-    return result, max(0, _status_bytes("VmHWM") - before)
+    result, peak = measure.peak_memory(fn)
+    if peak is None:
+        raise RuntimeError("peak_memory needs a Linux kernel that can reset the peak resident size; not supported here")
+    return result, peak
 
 
 def seeded(*shape, dtype=torch.float32, seed=0, scale=1.0):

@@ -2,20 +2,27 @@
 when :mod:`tileattn.contest` is installed).
 
 Every subcommand registers itself with ``set_defaults(func=handler)``; :func:`main` parses the
-arguments and calls ``args.func(args)``. Bad arguments end with one line on stderr and exit status 2,
-never a traceback.
+arguments and calls ``args.func(args)``. Whatever goes wrong ends in one line on stderr, never a
+traceback: a bad argument exits with status 2, Ctrl-C with 130, an unexpected error with 1
+(``TILEATTN_DEBUG=1`` shows its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import threading
+import time
 from typing import List, Optional
 
 from .common import CliError
 
 SUBCOMMANDS = ("env", "verify", "bench", "memory", "tune")
+#: Seconds Ctrl-C waits for the CPU engine's worker threads to finish the call they are in, so the
+#: process does not end under them (they finish it: the engine has no cancellation).
+WORKER_GRACE_S = 30.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,24 +50,59 @@ def build_parser():
     return parser, contest_error
 
 
+def _wait_for_workers(timeout: float) -> None:
+    """Join the other threads still running (an interrupted call's workers), for at most ``timeout``."""
+    deadline = time.monotonic() + timeout
+    others = [t for t in threading.enumerate() if t is not threading.current_thread()]
+    for t in others:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _interrupted(command: str, as_program: bool) -> int:
+    """One line, exit status 130.
+
+    When Ctrl-C lands inside the CPU engine's backward pass, the interpreter's normal shutdown
+    aborts ("terminate called without an active exception", SIGABRT) even after its worker threads
+    have been joined: native state left by the interrupted call is torn down under them. As the
+    program (not as a function in someone else's process) the command therefore ends with
+    ``os._exit`` once its output is flushed, which also ends the workers at once; an interrupted run
+    has nothing left to save.
+    """
+    print(f"tileattn {command}: interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if as_program:
+        os._exit(130)
+    _wait_for_workers(WORKER_GRACE_S)  # returning into a caller's process: leave no thread writing
+    return 130
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command; ``argv`` None means this process is the ``tileattn`` program itself."""
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, contest_error = build_parser()
-    if argv[:1] == ["contest"] and contest_error is not None:
-        print(f"tileattn contest: error: tileattn.contest failed to import: {contest_error}", file=sys.stderr)
-        return 2
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or an argparse error (2), already printed
-        return exc.code if isinstance(exc.code, int) else 2
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
+        parser, contest_error = build_parser()
+        if command == "contest" and contest_error is not None:
+            print(f"tileattn contest: error: tileattn.contest failed to import: {contest_error}", file=sys.stderr)
+            return 2
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help (0) or an argparse error (2), already printed
+            return exc.code if isinstance(exc.code, int) else 2
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except CliError as exc:
-        print(f"tileattn {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"tileattn {command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"tileattn {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(command, as_program)
+    except Exception as exc:
+        if os.environ.get("TILEATTN_DEBUG") == "1":
+            raise
+        text = " ".join(str(exc).split())
+        print(f"tileattn {command}: internal error: {type(exc).__name__}: {text[:300]} "
+              "(TILEATTN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
-from .common import (CliError, check_writable, fmt_bytes, fmt_num, format_table, parse_device, parse_dtype,
-                     parse_names, parse_positive_ints, pyplot, write_csv, write_json)
+from .common import (CliError, check_memory, check_writable, fmt_bytes, fmt_num, format_table, int_arg, parse_device,
+                     parse_dtype, parse_names, parse_positive_ints, pyplot, tensor_bytes, write_csv, write_json)
 
 HELP = "time tileattn against SDPA, naive attention and others"
 
@@ -41,18 +41,18 @@ def add_parser(subparsers):
 
     p = subparsers.add_parser("bench", help=HELP, description=HELP + ".")
     p.add_argument("--preset", choices=sorted(PRESETS), help="readme, llama-7b or quick; options below override it")
-    p.add_argument("--batch", help="batch size")
-    p.add_argument("--heads", help="number of heads")
+    p.add_argument("--batch", type=int_arg(1), help="batch size")
+    p.add_argument("--heads", type=int_arg(1), help="number of heads")
     p.add_argument("--seqlens", help="comma-separated sequence lengths, e.g. 512,1024")
-    p.add_argument("--head-dim", help="head dimension")
+    p.add_argument("--head-dim", type=int_arg(1), help="head dimension")
     p.add_argument("--dtype", help="fp32, fp16, bf16 or fp64")
     p.add_argument("--causal", action="store_true", default=None, help="causal only")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal only")
     p.add_argument("--mode", help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--providers", help=f"comma-separated subset of {', '.join(PROVIDERS)}")
     p.add_argument("--baseline", help="provider the speed-up is relative to (default sdpa; 'none' for no column)")
-    p.add_argument("--reps", help="timed repetitions per provider and cell")
-    p.add_argument("--warmup", help="untimed repetitions before timing")
+    p.add_argument("--reps", type=int_arg(1), help="timed repetitions per provider and cell")
+    p.add_argument("--warmup", type=int_arg(0), help="untimed repetitions before timing")
     p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement call")
     p.add_argument("--csv", metavar="PATH", help="write one row per provider and cell")
@@ -61,16 +61,6 @@ def add_parser(subparsers):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
-
-
-def _int(text, option, minimum=1):
-    try:
-        value = int(str(text))
-    except ValueError:
-        raise CliError(f"argument {option}: got {text!r}; expected an int >= {minimum}") from None
-    if value < minimum:
-        raise CliError(f"argument {option}: got {text!r}; expected an int >= {minimum}")
-    return value
 
 
 def settings_from_args(args) -> dict:
@@ -82,12 +72,9 @@ def settings_from_args(args) -> dict:
     s = {k: v for k, v in base.items() if k != "providers"}
     s["providers"] = list(base["providers"]["cuda" if device.startswith("cuda") else "cpu"])
     s["device"] = device
-    if args.batch is not None:
-        s["batch"] = _int(args.batch, "--batch")
-    if args.heads is not None:
-        s["heads"] = _int(args.heads, "--heads")
-    if args.head_dim is not None:
-        s["head_dim"] = _int(args.head_dim, "--head-dim")
+    for name in ("batch", "heads", "head_dim", "reps", "warmup"):
+        if getattr(args, name) is not None:
+            s[name] = getattr(args, name)
     if args.seqlens is not None:
         s["seqlens"] = parse_positive_ints(args.seqlens, "--seqlens", what="comma-separated positive ints, e.g. 512,1024")
     if args.dtype is not None:
@@ -106,12 +93,21 @@ def settings_from_args(args) -> dict:
             raise CliError(f"argument --baseline: got {args.baseline!r}; expected one of the providers "
                            f"({', '.join(s['providers'])}) or 'none'")
         s["baseline"] = None
-    if args.reps is not None:
-        s["reps"] = _int(args.reps, "--reps")
-    if args.warmup is not None:
-        s["warmup"] = _int(args.warmup, "--warmup", minimum=0)
     s["memory"] = not args.no_memory
     return s
+
+
+#: Providers that materialise the (B, H, S, S) scores, with how many such matrices they hold at once.
+SCORE_MATRICES = {"naive": 4, "reference": 4}
+
+
+def case_bytes(s: dict, itemsize: int) -> int:
+    """Rough bytes of the largest case: q, k, v, the output and their gradients, plus the score
+    matrices of providers that materialise them (in fp32 at least)."""
+    longest = max(s["seqlens"])
+    need = 8 * tensor_bytes((s["batch"], s["heads"], longest, s["head_dim"]), itemsize)
+    copies = max((SCORE_MATRICES.get(p, 0) for p in s["providers"]), default=0)
+    return need + copies * tensor_bytes((s["batch"], s["heads"], longest, longest), max(itemsize, 4))
 
 
 def run(args) -> int:
@@ -122,6 +118,8 @@ def run(args) -> int:
     check_writable(args.plot, "--plot", ".png")
     s = settings_from_args(args)
     dtype = parse_dtype(s["dtype"])
+    check_memory(case_bytes(s, dtype.itemsize), s["device"], f"B={s['batch']} H={s['heads']} "
+                 f"S={max(s['seqlens'])} D={s['head_dim']} {s['dtype']} with {', '.join(s['providers'])}")
     cases = [B.Case(s["batch"], s["heads"], n, n, s["head_dim"], dtype, causal, mode, s["device"])
              for mode in s["modes"] for causal in s["causal"] for n in s["seqlens"]]
     per_case = B.calls_per_case(len(s["providers"]), s["reps"], s["warmup"])

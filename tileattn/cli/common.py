@@ -1,13 +1,17 @@
-"""Helpers shared by the subcommands: argument parsing, tables, CSV/JSON, plots, machine facts."""
+"""Helpers shared by the subcommands: argument parsing and checks, tables, CSV/JSON, plots.
+
+Machine facts come from :mod:`tileattn.measure`.
+"""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 import os
-import platform
 import re
+import tempfile
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
@@ -18,6 +22,41 @@ class CliError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # Argument parsing.
+
+
+#: Seeds are unsigned 64-bit integers (``torch.Generator.manual_seed``).
+SEED_LIMIT = 2**64
+
+
+def int_arg(minimum: int = 1, maximum: int = None):
+    """An argparse ``type``: an int in ``minimum..maximum``, else a one-line error naming the range."""
+    expected = f"an int >= {minimum}" if maximum is None else f"an int in {minimum}..{maximum}"
+
+    def parse(text):
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected {expected}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected {expected}")
+        return value
+
+    return parse
+
+
+#: ``--seed``: what ``torch.Generator.manual_seed`` accepts, without its overflow error.
+seed_arg = int_arg(0, SEED_LIMIT - 1)
+
+
+def positive_float_arg(text) -> float:
+    """An argparse ``type``: a finite number > 0 (not inf, not nan)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a finite number > 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a finite number > 0")
+    return value
 
 
 def parse_positive_ints(text: str, option: str, count: Optional[int] = None, what: str = "") -> List[int]:
@@ -102,9 +141,9 @@ def fmt_num(x, digits: int = 3) -> str:
 def fmt_bytes(n) -> str:
     if n is None:
         return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
+            return f"{n / size:.1f} {unit}" if abs(n) < 10**4 * size else f"{n / size:.2e} {unit}"
     return f"{int(n)} B"
 
 
@@ -148,13 +187,16 @@ def _ensure_parent(path: str) -> None:
 
 
 def check_writable(path: Optional[str], option: str, suffix: Optional[str] = None) -> None:
-    """Fail before any measurement when an output path cannot work."""
+    """Fail before any measurement when an output path cannot work (its folder is made if missing)."""
     if path is None:
         return
     if suffix and not path.lower().endswith(suffix):
         raise CliError(f"argument {option}: got {path!r}; expected a file name ending in {suffix}")
     if os.path.isdir(path):
         raise CliError(f"argument {option}: got {path!r}, a folder; expected a file name")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise CliError(f"argument {option}: got {path!r}, a file this user cannot overwrite")
+    check_writable_dir(os.path.dirname(os.path.abspath(path)), f"argument {option}", create=True)
 
 
 def pyplot():
@@ -170,72 +212,37 @@ def pyplot():
 
 
 # ---------------------------------------------------------------------------------------------
-# Machine facts.
+# Checks made before any measurement: the machine can hold the tensors, the outputs can be written.
 
 
-def cpu_model() -> str:
+def check_memory(need_bytes: int, device: str, what: str) -> None:
+    """Refuse, before allocating, a request whose tensors cannot fit in the device's free memory."""
+    from ..measure import available_memory
+
+    have = available_memory(device)
+    if have is not None and need_bytes > have:
+        raise CliError(f"{what} would need about {fmt_bytes(need_bytes)} of memory; {device} has "
+                       f"{fmt_bytes(have)} available: choose a smaller shape")
+
+
+def tensor_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of a tensor of ``shape``, as a Python int: no overflow, however absurd the shape."""
+    return math.prod(int(n) for n in shape) * itemsize
+
+
+def check_writable_dir(path, what: str, create: bool = False) -> None:
+    """Fail unless a file can be created in the folder ``path`` (made first when ``create``)."""
+    path = os.fspath(path)
+    if create:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise CliError(f"{what}: cannot create the folder {path!r} ({exc.strerror or exc})") from None
+    if not os.path.isdir(path):
+        why = "is not a folder" if os.path.exists(path) else "does not exist"
+        raise CliError(f"{what}: {path!r} {why}; expected an existing, writable folder")
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "neon", "asimd", "sve")
-
-
-def cpu_flags() -> List[str]:
-    """The SIMD features of interest that /proc/cpuinfo lists (empty when it is unavailable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return [f for f in SIMD_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _parse_size(text: str) -> Optional[int]:
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-    if not m:
-        return None
-    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
-
-
-def cache_size(level: int, kind: str = "Unified") -> Optional[int]:
-    """Size in bytes of the level-``level`` cache of CPU 0 (sysfs), or None when unknown."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for index in sorted(root.glob("index*")):
-            if int((index / "level").read_text()) == level and (index / "type").read_text().strip() in (kind, "Data"):
-                return _parse_size((index / "size").read_text())
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def gpus() -> List[dict]:
-    import torch
-
-    found = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            found.append({
-                "index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                "compute_capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
-                "shared_memory_per_block_optin": getattr(p, "shared_memory_per_block_optin", None),
-            })
-    return found
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tileattn-write-check-"):
+            pass
+    except OSError as exc:
+        raise CliError(f"{what}: cannot write in {path!r} ({exc.strerror or exc})") from None

@@ -6,7 +6,8 @@ import json
 import platform
 import sys
 
-from .common import cache_size, cpu_flags, cpu_model, fmt_bytes, format_table, gpus, usable_cores
+from ..measure import cache_size, cpu_flags, cpu_model, gpus, usable_cores
+from .common import fmt_bytes, format_table
 
 HELP = "show versions, the machine and which backends work here"
 
@@ -31,6 +32,7 @@ def probe_backend(backend, device: str) -> list:
     import torch
 
     from .. import flash_attention
+    from ..bench import describe_error
     from ..spec import build_spec
 
     unavailable = backend.unavailable_reason()
@@ -44,7 +46,7 @@ def probe_backend(backend, device: str) -> list:
     try:
         out = flash_attention(q, k, v, backend=backend.name)
     except Exception as exc:  # the probe exists to catch exactly this
-        return [f"probe call failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"]
+        return [f"probe call failed: {describe_error(exc)}"]
     if not bool(torch.isfinite(out).all()):
         return ["probe call returned non-finite values"]
     return []

@@ -2,7 +2,7 @@
 
 Each sequence length is measured in a fresh Python process, so one length's allocations cannot hide
 in another's freed memory and a naive run that exhausts memory kills only its own process. Inside
-it :func:`tileattn.bench.measure_peak_memory` reads the real peak: the CUDA allocator's on GPUs, the
+it :func:`tileattn.measure.peak_memory` reads the real peak: the CUDA allocator's on GPUs, the
 resident-set high-water mark (reset just before the call) on CPUs. The child uses glibc's fixed mmap
 threshold, so freed buffers go back to the kernel and every new buffer shows up in the peak.
 
@@ -17,8 +17,8 @@ import os
 import subprocess
 import sys
 
-from .common import (CliError, check_writable, fmt_bytes, format_table, parse_device, parse_dtype, parse_names,
-                     parse_positive_ints, pyplot, write_csv, write_json)
+from .common import (check_memory, check_writable, fmt_bytes, format_table, int_arg, parse_device, parse_dtype,
+                     parse_names, parse_positive_ints, positive_float_arg, pyplot, tensor_bytes, write_csv, write_json)
 
 HELP = "measure peak extra memory of naive attention vs tileattn"
 #: Predicted naive peak in score matrices: scores + probabilities forward; plus their gradients.
@@ -30,13 +30,13 @@ FIELDS = ["seqlen", "mode", "provider", "engine", "status", "peak_bytes", "peak_
 def add_parser(subparsers):
     p = subparsers.add_parser("memory", help=HELP, description=HELP + ". Each length runs in a fresh process.")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384", help="comma-separated lengths")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int_arg(1), default=1)
+    p.add_argument("--heads", type=int_arg(1), default=8)
+    p.add_argument("--head-dim", type=int_arg(1), default=64)
     p.add_argument("--dtype", default="fp32", help="fp32 (default), fp16, bf16 or fp64")
     p.add_argument("--causal", action="store_true", help="causal attention")
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma-separated subset of fwd, fwd+bwd")
-    p.add_argument("--cap-gib", type=float, default=4.0, help="skip naive where its predicted peak exceeds this (default 4)")
+    p.add_argument("--cap-gib", type=positive_float_arg, default=4.0, help="skip naive where its predicted peak exceeds this (default 4)")
     p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
     p.add_argument("--csv", metavar="PATH", help="write one row per length, mode and provider")
     p.add_argument("--json", metavar="PATH", help="write the settings and rows as JSON")
@@ -50,7 +50,8 @@ def child() -> None:
     """Entry point of the measuring subprocess: one JSON line per measurement on stdout."""
     import torch
 
-    from ..bench import PROVIDERS, Case, make_step, measure_peak_memory
+    from ..bench import PROVIDERS, Case, describe_error, make_step
+    from ..measure import peak_memory
     from ..dispatch import select
     from ..spec import build_spec
 
@@ -70,12 +71,12 @@ def child() -> None:
             warm_prepare()
             warm_run()  # one-time costs (kernel loading, thread pools) stay out of the figure
             prepare()
-            rec["peak_bytes"] = measure_peak_memory(run, case.device)
+            _, rec["peak_bytes"] = peak_memory(run, case.device)
             if rec["peak_bytes"] is None:
                 rec.update(status="unmeasurable", note="no way to read peak memory on this system")
             del q, k, v, dout, prepare, run
         except Exception as exc:  # reported per row; the parent goes on with the next one
-            rec.update(status="error", note=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+            rec.update(status="error", note=describe_error(exc))
         print(json.dumps(rec), flush=True)
 
 
@@ -99,22 +100,21 @@ def _measure(job: dict, timeout: float = 1800.0) -> list:
 
 
 def run(args) -> int:
-    from ..bench import DTYPE_NAMES, Progress
+    from ..bench import Progress
 
     seqlens = parse_positive_ints(args.seqlens, "--seqlens", what="comma-separated positive ints, e.g. 512,1024")
     modes = parse_names(args.modes, "--modes", list(NAIVE_SCORE_COPIES))
     dtype = parse_dtype(args.dtype)
     device = parse_device(args.device)
-    for name in ("batch", "heads", "head_dim"):
-        if getattr(args, name) < 1:
-            raise CliError(f"argument --{name.replace('_', '-')}: got {getattr(args, name)}; expected an int >= 1")
-    if not args.cap_gib > 0:
-        raise CliError(f"argument --cap-gib: got {args.cap_gib}; expected a positive number of GiB")
+    itemsize = dtype.itemsize
+    # Each length's child holds q, k, v, the output and their gradients (naive's scores are capped).
+    longest = max(seqlens)
+    check_memory(8 * tensor_bytes((args.batch, args.heads, longest, args.head_dim), itemsize), device,
+                 f"--seqlens {longest} with B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}")
     check_writable(args.csv, "--csv")
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot", ".png")
     cap = args.cap_gib * 2**30
-    itemsize = {"fp64": 8, "fp32": 4}.get(DTYPE_NAMES[dtype], 2)
 
     rows = []
     bar = Progress(len(seqlens), enabled=not args.quiet)

@@ -5,8 +5,10 @@ See :mod:`tileattn.tuning` for the candidate grids, the budget model and the sea
 
 from __future__ import annotations
 
-from .common import (CliError, check_writable, fmt_bytes, fmt_num, format_table, parse_device, parse_dtype,
-                     parse_names, parse_shape, resolve_backend, write_json)
+from .common import (CliError, check_memory, check_writable, check_writable_dir, fmt_bytes, fmt_num, format_table,
+                     int_arg, parse_device, parse_dtype, parse_names, parse_shape, positive_float_arg,
+                     resolve_backend, seed_arg, write_json)
+from .verify import oracle_bytes
 
 HELP = "tune an engine's tile sizes for one shape and store the winner"
 
@@ -17,14 +19,14 @@ def add_parser(subparsers):
     p.add_argument("--dtype", default="fp32", help="fp32 (default), fp16, bf16 or fp64")
     p.add_argument("--causal", action="store_true", help="tune the causal problem")
     p.add_argument("--backend", default=None, help="cpu or triton (default: triton on a GPU, else cpu)")
-    p.add_argument("--budget-kib", type=float, default=None,
+    p.add_argument("--budget-kib", type=positive_float_arg, default=None,
                    help="on-chip memory budget per task/program in KiB (default: L2 per core on CPU, "
                         "shared memory per block on GPU)")
     p.add_argument("--mode", default=None, help="what is timed: fwd or fwd+bwd (default fwd+bwd on cpu; "
                                                "fwd on triton, whose tuned configuration is the forward one)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per candidate (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int_arg(1), default=3, help="timed repetitions per candidate (default 3)")
+    p.add_argument("--warmup", type=int_arg(0), default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random inputs, 0..2**64-1 (default 0)")
     p.add_argument("--no-store", action="store_true", help="print the table but leave the cache alone")
     p.add_argument("--json", metavar="PATH", help="write every candidate with its verdict and timings")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -33,7 +35,9 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from .. import tuning
+    import torch
+
+    from .. import tunecache, tuning
     from ..bench import Case, Progress
     from ..spec import build_spec
 
@@ -50,24 +54,25 @@ def run(args) -> int:
     parse_names(mode, "--mode", ["fwd", "fwd+bwd"])
     if "," in mode:
         raise CliError(f"argument --mode: got {mode!r}; expected one of fwd, fwd+bwd")
-    if args.reps < 1 or args.warmup < 0:
-        raise CliError(f"arguments --reps/--warmup: got {args.reps}/{args.warmup}; expected reps >= 1, warmup >= 0")
-    if args.budget_kib is not None and not args.budget_kib > 0:
-        raise CliError(f"argument --budget-kib: got {args.budget_kib}; expected a positive number")
     check_writable(args.json, "--json")
+    if not args.no_store:  # before the search, not after minutes of it
+        folder = tunecache.cache_dir()
+        if tunecache.cache_path().is_dir():
+            raise CliError(f"the tune cache {tunecache.cache_path()} is a folder; remove it, set TILEATTN_CACHE_DIR "
+                           "to another folder or pass --no-store")
+        check_writable_dir(folder, "the tune cache folder (TILEATTN_CACHE_DIR, or pass --no-store)", create=True)
+    check_memory(oracle_bytes(b, h, s, d), device, f"--shape {args.shape}")
 
     case = Case(b, h, s, s, d, dtype, args.causal, mode, device)
-    import torch
-
-    probe = torch.empty(b, h, s, d, dtype=dtype, device=device)
+    # A stride-0 view describes the call without allocating it.
+    probe = torch.empty((), dtype=dtype, device=device).expand(b, h, s, d)
     inp = build_spec(probe, probe, probe, causal=args.causal)
     why = backend.not_supported_reasons(inp)
     if why:
         raise CliError(f"backend {name!r} cannot run {args.dtype} shape {args.shape} here: {'; '.join(why)}")
-    del probe
     _, _, budget_of, model = tuning.SPACES[name]
     if args.budget_kib is not None:
-        budget, source = int(args.budget_kib * 1024), "--budget-kib"
+        budget, source = max(1, int(args.budget_kib * 1024)), "--budget-kib"
     else:
         budget, source = budget_of(torch.device(device))
 

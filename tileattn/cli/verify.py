@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import CliError, format_table, parse_dtype, parse_device, parse_shape, resolve_backend
+from .common import (CliError, check_memory, format_table, parse_device, parse_dtype, parse_shape, resolve_backend,
+                     SEED_LIMIT, seed_arg, tensor_bytes)
 
 HELP = "check every usable backend against the fp64 reference and PyTorch SDPA"
 
@@ -26,10 +27,17 @@ def add_parser(subparsers):
     p.add_argument("--dtype", default="fp32", help="fp32 (default), fp16, bf16 or fp64")
     p.add_argument("--causal", action="store_true", help="bottom-right aligned causal mask")
     p.add_argument("--backend", default=None, help="check only this backend (default: every usable one)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random inputs, 0..2**64-1 (default 0)")
     p.add_argument("--device", default="auto", help="auto (default: cuda if visible), cpu or cuda")
     p.set_defaults(func=run)
     return p
+
+
+def oracle_bytes(b: int, h: int, s: int, d: int) -> int:
+    """Rough bytes of checking one (B, H, S, D) call against fp64 oracles with gradients: a dozen
+    fp64 copies of q, k, v and their gradients, and the fp64 oracle's materialised score matrices
+    (scores, probabilities and their gradients)."""
+    return 16 * tensor_bytes((b, h, s, d), 8) + 4 * tensor_bytes((b, h, s, s), 8)
 
 
 def _sdpa_verdicts(backend_name, q, k, v, causal, seed):
@@ -43,7 +51,7 @@ def _sdpa_verdicts(backend_name, q, k, v, causal, seed):
     sq, sk = q.shape[2], k.shape[2]
     mask = bottom_right_causal_mask(sq, sk, q.device) if causal and sq != sk else None
     is_causal = causal and mask is None
-    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    gen = torch.Generator(device="cpu").manual_seed((seed + 1) % SEED_LIMIT)
     dout = torch.randn(q.shape[:3] + (v.shape[3],), generator=gen).to(q.device)
 
     def run(fn, dtype):
@@ -87,6 +95,7 @@ def run(args) -> int:
     b, h, s, d = parse_shape(args.shape)
     dtype = parse_dtype(args.dtype)
     device = parse_device(args.device)
+    check_memory(oracle_bytes(b, h, s, d), device, f"--shape {args.shape}")
     gen = torch.Generator().manual_seed(args.seed)
     q, k, v = (torch.randn(b, h, s, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
     candidates = _candidates(args, q, k, v)

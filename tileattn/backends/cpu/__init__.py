@@ -53,7 +53,7 @@ class TileConfig:
 
 
 def default_config(spec: AttentionSpec) -> TileConfig:
-    from ...tuning import lookup
+    from ...tunecache import lookup
 
     tuned = lookup("cpu", spec)
     if tuned is not None:

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ...modifiers import reduce_to_shape
 from ...spec import AttentionSpec
-from ...tuning import lookup, seqlen_bucket
+from ...tunecache import lookup, seqlen_bucket
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
