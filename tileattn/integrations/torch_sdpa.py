@@ -76,10 +76,6 @@ _CUDA_BWD = "_scaled_dot_product_flash_attention_backward"
 _HOOK_FUNCTIONS = ("register_flash_attention_impl", "activate_flash_attention_impl",
                    "restore_flash_attention_impl", "current_flash_attention_impl")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The dispatch keys torch's autograd kernels exclude before calling a backend kernel (see
-# _autograd_reenabled).
-_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in
-                       ("ADInplaceOrView", "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"))
 
 _lock = threading.Lock()
 _counts = collections.Counter()
@@ -257,14 +253,11 @@ def _autograd_reenabled():
 
     torch's autograd kernel excludes the autograd dispatch keys before calling a backend kernel (and
     runs backward ops with grad mode off), so ops called from our backward kernel would record no
-    graph. The recomputation needs one, so those keys are un-excluded for its duration only; autocast
-    stays excluded, so the recomputation runs in the dtype the op received.
+    graph. Entering ``inference_mode(False)`` puts those keys back for this thread until the block
+    ends (and leaves inference mode, for a backward op called directly under it); autocast stays
+    excluded, so the recomputation runs in the dtype the op received.
     """
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        excluded = excluded.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), \
-            torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         yield
 
 
