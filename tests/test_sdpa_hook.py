@@ -145,21 +145,26 @@ def test_profiler_sees_tileattn(active):
     assert any(n.startswith("tileattn::") for n in names), sorted(names)
 
 
-def test_compile_fullgraph_then_restore():
-    """Compiled graphs call the hooked ops at run time; after restore the same graph is torch's again."""
+def test_compile_fullgraph_before_and_after_activation():
+    """A graph compiled before the activation reaches tileattn once it is active (the ops are called at
+    run time, not inlined), and after restore the same graph is torch's own again."""
     q, k, v, sdpa_kwargs, reference_kwargs = _case("causal_sq<sk")
 
     @torch.compile(fullgraph=True)
     def compiled(q_, k_, v_):
         return F.scaled_dot_product_attention(q_, k_, v_, **sdpa_kwargs)
 
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    before = _calls()
+    torch_own = compiled(*leaves)
+    torch_own.sum().backward()
+    assert _calls() == before
     torch.nn.attention.activate_flash_attention_impl(hook.IMPL_NAME)
     _check(compiled, q, k, v, {}, reference_kwargs)
     torch.nn.attention.restore_flash_attention_impl()
     before = _calls()
-    ours_off = compiled(q, k, v)
+    assert torch.equal(compiled(*leaves), torch_own)
     assert _calls() == before, "the compiled graph still reaches tileattn after restore"
-    assert torch.equal(ours_off, F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs))
 
 
 def test_compile_mask_and_gqa(active):
@@ -361,10 +366,13 @@ def _meta_like(t):
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-def test_cuda_kernels_honour_the_cuda_op_contract(dropout_p):
-    """The CUDA kernels, called directly on CPU tensors (no GPU here): torch's meta shapes, strides and
-    dtypes, exact results, and dropout regenerated in backward from the seed in ``rng_state``."""
-    q, k, v = (_rand(2, 4, 9, 16, dtype=torch.float64, seed=s).requires_grad_() for s in range(3))
+@pytest.mark.parametrize("sq, sk", [(9, 9), (5, 9)])
+def test_cuda_kernels_honour_the_cuda_op_contract(dropout_p, sq, sk):
+    """The CUDA kernels, called directly on CPU tensors (no GPU here): torch's meta shapes and dtypes,
+    exact results with FlashAttention-2's bottom-right causal (what torch's CUDA flash op computes for
+    Sq != Sk), and dropout regenerated in backward from the seed left in ``rng_state``."""
+    q = _rand(2, 4, sq, 16, dtype=torch.float64).requires_grad_()
+    k, v = (_rand(2, 2, sk, 16, dtype=torch.float64, seed=s).requires_grad_() for s in (1, 2))
     out = hook._cuda_forward(q.detach(), k.detach(), v.detach(), dropout_p, True)
     meta = torch.ops.aten._scaled_dot_product_flash_attention(*(_meta_like(t) for t in (q, k, v)), dropout_p, True)
     assert len(out) == len(meta) == 9
@@ -373,21 +381,17 @@ def test_cuda_kernels_honour_the_cuda_op_contract(dropout_p):
             assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype)
         else:
             assert ours == theirs
-    assert out[0].stride() == q.stride() and out[1].dtype == torch.float32
+    assert out[0].stride() == q.stride()
     seed = int(out[6][0].item()) if dropout_p else None
-    expected, lse = tileattn_attention(q, k, v, dropout_p, seed)
+    expected, lse = tileattn.flash_attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed, return_lse=True)
     torch.testing.assert_close(out[0], expected.detach())
-    torch.testing.assert_close(out[1], lse.to(torch.float32))
-    dout = _rand(2, 4, 9, 16, dtype=torch.float64, seed=7)
-    grads = hook._cuda_backward(dout, q.detach(), k.detach(), v.detach(), out[0], out[1], None, None, 9, 9,
+    torch.testing.assert_close(out[1], lse.detach().to(torch.float32))
+    dout = _rand(2, 4, sq, 16, dtype=torch.float64, seed=7)
+    grads = hook._cuda_backward(dout, q.detach(), k.detach(), v.detach(), out[0], out[1], None, None, sq, sk,
                                 dropout_p, True, out[6], out[7])
     for ours, theirs in zip(grads, torch.autograd.grad(expected, (q, k, v), dout)):
         assert ours.stride() == theirs.stride()
         torch.testing.assert_close(ours, theirs)
-
-
-def tileattn_attention(q, k, v, dropout_p, seed):
-    return tileattn.flash_attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed, return_lse=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

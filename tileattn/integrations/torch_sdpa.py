@@ -8,9 +8,9 @@
 
 Why this instead of :func:`tileattn.patch_sdpa`: the hook replaces the *kernels* SDPA dispatches to,
 not the Python function, so it reaches code that imported ``scaled_dot_product_attention`` before
-(``from torch.nn.functional import scaled_dot_product_attention``), ``torch.ops.aten`` callers,
-graphs already compiled by ``torch.compile`` and ``torch.export``-ed programs run eagerly; and torch
-keeps choosing the backend, so calls SDPA sends to its math path (see below) stay exactly torch's.
+(``from torch.nn.functional import scaled_dot_product_attention``), ``torch.ops.aten`` callers and
+graphs ``torch.compile`` compiled before the activation; and torch keeps choosing the backend, so
+calls SDPA sends to its math path (see below) stay exactly torch's.
 
 How: activation registers Python kernels with ``torch.library.Library("aten", "IMPL")`` for
 
@@ -33,11 +33,12 @@ returned logsumexp has torch's shape, strides and dtype (fp32, fp64 for fp64 inp
 0 on rows that see no key, so torch's own backward could consume it. The backward op receives no
 tileattn state, only ``(q, k, v, out, lse)``: it recomputes the forward with tileattn under autograd
 and differentiates that (about one extra forward of work), which keeps the gradients exactly
-tileattn's. What cannot be honoured raises :class:`SdpaHookError` before any compute: dropout on CPU
-(torch's CPU kernel refuses it too; SDPA sends dropout to the math path), ``return_debug_mask``,
-causal with ``Sq != Sk`` on the CUDA op (SDPA never sends it; the CUDA kernel's alignment there is
-FlashAttention's, not SDPA's), different head dims, kv heads not dividing query heads, bool or
-wrongly typed masks (SDPA converts bool masks to float before these ops).
+tileattn's. The CUDA op has no mask; its ``is_causal`` is FlashAttention-2's bottom-right (torch
+only sends it there with ``Sq == Sk``, where both alignments agree), and its dropout is honoured with
+tileattn's RNG, the seed travelling to the backward in ``rng_state``. What cannot be honoured raises
+:class:`SdpaHookError` before any compute: dropout on CPU (torch's CPU kernel refuses it too; SDPA
+sends dropout to the math path), ``return_debug_mask``, different head dims, kv heads not dividing
+query heads, bool or wrongly typed masks (SDPA converts bool masks to float before these ops).
 
 Threads: calls from any number of threads are fine while tileattn is active (each call is
 independent; the counters are locked). Switch (activate/restore) while no SDPA call is in flight in
@@ -47,9 +48,9 @@ FA3/FA4), and torch's registry itself takes no lock.
 
 What never reaches a flash kernel (torch's math path, unchanged by the hook): on CPU, dropout > 0,
 inputs that are not 4-D, a last dim with stride != 1, ``Dv != D``, empty sequences, masks that are
-neither 2-D nor 4-D; on CUDA, everything FlashAttention-2's constraints exclude (fp32/fp64, any
-``attn_mask``, causal with ``Sq != Sk``...). Nested tensors and ``torch.nn.attention.varlen`` use
-``aten::_flash_attention_forward`` on CUDA, which is not replaced.
+neither 2-D nor 4-D; on CUDA, everything torch's FlashAttention-2 constraints exclude (fp32/fp64,
+any ``attn_mask``, causal with ``Sq != Sk``, head dims over 256...). Nested tensors and
+``torch.nn.attention.varlen`` use ``aten::_flash_attention_forward`` on CUDA, which is not replaced.
 """
 
 from __future__ import annotations
@@ -193,16 +194,19 @@ def _check_mask(op, query, key, attn_mask):
         _fail(op, "attn_mask", f"shape {tuple(attn_mask.shape)}", f"a 2-d or 4-d shape broadcastable to {full}")
 
 
-def _attend(query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None):
-    """tileattn with SDPA's top-left causal: returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq))``.
+def _attend(query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
+    """tileattn on (B, H, S, D) tensors: returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq))``.
 
-    Under top-left alignment query ``i`` sees keys ``j <= i``. Keys past column ``Sq - 1`` are seen by
-    no query, so they are cut away (views; their gradients come back as zeros); after that
-    ``Sk <= Sq`` and ``j <= i`` is tileattn's bottom-right window with ``right = Sq - Sk``.
+    ``top_left``: SDPA's causal, query ``i`` sees keys ``j <= i``. Keys past column ``Sq - 1`` are seen
+    by no query, so they are cut away (views; their gradients come back as zeros); after that
+    ``Sk <= Sq`` and ``j <= i`` is tileattn's bottom-right window with ``right = Sq - Sk``. Otherwise
+    ``is_causal`` is FlashAttention-2's bottom-right causal, tileattn's own.
     """
     sq, sk = query.shape[2], key.shape[2]
     window = None
-    if is_causal:
+    if is_causal and not top_left:
+        window = (None, 0)
+    elif is_causal:
         if sk > sq:
             key, value = key[:, :, :sq], value[:, :, :sq]
             if attn_mask is not None and attn_mask.shape[-1] != 1:
@@ -261,13 +265,13 @@ def _autograd_reenabled():
         yield
 
 
-def _gradients(grad_out, query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None):
+def _gradients(grad_out, query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
     """dq, dk, dv by recomputing tileattn's forward under autograd (the op passes no tileattn state)."""
     with _autograd_reenabled():
         # Inference tensors (a direct call under inference_mode) cannot join a graph: copy those.
         leaves = [(t.clone() if t.is_inference() else t.detach()).requires_grad_() for t in (query, key, value)]
         mask = None if attn_mask is None else attn_mask.detach()
-        out, _ = _attend(*leaves, is_causal, mask, scale, dropout_p, seed)
+        out, _ = _attend(*leaves, is_causal, mask, scale, dropout_p, seed, top_left)
         return torch.autograd.grad(out, leaves, grad_out)
 
 
@@ -317,16 +321,13 @@ def _cuda_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     _check_qkv(_CUDA_FWD, query, key, value)
     if return_debug_mask:
         _fail(_CUDA_FWD, "return_debug_mask", "True", "False (tileattn never materialises the attention matrix)")
-    if is_causal and query.shape[2] != key.shape[2]:
-        _fail(_CUDA_FWD, "is_causal", f"True with Sq={query.shape[2]} != Sk={key.shape[2]}",
-              "Sq == Sk (SDPA never routes this case to the CUDA flash op)")
     if not 0.0 <= dropout_p < 1.0:
         _fail(_CUDA_FWD, "dropout_p", repr(dropout_p), "a float in [0, 1)")
     _count(_CUDA_FWD)
     # Drawn from torch's default generator, so torch.manual_seed reproduces the dropout.
     seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0.0 else None
     with _outside_inference_mode():
-        out, lse = _attend(query, key, value, is_causal, None, scale, dropout_p, seed)
+        out, lse = _attend(query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
     rng_state = torch.tensor([seed or 0, 0], dtype=torch.uint64, device=query.device)
     unused = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -341,8 +342,6 @@ def _cuda_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
     _check_grad_out(_CUDA_BWD, grad_out, query)
     if cum_seq_q is not None or cum_seq_k is not None:
         _fail(_CUDA_BWD, "cum_seq_q/cum_seq_k", "tensors", "None (dense SDPA; varlen stays on torch's kernel)")
-    if is_causal and query.shape[2] != key.shape[2]:
-        _fail(_CUDA_BWD, "is_causal", f"True with Sq={query.shape[2]} != Sk={key.shape[2]}", "Sq == Sk")
     seed = None
     if dropout_p > 0.0:
         if philox_seed.numel() != 2 or philox_seed.dtype != torch.uint64:
@@ -350,5 +349,5 @@ def _cuda_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
                   "the (2,) uint64 rng_state returned by tileattn's forward")
         seed = int(philox_seed[0].item())
     _count(_CUDA_BWD)
-    grads = _gradients(grad_out, query, key, value, is_causal, None, scale, dropout_p, seed)
+    grads = _gradients(grad_out, query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
     return tuple(_like(g, t) for g, t in zip(grads, (query, key, value)))
