@@ -285,6 +285,7 @@ def _op_args(**over):
     ({"attn_mask": torch.zeros(6, 6, dtype=torch.float64)}, "attn_mask"),
     ({"attn_mask": torch.zeros(4, 6, 6)}, "attn_mask"),
     ({"key": _rand(1, 3, 6, 8), "value": _rand(1, 3, 6, 8)}, "key"),
+    ({"key": _rand(1, 0, 6, 8), "value": _rand(1, 0, 6, 8)}, "key"),
     ({"value": _rand(1, 2, 6, 4)}, "key/value"),
     ({"query": _rand(4, 6, 8)}, "query"),
     ({"query": _rand(1, 4, 6, 8, dtype=torch.float64)}, "key"),

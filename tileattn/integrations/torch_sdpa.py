@@ -169,7 +169,7 @@ def _check_qkv(op, query, key, value):
         _fail(op, "value", f"shape {tuple(value.shape)}", f"key's heads and length, {tuple(key.shape)}")
     if key.shape[3] != query.shape[3] or value.shape[3] != query.shape[3]:
         _fail(op, "key/value", f"head dims {key.shape[3]}/{value.shape[3]}", f"query's {query.shape[3]}")
-    if query.shape[1] % key.shape[1]:
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
         _fail(op, "key", f"{key.shape[1]} heads for {query.shape[1]} query heads",
               "a number of kv heads dividing the query heads")
 
