@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.profiler import profile
 
 import tileattn.integrations.torch_sdpa as hook
@@ -92,11 +93,6 @@ def _case(name, dtype=torch.float32):
         m = _rand(13, 13, seed=5) > 0
         m[:, 0] = True
         return q, k, v, {"attn_mask": m}, {"mask": m}
-    if name == "mask_and_causal_sq<sk":
-        # torch's CPU flash kernel applies both (F.scaled_dot_product_attention documents this as
-        # an error, but its CPU path accepts and and-s them).
-        m = _rand(6, 13, dtype=dtype, seed=6)
-        return q[:, :, :6], k, v, {"attn_mask": m, "is_causal": True}, {"bias": m, "mask": _tril(6, 13)}
     if name == "gqa_causal":
         return q, k[:, :1], v[:, :1], {"enable_gqa": True, "is_causal": True}, {"mask": _tril(13, 13)}
     if name == "scale":
@@ -113,7 +109,7 @@ def _case(name, dtype=torch.float32):
 
 
 CASES = ["plain", "causal_sq<sk", "causal_sq>sk", "causal_sq=sk", "float_mask_2d", "float_mask_4d", "bool_mask",
-         "mask_and_causal_sq<sk", "gqa_causal", "scale", "bshd_views", "row_sees_no_key"]
+         "gqa_causal", "scale", "bshd_views", "row_sees_no_key"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -127,6 +123,21 @@ def test_eager_matches_reference(active, name):
 def test_eager_dtypes(active, name, dtype):
     q, k, v, sdpa_kwargs, reference_kwargs = _case(name, dtype)
     _check(F.scaled_dot_product_attention, q, k, v, sdpa_kwargs, reference_kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_with_mask_and_causal_applies_both(active, dtype):
+    """torch's CPU flash op applies a mask and top-left causal together. F.scaled_dot_product_attention
+    refuses the pair from torch 2.14 on (2.13's CPU path passes it through), so call the op itself,
+    which is differentiable through torch's own derivative formula."""
+    op = getattr(torch.ops.aten, FWD)
+    q, k, v = _rand(2, 4, 6, 16, dtype=dtype), _rand(2, 4, 13, 16, dtype=dtype, seed=1), _rand(2, 4, 13, 16, dtype=dtype, seed=2)
+    m = _rand(6, 13, seed=6).to(dtype)
+
+    def sdpa(q_, k_, v_):
+        return op(q_, k_, v_, 0.0, True, attn_mask=m)[0]
+
+    _check(sdpa, q, k, v, {}, {"bias": m, "mask": _tril(6, 13)})
 
 
 def test_inference_mode(active):
@@ -252,24 +263,39 @@ def test_forward_output_interchangeable_with_torch(active):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("what", ["dropout", "3d", "last_dim_stride_2", "dv_differs", "mask_3d"])
-def test_calls_sdpa_sends_to_math_never_reach_the_hook(active, what):
-    """What docs/sdpa_hook.md says stays on torch's math path, checked against the counters."""
+@pytest.mark.parametrize("what", ["plain", "dropout", "3d", "5d", "last_dim_stride_2", "dv_differs", "mask_3d",
+                                  "empty_keys"])
+def test_hook_serves_exactly_the_calls_torch_routes_to_flash(active, what):
+    """torch picks the backend; the hook serves a call iff torch picked flash, and the result is right
+    either way. What goes where (docs/sdpa_hook.md) differs between torch versions: 3-D inputs go to
+    the math path on 2.13 and to flash on 2.14."""
     q, k, v = (_rand(2, 2, 8, 16, seed=s) for s in range(3))
-    kwargs = {}
+    kwargs, reference_kwargs = {}, {}
     if what == "dropout":
         kwargs["dropout_p"] = 0.3
     elif what == "3d":
         q, k, v = q[0], k[0], v[0]
+    elif what == "5d":
+        q, k, v = q[None], k[None], v[None]
     elif what == "last_dim_stride_2":
         q, k, v = (_rand(2, 2, 8, 32, seed=s)[..., ::2] for s in range(3))
     elif what == "dv_differs":
         v = _rand(2, 2, 8, 24)
     elif what == "mask_3d":
-        kwargs["attn_mask"] = _rand(2, 8, 8)
+        kwargs["attn_mask"] = reference_kwargs["bias"] = _rand(2, 8, 8)
+    elif what == "empty_keys":
+        k, v = k[:, :, :0], v[:, :, :0]
+    routed_to_flash = {"plain": True, "3d": torch.__version__ >= (2, 14)}.get(what, False)
+    choice = torch._fused_sdp_choice(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False)
+    assert (SDPBackend(choice) == SDPBackend.FLASH_ATTENTION) == routed_to_flash, \
+        "torch routes this call differently from what docs/sdpa_hook.md says"
     before = _calls()
-    F.scaled_dot_product_attention(q, k, v, **kwargs)
-    assert _calls() == before
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert _calls()[0] == before[0] + int(routed_to_flash)
+    if what not in ("dropout", "empty_keys"):
+        as_4d = [t.reshape((-1,) + tuple(t.shape[-3:])).double() for t in (q, k, v)]
+        expected = tileattn.reference(*as_4d, **reference_kwargs).reshape(out.shape).to(out.dtype)
+        torch.testing.assert_close(out, expected)
 
 
 def _op_args(**over):
