@@ -47,8 +47,8 @@ inside it, which trips an internal assert or crashes the process (torch's limita
 FA3/FA4), and torch's registry itself takes no lock.
 
 What never reaches a flash kernel (torch's math path, unchanged by the hook): on CPU, dropout > 0,
-inputs that are not 4-D, a last dim with stride != 1, ``Dv != D``, empty sequences, masks that are
-neither 2-D nor 4-D; on CUDA, everything torch's FlashAttention-2 constraints exclude (fp32/fp64,
+5-D inputs (3-D ones too before torch 2.14), a last dim with stride != 1, ``Dv != D``, empty
+sequences, masks that are neither 2-D nor 4-D (docs/sdpa_hook.md has the measured table); on CUDA, everything torch's FlashAttention-2 constraints exclude (fp32/fp64,
 any ``attn_mask``, causal with ``Sq != Sk``, head dims over 256...). Nested tensors and
 ``torch.nn.attention.varlen`` use ``aten::_flash_attention_forward`` on CUDA, which is not replaced.
 """
