@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.profiler import profile
 
-import tileattn.integrations.torch_sdpa as hook
 import tileattn
+import tileattn.integrations.torch_sdpa as hook
 from tileattn.testing import check_against_reference
 
 pytestmark = pytest.mark.skipif(not hook.hook_available(), reason="torch without the flash-attention hook")
@@ -34,13 +34,19 @@ def _calls():
     return counts.get(FWD, 0), counts.get(BWD, 0)
 
 
+def _restore_torch():
+    if torch.nn.attention.current_flash_attention_impl() is not None:
+        torch.nn.attention.restore_flash_attention_impl()
+    hook._Installed().remove()  # also kernels installed without torch's registry knowing
+
+
 @pytest.fixture(autouse=True)
 def _torch_default():
     """Every test starts and ends with torch's own kernels, also when it fails half-way."""
     hook.register()
-    torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+    _restore_torch()
     yield
-    torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+    _restore_torch()
 
 
 @pytest.fixture
@@ -230,7 +236,7 @@ def test_activate_and_restore_twice():
         F.scaled_dot_product_attention(q, q, q)
         assert _calls()[0] == before[0] + 1, "a second activation must not stack a second kernel"
         torch.nn.attention.restore_flash_attention_impl()
-        torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+        torch.nn.attention.restore_flash_attention_impl()  # torch logs a warning; nothing else happens
         before = _calls()
         F.scaled_dot_product_attention(q, q, q)
         assert _calls() == before
