@@ -427,6 +427,16 @@ def test_cuda_kernels_honour_the_cuda_op_contract(dropout_p, sq, sk):
         torch.testing.assert_close(ours, theirs)
 
 
+def test_cuda_backward_refuses_dropout_state_it_did_not_write():
+    """A forward by torch's own CUDA kernel leaves a Philox state; regenerating "its" mask with tileattn's
+    RNG would silently give wrong gradients, so the backward refuses."""
+    q = _rand(1, 2, 8, 16, dtype=torch.float64)
+    torch_state = torch.tensor([1234, 8], dtype=torch.uint64)
+    with pytest.raises(hook.SdpaHookError, match="argument 'philox_seed'"):
+        hook._cuda_backward(q, q, q, q, q, q[..., 0].float(), None, None, 8, 8, 0.1, False, torch_state,
+                            torch.zeros((), dtype=torch.uint64))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_dispatch_reaches_tileattn(active):
     q, k, v = (_rand(2, 4, 128, 64, dtype=torch.bfloat16, seed=s).cuda() for s in range(3))

@@ -77,6 +77,9 @@ _CUDA_BWD = "_scaled_dot_product_flash_attention_backward"
 _HOOK_FUNCTIONS = ("register_flash_attention_impl", "activate_flash_attention_impl",
                    "restore_flash_attention_impl", "current_flash_attention_impl")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# rng_state[1] of a CUDA forward run by tileattn (b"tileatt\0"): torch's own kernel keeps a Philox offset
+# there, so a backward can tell whose dropout mask it is asked to regenerate.
+_SEED_TAG = 0x74696C6561747400
 
 _lock = threading.Lock()
 _counts = collections.Counter()
@@ -316,7 +319,8 @@ def _cuda_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     """``aten::_scaled_dot_product_flash_attention`` (CUDA) -> torch's 9-tuple.
 
     Dropout is honoured with tileattn's counter-based RNG: its seed travels to the backward op in
-    ``rng_state[0]`` (the slot torch keeps for its Philox seed), so the backward regenerates the mask.
+    ``rng_state[0]`` (the slot torch keeps for its Philox seed), tagged in ``rng_state[1]``, so the
+    backward regenerates the mask.
     """
     _check_qkv(_CUDA_FWD, query, key, value)
     if return_debug_mask:
@@ -328,7 +332,7 @@ def _cuda_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0.0 else None
     with _outside_inference_mode():
         out, lse = _attend(query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
-    rng_state = torch.tensor([seed or 0, 0], dtype=torch.uint64, device=query.device)
+    rng_state = torch.tensor([seed or 0, _SEED_TAG], dtype=torch.uint64, device=query.device)
     unused = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
     return (_like(out, query), _torch_lse(lse, query, layout_bshd=False, dtype=torch.float32), None, None,
@@ -344,9 +348,11 @@ def _cuda_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
         _fail(_CUDA_BWD, "cum_seq_q/cum_seq_k", "tensors", "None (dense SDPA; varlen stays on torch's kernel)")
     seed = None
     if dropout_p > 0.0:
-        if philox_seed.numel() != 2 or philox_seed.dtype != torch.uint64:
-            _fail(_CUDA_BWD, "philox_seed", f"{tuple(philox_seed.shape)} {philox_seed.dtype}",
-                  "the (2,) uint64 rng_state returned by tileattn's forward")
+        # A forward run by torch's kernel (tileattn activated in between) left a Philox state whose
+        # dropout mask tileattn cannot regenerate.
+        if philox_seed.numel() != 2 or philox_seed.dtype != torch.uint64 or int(philox_seed[1].item()) != _SEED_TAG:
+            _fail(_CUDA_BWD, "philox_seed", "an RNG state tileattn's forward did not write",
+                  "the rng_state of a forward run while tileattn was active (do not switch between forward and backward)")
         seed = int(philox_seed[0].item())
     _count(_CUDA_BWD)
     grads = _gradients(grad_out, query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
