@@ -167,8 +167,8 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **
     caller's ``out`` and ``lse`` (those of the full attention, for ring attention: then the shard's
     dq, dk, dv are its share of the full gradients). ``dlse``: an optional gradient of the LSE.
 
-    Takes :func:`flash_attention`'s keywords for the shard. ``dbias`` is returned when a bias is
-    given, ``dsinks`` when sinks are. No autograd graph is recorded.
+    Takes :func:`flash_attention`'s keywords for the shard. ``dbias`` is returned when the bias
+    requires grad, ``dsinks`` when sinks are given. No autograd graph is recorded.
     """
     spec = build_spec(q, k, v, **kwargs)
     engine = select(spec, backend, backward=True)
@@ -185,7 +185,8 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     with torch.no_grad():
-        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, spec.modifier("bias") is not None)
+        bias = spec.modifier("bias")
+        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, bias is not None and bias.tensor.requires_grad)
     return AttentionGradients(*grads)
 
 

@@ -26,14 +26,12 @@ returned with exactly the strides the meta kernels promise. Restoring destroys t
 puts torch's kernels back for every caller, compiled code included.
 
 What the kernels honour, with torch's meaning: ``is_causal`` **top-left** aligned (``tril(ones(Sq,
-Sk))``; tileattn's own ``causal`` is bottom-right, so the keys no query can see are cut away and the
-band becomes a bottom-right window), a float ``attn_mask`` added to the scores (together with
+Sk))``, tileattn's ``align="top_left"``), a float ``attn_mask`` added to the scores (together with
 ``is_causal`` both apply, as in torch's kernel), ``scale``, GQA (``Hq % Hkv == 0``), any strides. The
 returned logsumexp has torch's shape, strides and dtype (fp32, fp64 for fp64 inputs) and torch's value
 0 on rows that see no key, so torch's own backward could consume it. The backward op receives no
-tileattn state, only ``(q, k, v, out, lse)``: it recomputes the forward with tileattn under autograd
-and differentiates that (about one extra forward of work), which keeps the gradients exactly
-tileattn's. The CUDA op has no mask; its ``is_causal`` is FlashAttention-2's bottom-right (torch
+tileattn state, only ``(q, k, v, out, lse)``: that is all :func:`tileattn.attention_backward` needs
+(FlashAttention-2's backward from given statistics), so no forward is recomputed. The CUDA op has no mask; its ``is_causal`` is FlashAttention-2's bottom-right (torch
 only sends it there with ``Sq == Sk``, where both alignments agree), and its dropout is honoured with
 tileattn's RNG, the seed travelling to the backward in ``rng_state``. What cannot be honoured raises
 :class:`SdpaHookError` before any compute: dropout on CPU (torch's CPU kernel refuses it too; SDPA
@@ -197,27 +195,17 @@ def _check_mask(op, query, key, attn_mask):
         _fail(op, "attn_mask", f"shape {tuple(attn_mask.shape)}", f"a 2-d or 4-d shape broadcastable to {full}")
 
 
-def _attend(query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
-    """tileattn on (B, H, S, D) tensors: returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq))``.
+def _attention_kwargs(is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
+    """flash_attention's keywords for the op's arguments. ``top_left``: SDPA's causal (query ``i``
+    sees keys ``j <= i``); otherwise FlashAttention-2's bottom-right causal (torch's CUDA op)."""
+    return dict(causal=is_causal, align="top_left" if top_left else "bottom_right", bias=attn_mask, scale=scale,
+                dropout_p=dropout_p, seed=seed)
 
-    ``top_left``: SDPA's causal, query ``i`` sees keys ``j <= i``. Keys past column ``Sq - 1`` are seen
-    by no query, so they are cut away (views; their gradients come back as zeros); after that
-    ``Sk <= Sq`` and ``j <= i`` is tileattn's bottom-right window with ``right = Sq - Sk``. Otherwise
-    ``is_causal`` is FlashAttention-2's bottom-right causal, tileattn's own.
-    """
-    sq, sk = query.shape[2], key.shape[2]
-    window = None
-    if is_causal and not top_left:
-        window = (None, 0)
-    elif is_causal:
-        if sk > sq:
-            key, value = key[:, :, :sq], value[:, :, :sq]
-            if attn_mask is not None and attn_mask.shape[-1] != 1:
-                attn_mask = attn_mask[..., :sq]
-            sk = sq
-        window = (None, sq - sk)
-    return tileattn.flash_attention(query, key, value, window=window, bias=attn_mask, scale=scale,
-                                    dropout_p=dropout_p, seed=seed, return_lse=True)
+
+def _attend(query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
+    """tileattn on (B, H, S, D) tensors: returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq))``."""
+    return tileattn.flash_attention(query, key, value, return_lse=True,
+                                    **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
 
 
 def _outside_inference_mode():
@@ -254,28 +242,16 @@ def _bshd_like(t):
     return torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device).copy_(t)
 
 
-@contextlib.contextmanager
-def _autograd_reenabled():
-    """Let autograd record inside an aten kernel.
+def _gradients(grad_out, query, key, value, out, logsumexp, is_causal, attn_mask, scale, dropout_p=0.0, seed=None,
+               top_left=True):
+    """dq, dk, dv from the forward's output and logsumexp (tileattn's backward with given statistics).
 
-    torch's autograd kernel excludes the autograd dispatch keys before calling a backend kernel (and
-    runs backward ops with grad mode off), so ops called from our backward kernel would record no
-    graph. Entering ``inference_mode(False)`` puts those keys back for this thread until the block
-    ends (and leaves inference mode, for a backward op called directly under it); autocast stays
-    excluded, so the recomputation runs in the dtype the op received.
+    torch's logsumexp holds 0 where tileattn's holds -inf (rows that see no key); every score of such
+    a row is hidden, so its probabilities are 0 with either value.
     """
-    with torch.inference_mode(False), torch.enable_grad():
-        yield
-
-
-def _gradients(grad_out, query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
-    """dq, dk, dv by recomputing tileattn's forward under autograd (the op passes no tileattn state)."""
-    with _autograd_reenabled():
-        # Inference tensors (a direct call under inference_mode) cannot join a graph: copy those.
-        leaves = [(t.clone() if t.is_inference() else t.detach()).requires_grad_() for t in (query, key, value)]
-        mask = None if attn_mask is None else attn_mask.detach()
-        out, _ = _attend(*leaves, is_causal, mask, scale, dropout_p, seed, top_left)
-        return torch.autograd.grad(out, leaves, grad_out)
+    grads = tileattn.attention_backward(grad_out, query, key, value, out, logsumexp,
+                                        **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
+    return grads.dq, grads.dk, grads.dv
 
 
 def _count(op):
@@ -311,7 +287,7 @@ def _cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_cau
     if dropout_p != 0.0:
         _fail(_CPU_BWD, "dropout_p", repr(dropout_p), "0.0 (no RNG state reaches this op)")
     _count(_CPU_BWD)
-    grads = _gradients(grad_out, query, key, value, is_causal, attn_mask, scale)
+    grads = _gradients(grad_out, query, key, value, out, logsumexp, is_causal, attn_mask, scale)
     return tuple(_bshd_like(g) for g in grads)
 
 
@@ -355,5 +331,6 @@ def _cuda_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
                   "the rng_state of a forward run while tileattn was active (do not switch between forward and backward)")
         seed = int(philox_seed[0].item())
     _count(_CUDA_BWD)
-    grads = _gradients(grad_out, query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
+    grads = _gradients(grad_out, query, key, value, out, logsumexp, is_causal, None, scale, dropout_p, seed,
+                       top_left=False)
     return tuple(_like(g, t) for g, t in zip(grads, (query, key, value)))
