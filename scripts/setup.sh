@@ -8,5 +8,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu
+.venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.13,<2.15" --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e ".[test,triton,plot,transformers]"
