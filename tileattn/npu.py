@@ -472,7 +472,12 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
 
 def _piece_backward(piece: _Piece, out, lse, dy):
     """tileattn's backward for one piece, given its output and LSE: (dq, dk, dv, dbias or None)."""
-    grads = tileattn_backward(dy, piece.q, piece.k, piece.v, out, lse, **piece.kwargs)
+    kwargs = dict(piece.kwargs)
+    if kwargs.get("bias") is not None:
+        # dpse is always returned: ask for the bias gradient (attention_backward computes it for a
+        # bias that requires grad).
+        kwargs["bias"] = kwargs["bias"].detach().requires_grad_()
+    grads = tileattn_backward(dy, piece.q, piece.k, piece.v, out, lse, **kwargs)
     return grads.dq, grads.dk, grads.dv, grads.dbias
 
 
