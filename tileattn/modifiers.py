@@ -337,7 +337,9 @@ class Mask(Modifier):
         per-tile checks would cost two reductions per tile.
         """
         key = (b, heads.start, heads.stop, q_len, k_len, block_m, block_n)
-        cache = _TILE_STATE_CACHE.setdefault(_tensor_key(self.tensor), {})
+        # Inference tensors have no version counter (so no safe cache key), and no backward reuses
+        # their states: they are classified afresh.
+        cache = {} if self.tensor.is_inference() else _TILE_STATE_CACHE.setdefault(_tensor_key(self.tensor), {})
         if key not in cache:
             m = self.block(b, heads, 0, q_len, 0, k_len).expand(-1, q_len, k_len)
             rows, cols = -(-q_len // block_m), -(-k_len // block_n)

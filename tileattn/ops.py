@@ -19,6 +19,7 @@ bias's shape, ``delta`` is computed, and ``dsinks`` follows from it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import List, Optional, Tuple
@@ -106,6 +107,14 @@ def _rows_to_lse(x: Tensor, spec: AttentionSpec) -> Tensor:
     return x.transpose(0, 1) if spec.is_varlen else x
 
 
+def _autocast_off(device: torch.device):
+    """Engines compute in the inputs' dtype (accumulating in fp32): an autocast region around the
+    call must not lower their internal matmuls. Dialects that follow autocast cast the inputs first."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def run_forward(spec: AttentionSpec, engine: Backend, partial: bool) -> Tuple[Tensor, Tensor]:
     """(out in the user's layout, LSE): the engine's result with the sinks merged in."""
     sinks = spec.modifier("sinks")
@@ -115,7 +124,8 @@ def run_forward(spec: AttentionSpec, engine: Backend, partial: bool) -> Tuple[Te
                                  spec.device)
     lse = torch.empty(spec.lse_shape(), dtype=acc, device=spec.device)
     if out.numel():
-        engine.forward(spec.without("sinks"), out_c, lse)
+        with _autocast_off(spec.device):
+            engine.forward(spec.without("sinks"), out_c, lse)
     elif lse.numel():
         lse.fill_(-math.inf)
     if sinks is not None:
@@ -123,7 +133,8 @@ def run_forward(spec: AttentionSpec, engine: Backend, partial: bool) -> Tuple[Te
         # (0, sink) rescales the output by exp(lse - lse_total).
         sink = sinks.logits(_lse_heads_axis(spec), lse.dim(), acc)
         total = torch.logaddexp(lse, sink)
-        weight = torch.exp(lse - total)
+        # A row with no visible key and a -inf sink has total -inf: weight 0, not exp(-inf + inf).
+        weight = torch.exp(lse - total).nan_to_num_(nan=0.0)
         out_c.mul_(_lse_to_rows(weight, spec))
         lse = total
         if not partial:
@@ -159,7 +170,8 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
                       dk=to_canonical(dk, spec.layout, heads_kv), dv=to_canonical(dv, spec.layout, heads_kv),
                       dbias=dbias4)
     if dq.numel() and dk.numel():
-        engine.backward(spec.without("sinks"), grads)
+        with _autocast_off(spec.device):
+            engine.backward(spec.without("sinks"), grads)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     dbias = reduce_to_shape(dbias4, bias.tensor.shape).to(bias.tensor.dtype) if need_dbias else None

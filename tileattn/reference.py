@@ -118,7 +118,11 @@ def _probabilities(s, lse):
 
 
 def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
-    """(out in the user's layout, LSE) of a validated call, computed in ``compute_dtype``."""
+    """(out in the user's layout, LSE) of a validated call, computed in ``compute_dtype`` (an
+    autocast region around the call does not change that: the oracle's precision is its argument)."""
+    if spec.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(spec.device.type):
+        with torch.autocast(spec.device.type, enabled=False):
+            return reference_from_spec(spec, compute_dtype)
     cdtype = compute_dtype or spec.dtype
     outs, lses = [], []
     for seq in spec.sequences:
