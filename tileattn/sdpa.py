@@ -6,6 +6,11 @@ True = take part, float masks added to the scores, ``scale`` default ``1/sqrt(D)
 ``enable_gqa=True``; ``attn_mask`` together with ``is_causal=True`` is an error, as torch documents.
 The call is translated onto :func:`tileattn.flash_attention` with ``align="top_left"``.
 
+Under ``torch.autocast`` it behaves as torch's SDPA, which is on autocast's lower-precision list on
+CPU and CUDA: floating inputs other than fp64 (query, key, value and a float ``attn_mask``) are cast
+to the autocast dtype, so mixed fp32/bf16 inputs are accepted and the output has the autocast dtype;
+then the operator runs with autocast off (:func:`autocast_dtype`, :func:`autocast_inputs`).
+
 :func:`patch_sdpa` routes ``torch.nn.functional.scaled_dot_product_attention`` through tileattn
 inside a ``with`` block.
 """
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 
 from .api import flash_attention
 
-__all__ = ["scaled_dot_product_attention", "patch_sdpa", "SdpaArgumentError"]
+__all__ = ["scaled_dot_product_attention", "patch_sdpa", "SdpaArgumentError", "autocast_dtype", "autocast_inputs"]
 
 
 class SdpaArgumentError(ValueError, RuntimeError):
@@ -30,6 +35,24 @@ class SdpaArgumentError(ValueError, RuntimeError):
 
 def _fail(arg, given, expected, exc=SdpaArgumentError):
     raise exc(f"tileattn.scaled_dot_product_attention: argument '{arg}': got {given}; expected {expected}.")
+
+
+def autocast_dtype(device_type: str):
+    """The dtype torch's autocast casts SDPA's inputs to on ``device_type``, or None when autocast is
+    off there (or does not know the device type)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_inputs(dtype, *tensors):
+    """Autocast's lower-precision cast, tensor by tensor: floating tensors other than fp64 become
+    ``dtype``; fp64, integer and bool tensors (bool masks) and non-tensors are returned unchanged."""
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)
 
 
 def _check_tensor(name, t):
@@ -120,7 +143,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Differences from torch: dropout uses tileattn's counter-based RNG (seeded from torch's default
     generator, so ``torch.manual_seed`` makes it reproducible, but the dropped positions differ from
     torch's). Rows where every key is masked out give 0, as torch 2.13 does (older torch gave NaN).
+    Under ``torch.autocast`` the inputs are cast as torch casts its SDPA's (see the module docstring).
     """
+    device_type = query.device.type if isinstance(query, torch.Tensor) else None
+    cast_to = autocast_dtype(device_type) if device_type is not None else None
+    if cast_to is not None:
+        query, key, value, attn_mask = autocast_inputs(cast_to, query, key, value, attn_mask)
     lead = _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     q4, k4, v4 = (_to_4d(t, lead) for t in (query, key, value))
     mask = bias = None
@@ -131,8 +159,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask = m4
         else:
             bias = m4
-    out = flash_attention(q4, k4, v4, causal=is_causal, align="top_left", mask=mask, bias=bias, scale=scale,
-                          dropout_p=float(dropout_p))
+    with torch.autocast(device_type, enabled=False) if cast_to is not None else contextlib.nullcontext():
+        out = flash_attention(q4, k4, v4, causal=is_causal, align="top_left", mask=mask, bias=bias, scale=scale,
+                              dropout_p=float(dropout_p))
     return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],))
 
 
