@@ -339,8 +339,6 @@ def test_report_lists_every_keyword_and_architecture():
     assert isinstance(SimpleNamespace(**report["architectures"][0]).uses_tileattn, bool)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: flash_attention with a sink of -inf (no sink) on a row that sees no "
-                   "key returns NaN (the sink merge computes exp(-inf - -inf)); the README says such rows output 0")
 def test_core_minus_inf_sink_on_a_row_that_sees_no_key_gives_zero():
     q, k, v = _qkv(batch=1, heads=2, kv_heads=2, q_len=4, k_len=4)
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)

@@ -295,9 +295,8 @@ def test_inference_mode_without_padding():
     assert torch.equal(tokens, eager.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
 
 
-@pytest.mark.xfail(strict=True, reason="core bug, not the integration: a bool mask under torch.inference_mode fails "
-                   "in tileattn/modifiers.py _tensor_key, which reads t._version ('Inference tensors do not track "
-                   "version counter'); and the CPU engine's workers fail as without padding")
+@pytest.mark.xfail(strict=True, reason="core bug, not the integration: under torch.inference_mode the CPU engine's "
+                   "worker threads update the output in place outside inference mode; being fixed in the CPU engine")
 def test_inference_mode_with_padding():
     eager, ours = _pair("llama")
     ids, attention_mask = _batch()
