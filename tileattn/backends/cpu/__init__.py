@@ -18,7 +18,7 @@ from ...dispatch import Backend, register
 from ...scores import key_range
 from ...spec import AttentionInputs, empty_in_layout
 from . import kernels
-from .parallel import run_tasks
+from .parallel import planned_workers, run_tasks
 from .tiles import SequenceProblem
 
 
@@ -113,7 +113,7 @@ class CpuBackend(Backend):
         out, out_c = empty_in_layout(inp.layout, inp.batch, inp.heads_q, s, inp.head_dim_v, inp.q)
         lse = torch.empty(inp.lse_shape(), dtype=inp.acc_dtype())
         tasks = []
-        nh = cfg.heads_per_task(inp, -(-max(inp.seqlen_q, 1) // cfg.block_m), 4 * torch.get_num_threads())
+        nh = cfg.heads_per_task(inp, -(-max(inp.seqlen_q, 1) // cfg.block_m), 4 * planned_workers())
         for b, rows, prob in self._problems(inp):
             prob.prepare(augment_k=prob.plain, augment_v=False)
             if inp.is_varlen:
@@ -149,7 +149,7 @@ class CpuBackend(Backend):
             shape4 = (1,) * (4 - inp.bias.dim()) + tuple(inp.bias.shape)
             dbias = torch.zeros(shape4, dtype=cdt)
         tasks = []
-        nh = cfg.heads_per_task(inp, 1, torch.get_num_threads())
+        nh = cfg.heads_per_task(inp, 1, planned_workers())
         for b, rows, prob in self._problems(inp):
             prob.prepare(augment_k=prob.plain, augment_v=prob.dropout_p == 0)
             if inp.is_varlen:
@@ -166,8 +166,7 @@ class CpuBackend(Backend):
                 tasks.append((prob.sq * prob.sk * (hs.stop - hs.start), task))
         if dbias is not None:
             # Heads (and batch items) may share bias-gradient entries: accumulate in one thread, in order.
-            for _, task in tasks:
-                task()
+            run_tasks([task for _, task in tasks], max_workers=1)
         else:
             run_tasks(_longest_first(tasks))
         if dbias is not None:
