@@ -357,6 +357,70 @@ def test_max_seqlen_accepts_integer_tensors():
         flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5.0, 5)
 
 
+# --- flash_attn_with_kvcache: flash-attn's rules for rotary tables and paged caches ---
+
+def test_kvcache_rotary_table_length_is_flash_attns_rule():
+    """flash-attn requires cos/sin to cover the cache (seqlen_ro >= seqlen_k, the cache capacity),
+    nothing about seqlen_q: non-causal queries are all rotated at cache_seqlens."""
+    b, cap, h, d = 2, 8, 2, 8
+    k_cache, v_cache = _rand(b, cap, h, d, dtype=torch.float64), _rand(b, cap, h, d, dtype=torch.float64, seed=1)
+    before = k_cache.clone()
+    q = _rand(b, 4, h, d, dtype=torch.float64, seed=2)  # seqlen_q 4 > seqlen_new 1
+    k_new, v_new = _rand(b, 1, h, d, dtype=torch.float64, seed=3), _rand(b, 1, h, d, dtype=torch.float64, seed=4)
+    angles = torch.arange(cap, dtype=torch.float64)[:, None] * torch.tensor([0.3, 0.05], dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    lens = torch.tensor([7, 3], dtype=torch.int32)
+    out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                             cache_seqlens=lens)
+    for i, n in enumerate(lens.tolist()):
+        k_rot = _rotary_oracle(k_new[i], torch.arange(n, n + 1), cos, sin, True)
+        q_rot = _rotary_oracle(q[i], torch.full((4,), n), cos, sin, True)
+        keys = torch.cat([before[i, :n], k_rot])[None]
+        torch.testing.assert_close(out[i:i + 1], tileattn.reference(q_rot[None], keys, v_cache[i:i + 1, :n + 1],
+                                                                    layout="BSND"))
+    with pytest.raises(ValueError, match="'rotary_cos'.*7 positions.*8") as info:
+        flash_attn.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, rotary_cos=cos[:7],
+                                           rotary_sin=sin[:7], cache_seqlens=torch.tensor([2, 3], dtype=torch.int32))
+    assert isinstance(info.value, RuntimeError)
+    # Causal: query i is rotated at cache_seqlens + i, which must exist in the table.
+    with pytest.raises(ValueError, match="'rotary_cos'.*causal"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, rotary_cos=cos,
+                                           rotary_sin=sin, cache_seqlens=lens, causal=True)
+
+
+def test_kvcache_paged_rotary_covers_the_pages_of_a_sequence():
+    """With a block table the cache seen by a sequence is max_blocks * page_size long."""
+    q, k_new, v_new = _rand(1, 1, 2, 8), _rand(1, 1, 2, 8, seed=1), _rand(1, 1, 2, 8, seed=2)
+    pool_k, pool_v = _rand(5, 4, 2, 8, seed=3), _rand(5, 4, 2, 8, seed=4)
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    angles = torch.arange(8, dtype=torch.float32)[:, None] * torch.tensor([0.3, 0.05])
+    kwargs = dict(cache_seqlens=2, block_table=table)
+    flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, rotary_cos=angles.cos(),
+                                       rotary_sin=angles.sin(), **kwargs)
+    with pytest.raises(ValueError, match="'rotary_cos'"):
+        flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, rotary_cos=angles[:7].cos(),
+                                           rotary_sin=angles[:7].sin(), **kwargs)
+
+
+def test_kvcache_block_table_errors_name_block_table_and_are_runtime_errors():
+    q, pool_k, pool_v = _rand(2, 1, 2, 8), _rand(4, 4, 2, 8, seed=1), _rand(4, 4, 2, 8, seed=2)
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    for table in ([[0, 1], [1, 5]], [[0, 1], [-1, 2]]):  # sequence 1 reads both of its pages
+        bad = torch.tensor(table, dtype=torch.int32)
+        with pytest.raises(ValueError, match="'block_table'") as info:
+            flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=bad)
+        assert isinstance(info.value, RuntimeError)
+    # Entries past a sequence's last page are never read (flash-attn ignores them too).
+    padded = torch.tensor([[0, 9], [1, 2]], dtype=torch.int32)
+    out = flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=padded)
+    same = flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                              block_table=torch.tensor([[0, 3], [1, 2]], dtype=torch.int32))
+    assert torch.equal(out, same)
+    with pytest.raises(TypeError, match="'block_table'") as info:
+        flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=padded.long())
+    assert isinstance(info.value, RuntimeError)
+
+
 def test_varlen_paged_cache_says_what_is_unsupported_first():
     q = _rand(6, 2, 8)
     pool_k, pool_v = _rand(4, 4, 2, 8, seed=1), _rand(4, 4, 2, 8, seed=2)  # a paged cache is 4-d
