@@ -318,7 +318,8 @@ def _entry_points():
             qkv.flatten(0, 1), cu, 6, window_size=w),
         "flash_attn_varlen_kvpacked_func": lambda w: flash_attn.flash_attn_varlen_kvpacked_func(
             flat[0], torch.stack(flat[1:], dim=1), cu, cu, 6, 6, window_size=w),
-        "flash_attn_with_kvcache": lambda w: flash_attn.flash_attn_with_kvcache(q, k, v, cache_seqlens=5, window_size=w),
+        "flash_attn_with_kvcache": lambda w: flash_attn.flash_attn_with_kvcache(q, k, v, cache_seqlens=5,
+                                                                             window_size=w),
     }
 
 
@@ -458,7 +459,7 @@ def _reference_probs(q, k, **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attn_probs_are_the_softmax_in_the_input_dtype(dtype):
-    q, k, v = _rand(2, 5, 4, 8, dtype=dtype), _rand(2, 9, 2, 8, dtype=dtype, seed=1), _rand(2, 9, 2, 8, dtype=dtype, seed=2)
+    q, k, v = (_rand(2, s, h, 8, dtype=dtype, seed=i) for i, (s, h) in enumerate([(5, 4), (9, 2), (9, 2)]))
     slopes = torch.tensor([0.5, 0.25, 0.1, 0.05])
     _, _, probs = flash_attn.flash_attn_func(q, k, v, causal=True, window_size=(4, -1), softcap=2.0,
                                              alibi_slopes=slopes, return_attn_probs=True)

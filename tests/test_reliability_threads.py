@@ -132,17 +132,17 @@ def test_calls_leave_every_threads_count_and_the_process_default_alone(two_threa
 
 
 _INTERRUPTED_CALL = """
-import os, sys, threading, time
+import os, sys, threading, time, traceback
 import torch, tileattn
 torch.set_num_threads(2)
-q = torch.randn(1, 16, 16384, 16)
+q = torch.randn(1, 16, 8192, 16)
 print("calling", flush=True)
-start = time.perf_counter()
 try:
-    tileattn.flash_attention(q, q, q, backend="cpu")
-    print("finished", flush=True)
-except KeyboardInterrupt:
-    print("interrupted", round(time.perf_counter() - start, 2), flush=True)
+    while True:  # calls of about a second each, whatever the machine's speed
+        tileattn.flash_attention(q, q, q, backend="cpu")
+except KeyboardInterrupt as exc:
+    frames = [f.filename for f in traceback.extract_tb(exc.__traceback__)]
+    print("interrupted in run_tasks:", any(f.endswith("parallel.py") for f in frames), flush=True)
     workers = [t.name for t in threading.enumerate() if t.name.startswith("tileattn")]
     print("workers", workers, flush=True)
     {after}
@@ -151,8 +151,8 @@ except KeyboardInterrupt:
 
 @pytest.mark.parametrize("reraise", [False, True])
 def test_ctrl_c_stops_a_long_call_cleanly(reraise):
-    """SIGINT in the middle of a multi-second call: KeyboardInterrupt reaches the caller promptly,
-    no worker thread is left running, and the process exits normally (no abort at exit)."""
+    """SIGINT in the middle of a call: KeyboardInterrupt reaches the caller promptly, no worker
+    thread is left running, and the process exits normally (no abort at exit)."""
     script = _INTERRUPTED_CALL.format(after="raise" if reraise else "sys.exit(0)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
@@ -161,14 +161,14 @@ def test_ctrl_c_stops_a_long_call_cleanly(reraise):
         assert child.stdout.readline().strip() == "calling"
         time.sleep(1.0)
         child.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
         out, err = child.communicate(timeout=60)
+        # A task is a few milliseconds: the caller must not wait for the rest of the call.
+        assert time.perf_counter() - sent < 5.0
     finally:
         child.kill()
     lines = out.splitlines()
-    assert lines and lines[0].startswith("interrupted"), (out, err)
-    # A task is a few milliseconds: the call must not run on to its end (several seconds) first.
-    assert float(lines[0].split()[1]) < 4.0, out
-    assert lines[1] == "workers []", out
+    assert lines[:2] == ["interrupted in run_tasks: True", "workers []"], (out, err)
     assert "terminate called" not in err, err
     # Python exits through SIGINT when a KeyboardInterrupt is left uncaught (not SIGABRT).
     assert child.returncode == (-signal.SIGINT if reraise else 0), (child.returncode, err)

@@ -9,8 +9,11 @@ start to end, and the Python threads overlap because torch operations release th
 
 Every task runs in the same state, whichever thread runs it (a worker, or the caller's thread when
 there is one worker): one intra-op thread, inference mode, autocast off. So the arithmetic of a task
-never depends on the thread count, on scheduling or on the caller's thread-local modes, and results
-are bitwise identical for any ``torch.get_num_threads()`` and any number of concurrent callers.
+never depends on the thread count, on scheduling or on the caller's thread-local modes, and with the
+task plan fixed by :func:`planned_workers`, results (output, LSE, gradients) are bitwise identical
+for any ``torch.get_num_threads()`` and any number of concurrent callers, on one machine and PyTorch
+build (another CPU count plans other tasks, and other CPUs round vectorised operations differently
+anyway).
 
 One intra-op thread per task, without touching anyone else's settings: ``torch.set_num_threads``
 cannot do it, because besides the calling thread's count it rewrites process-wide state (the
