@@ -123,6 +123,10 @@ class _Rows:
         """``s - m`` in place, for scores that did not come out of the GEMM already shifted."""
         return s.add_(self.neg_ref)
 
+    def start(self, m: torch.Tensor):
+        """First references, before anything was accumulated (-inf for rows without a key)."""
+        self._set(m)
+
     def move(self, rows: torch.Tensor, to: torch.Tensor):
         """Raise the reference of ``rows`` to the whole numbers ``to`` and rescale what they
         accumulated (rows that saw no key have nothing to rescale)."""
@@ -137,15 +141,15 @@ class _Rows:
         """Move each reference up by ``floor(log2 l)``, so that it follows the row's LSE (within one
         unit) rather than its maximum: a tile of rows with many comparable keys then sums to about
         1, not to the number of keys, and does not look like growth."""
-        k = torch.where(self.l >= 2.0, torch.log2(self.l).floor_(), 0.0)
-        scale = torch.exp2(-k)
+        k = torch.log2(self.l).floor_().clamp_(min=0.0).nan_to_num_(0.0)  # 0 for l < 2 and NaN rows
+        scale = torch.exp2(k.neg())
         self.l.mul_(scale)
         self.acc.mul_(scale)
         self._set(self.m + k)
 
     def _set(self, m):
         self.m = m
-        torch.neg(m.masked_fill(m == -math.inf, 0.0), out=self.neg_ref)
+        torch.nan_to_num(m, nan=0.0, posinf=math.inf, neginf=0.0, out=self.neg_ref).neg_()
 
 
 def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n: int) -> _Rows:
@@ -219,6 +223,10 @@ def _careful_step(prob, rows: _Rows, s, edge, i0, i1, j0, j1):
     if edge:
         prob.hide_outside_band(s, i0, i1, j0, j1)
     tile_max = s.amax(-1, keepdim=True)
+    if rows.acc is None:  # the block's first tile: no row has a reference yet
+        rows.start(tile_max.ceil_())
+        p = rows.shift(s).exp2_()
+        return p, p.sum(-1, keepdim=True), False
     seen = rows.m > -math.inf
     grew = (tile_max > rows.m + GROWTH) & seen
     first = (tile_max > -math.inf) & ~seen
