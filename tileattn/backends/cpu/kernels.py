@@ -104,18 +104,16 @@ def forward_block(prob: SequenceProblem, hs: slice, i0: int, i1: int, out: torch
 
 class _Rows:
     """The online-softmax state of a block's rows: reference ``m`` (-inf until a row sees a key),
-    sum ``l``, unnormalised output ``acc`` (None before the first tile), and ``neg_ref``, the query
-    block's extra column: ``-m``, or 0 for rows that saw no key yet.
+    sum ``l``, unnormalised output ``acc`` (all three None before the first tile), and ``neg_ref``,
+    the query block's extra column: ``-m``, or 0 for rows that saw no key yet.
 
     References are whole numbers and move by whole numbers, so moving one is exact and rescaling
     by a power of two is too: what a row accumulated and what later tiles add stay relative to
     exactly the same reference.
     """
 
-    def __init__(self, nh, rows, dtype, neg_ref):
-        self.m = torch.full((nh, rows, 1), -math.inf, dtype=dtype)
-        self.l = torch.zeros((nh, rows, 1), dtype=dtype)
-        self.acc = None
+    def __init__(self, neg_ref):
+        self.m = self.l = self.acc = None  # set by the first tile
         self.neg_ref = neg_ref
         neg_ref.zero_()
 
@@ -157,8 +155,8 @@ def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n:
     qa = prob.load_q(hs, i0, i1)  # last column: -m, see _Rows
     qb = qa[..., :d]
     nh, nrows = qa.shape[0], qa.shape[1]
-    rows = _Rows(nh, nrows, cdt, qa[..., d:])
-    exact = _rounding_bound(prob, qb, _k_norm(prob, hs)) > EXACT_LIMIT
+    rows = _Rows(qa[..., d:])
+    exact = _rounding_bound(prob, hs) > EXACT_LIMIT
     fold = prob.plain and prob.kt_aug is not None and not exact
     buffer = scratch(nh * nrows * block_n, cdt)
     kt_aug = prob.kt_aug[hs] if fold else None
@@ -180,7 +178,8 @@ def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n:
             return s
         return rows.shift(raw_scores(tile, j0, j1, hidden))
 
-    for j0, j1 in key_blocks(prob, i0, i1, block_n):
+    tiles = list(key_blocks(prob, i0, i1, block_n))
+    for n, (j0, j1) in enumerate(tiles):
         hidden = prob.mask_hidden(hs, i0, i1, j0, j1)
         if prob.tile_is_empty(hidden):
             continue
@@ -198,7 +197,7 @@ def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n:
         if careful:
             s = raw_scores(tile, j0, j1, hidden)
             p, tile_sum, grew = _careful_step(prob, rows, s, edge, i0, i1, j0, j1)
-        rows.l.add_(tile_sum)
+        rows.l = tile_sum if rows.l is None else rows.l.add_(tile_sum)
         if prob.dropout_p > 0:
             p.masked_fill_(~prob.dropout_keep(hs, i0, i1, j0, j1), 0.0)
         if rows.acc is None:
@@ -206,10 +205,12 @@ def _online_softmax(prob: SequenceProblem, hs: slice, i0: int, i1: int, block_n:
             torch.bmm(p, v[:, j0:j1], out=rows.acc)
         else:
             rows.acc.baddbmm_(p, v[:, j0:j1])
-        if careful:
+        if careful and n + 1 < len(tiles):  # (after the last tile, references no longer matter)
             rows.renormalise()
             careful = grew or bool((rows.m == -math.inf).any())
-    if rows.acc is None:
+    if rows.acc is None:  # no key tile: every row is empty
+        rows.m = torch.full((nh, nrows, 1), -math.inf, dtype=cdt)
+        rows.l = torch.zeros((nh, nrows, 1), dtype=cdt)
         rows.acc = torch.zeros((nh, nrows, prob.v.shape[-1]), dtype=cdt)
     return rows
 
@@ -256,7 +257,6 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
     k, v = prob.k[hs], prob.v[hs]
     kt_aug = prob.kt_aug[hs] if prob.plain and prob.kt_aug is not None else None
     vt_aug = prob.vt_aug[hs] if fold_delta else None
-    k_norm = _k_norm(prob, hs)
     for i0 in range(0, prob.sq, block_m):
         i1 = min(i0 + block_m, prob.sq)
         bm = i1 - i0
@@ -274,7 +274,7 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
         product = scratch(nh * g * bm * dvd, cdt, "acc").view(nh, g, bm, dvd)
         delta = torch.mul(dob.view(nh, g, bm, dvd), o, out=product).sum(-1).view(nh, g * bm, 1)
         lse2 = lse[heads, i0:i1].reshape(nh, g * bm, 1).to(cdt) * LOG2E  # a copy: never write lse
-        own = _rounding_bound(prob, qb, k_norm, lse2) > EXACT_LIMIT
+        own = _rounding_bound(prob, hs, lse2) > EXACT_LIMIT
         scores = _raw_scores(prob, hs, qb, i0, i1, exact=own)
         if own:
             own_lse2, own_delta = _own_statistics(prob, hs, scores, dob, v, i0, i1, blocks, buffers, keep_scale)
@@ -347,27 +347,24 @@ def _raw_scores(prob: SequenceProblem, hs, qb, i0, i1, exact: bool):
     return scores
 
 
-def _k_norm(prob: SequenceProblem, hs: slice) -> float:
-    """The largest ``|k_j|`` of kv heads ``hs``, computed once per sequence and head range."""
-    cache = prob.__dict__.setdefault("_k_norms", {})
+def _rounding_bound(prob: SequenceProblem, hs: slice, lse2=None) -> float:
+    """A bound (base-2 units) on the rounding of the scores ``q.k`` of kv heads ``hs``, and of
+    ``q.k - lse2`` when ``lse2`` is given: a dot product of ``D`` terms (plus the ``-lse2`` term)
+    rounds by at most ``(D + 2) u`` times the sum of their magnitudes, and
+    ``|q_i . k_j| <= |q_i| |k_j|``. The norms are taken once per sequence and head range."""
+    cache = prob.__dict__.setdefault("_norm_products", {})
     key = (hs.start, hs.stop)
     if key not in cache:
-        cache[key] = float(torch.linalg.vector_norm(prob.k[hs], dim=-1).amax()) if prob.sk else 0.0
-    return cache[key]
-
-
-def _rounding_bound(prob: SequenceProblem, qb, k_norm: float, lse2=None) -> float:
-    """A bound (base-2 units) on the rounding of the block's scores ``q.k``, and of ``q.k - lse2``
-    when ``lse2`` is given: a dot product of ``D`` terms (plus the ``-lse2`` term) rounds by at most
-    ``(D + 2) u`` times the sum of their magnitudes, with ``|q_i . k_j| <= |q_i| |k_j|``."""
+        q, k, cdt = prob.q[prob.q_heads(hs)], prob.k[hs], prob.compute_dtype
+        q_norm = float(torch.linalg.vector_norm(q, dim=-1, dtype=cdt).amax()) if q.numel() else 0.0
+        k_norm = float(torch.linalg.vector_norm(k, dim=-1).amax()) if k.numel() else 0.0
+        cache[key] = abs(prob.scale) * LOG2E * q_norm * k_norm
     lse_max = 0.0
     if lse2 is not None:
         finite = lse2[torch.isfinite(lse2)]
         lse_max = float(finite.abs().max()) if finite.numel() else 0.0
-    q_norm = float(torch.linalg.vector_norm(qb, dim=-1).amax())
-    to_base2 = 1.0 if prob.plain else LOG2E  # plain q blocks carry log2(e) already
     unit = torch.finfo(prob.compute_dtype).eps / 2
-    return (prob.head_dim + 2) * unit * (to_base2 * q_norm * k_norm + lse_max)
+    return (prob.head_dim + 2) * unit * (cache[key] + lse_max)
 
 
 def _own_statistics(prob: SequenceProblem, hs, scores, dob, v, i0, i1, blocks, buffers, keep_scale):
