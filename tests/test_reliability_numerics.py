@@ -93,19 +93,24 @@ def test_fp16_huge_logits_give_finite_gradients():
     torch.testing.assert_close(grads[2].double(), ref_grads[2], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("infinities", [1, 2])
-def test_plus_inf_scores_follow_the_reference(infinities):
+@pytest.mark.parametrize("infinities,hide", [(1, {}), (2, {}), (1, {"causal": True}), (1, {"mask": "keys 0, 5"})])
+def test_plus_inf_scores_follow_the_reference(infinities, hide):
     """A +inf bias entry: the fp64 reference gives LSE +inf and NaN for that row's output, its dq and
-    dbias, for dk (every key the row sees) and for dv of the +inf keys; other rows are untouched."""
+    dbias, for dk of every key the row sees (not of keys hidden from it) and for dv of the +inf keys;
+    other rows are untouched."""
     q, k, v = make_qkv(b=1, hq=2, sq=5, sk=7, d=8, seed=7, dtype=torch.float64)
     bias = torch.zeros(1, 2, 5, 7, dtype=torch.float64)
     bias[0, 1, 2, 3] = float("inf")
     if infinities == 2:
-        bias[0, 1, 2, 6] = float("inf")
+        bias[0, 1, 2, 4] = float("inf")
+    if "mask" in hide:
+        mask = torch.ones(5, 7, dtype=torch.bool)
+        mask[2, 0] = mask[2, 5] = False
+        hide = {"mask": mask}
     results = []
     for backend in ("reference", "cpu"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
-        out, lse = tileattn.flash_attention(*leaves[:3], bias=leaves[3], backend=backend, return_lse=True)
+        out, lse = tileattn.flash_attention(*leaves[:3], bias=leaves[3], backend=backend, return_lse=True, **hide)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
         results.append([out, lse] + list(torch.autograd.grad(out, leaves, dout)))
     assert results[0][1][0, 1, 2] == float("inf")

@@ -288,6 +288,7 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
         lse2.masked_fill_(lse2 == -math.inf, torch.finfo(lse2.dtype).max)
         torch.neg(lse2, out=qa[..., d:])
         torch.neg(delta, out=doa[..., dvd:])
+        finite_rows = bool(torch.isfinite(delta).all())  # not with a +inf score (or a NaN input)
         dq_acc = None
         for j0, j1, hidden in blocks:
             tile_s = scratch_tile(buffers[0], nh, g * bm, j1 - j0)
@@ -314,6 +315,11 @@ def backward_heads(prob: SequenceProblem, hs: slice, out, dout, lse, dq, dk, dv,
                     dv[:, j0:j1].baddbmm_(p.transpose(1, 2), dob)
                 dp_minus_delta = dp.sub_(delta)
             ds = p.mul_(dp_minus_delta)
+            if not finite_rows:  # 0 * NaN: keep a NaN row out of the keys it does not see, as the reference
+                if prob.on_band_edge(i0, i1, j0, j1):
+                    prob.zero_outside_band(ds, i0, i1, j0, j1)
+                if hidden is not None:
+                    ds.view(nh, g, bm, -1).masked_fill_(hidden, 0.0)
             if dbias is not None:
                 _accumulate_bias_grad(dbias, ds, prob, hs, i0, i1, j0, j1)
             if tanh is not None:
