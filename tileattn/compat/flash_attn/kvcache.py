@@ -173,7 +173,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if _as_int(_FN, "num_splits", num_splits, "an int >= 0 (0 = automatic)") < 0:
         _fail(_FN, "num_splits", repr(num_splits), "an int >= 0 (0 = automatic)")
     if v_cache.shape[:3] != k_cache.shape[:3]:
-        _fail(_FN, "v_cache", f"shape {tuple(v_cache.shape)}", f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
+        _fail(_FN, "v_cache", f"shape {tuple(v_cache.shape)}",
+              f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
     batch = q.shape[0]
     cache = _Cache(k_cache, v_cache, batch, cache_batch_idx, block_table)
     lengths = _cache_lengths(cache_seqlens, batch, cache.capacity)
