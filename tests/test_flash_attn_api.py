@@ -1,5 +1,6 @@
 """The flash-attn 2.x stand-in (tileattn.compat.flash_attn) against the exact reference."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -297,3 +298,215 @@ def test_flash_attn_func_compiles_fullgraph():
     dout = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(eager, (q, k, v), dout)):
         torch.testing.assert_close(a, b)
+
+
+# --- Integer arguments given as tensors (flash-attn's own tests pass torch.randint(0, s, (2,))) ---
+
+def _entry_points():
+    """Each of the seven functions on a small problem, as ``call(window_size) -> out``."""
+    q, k, v = _rand(2, 6, 4, 8), _rand(2, 6, 2, 8, seed=1), _rand(2, 6, 2, 8, seed=2)
+    qkv = torch.stack([_rand(2, 6, 2, 8, seed=i) for i in range(3)], dim=2)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    flat = [t.flatten(0, 1) for t in (q, k, v)]
+    return {
+        "flash_attn_func": lambda w: flash_attn.flash_attn_func(q, k, v, window_size=w),
+        "flash_attn_qkvpacked_func": lambda w: flash_attn.flash_attn_qkvpacked_func(qkv, window_size=w),
+        "flash_attn_kvpacked_func": lambda w: flash_attn.flash_attn_kvpacked_func(
+            q, torch.stack([k, v], dim=2), window_size=w),
+        "flash_attn_varlen_func": lambda w: flash_attn.flash_attn_varlen_func(*flat, cu, cu, 6, 6, window_size=w),
+        "flash_attn_varlen_qkvpacked_func": lambda w: flash_attn.flash_attn_varlen_qkvpacked_func(
+            qkv.flatten(0, 1), cu, 6, window_size=w),
+        "flash_attn_varlen_kvpacked_func": lambda w: flash_attn.flash_attn_varlen_kvpacked_func(
+            flat[0], torch.stack(flat[1:], dim=1), cu, cu, 6, 6, window_size=w),
+        "flash_attn_with_kvcache": lambda w: flash_attn.flash_attn_with_kvcache(q, k, v, cache_seqlens=5,
+                                                                             window_size=w),
+    }
+
+
+@pytest.mark.parametrize("window", [
+    torch.tensor([2, 1]),                                   # flash-attn's tests: torch.randint(0, s, (2,))
+    (torch.tensor(2), torch.tensor(1, dtype=torch.int32)),  # 0-d tensors
+    [torch.tensor([2]), 1],                                 # one-element tensors, a list
+    (np.int64(2), np.array(1)),                             # numpy integers
+], ids=["1d-tensor", "0d-tensors", "1-element", "numpy"])
+def test_window_size_accepts_integer_tensors_in_every_entry_point(window):
+    for name, call in _entry_points().items():
+        assert torch.equal(call(window), call((2, 1))), name
+
+
+@pytest.mark.parametrize("window,why", [
+    ((2.0, 1), "float"),
+    ((torch.tensor([2, 3]), 1), r"shape \(2,\)"),
+    (torch.tensor([2, 1, 0]), "3"),
+    ((torch.tensor(2.5), 1), "float32|float"),
+    ((True, 0), "bool"),
+    ("2,1", "str"),
+])
+def test_window_size_rejects_what_flash_attn_rejects(window, why):
+    for name, call in _entry_points().items():
+        with pytest.raises(TypeError, match=f"'window_size'.*({why})") as info:
+            call(window)
+        assert isinstance(info.value, RuntimeError), f"{name}: flash-attn raises RuntimeError here"
+
+
+def test_max_seqlen_accepts_integer_tensors():
+    q, k, v, cu_q, cu_k = _varlen_inputs()
+    expected = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
+    got = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(5), torch.tensor([5]), causal=True)
+    assert torch.equal(got, expected)
+    with pytest.raises(TypeError, match="'max_seqlen_q'"):
+        flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5.0, 5)
+
+
+# --- flash_attn_with_kvcache: flash-attn's rules for rotary tables and paged caches ---
+
+def test_kvcache_rotary_table_length_is_flash_attns_rule():
+    """flash-attn requires cos/sin to cover the cache (seqlen_ro >= seqlen_k, the cache capacity),
+    nothing about seqlen_q: non-causal queries are all rotated at cache_seqlens."""
+    b, cap, h, d = 2, 8, 2, 8
+    k_cache, v_cache = _rand(b, cap, h, d, dtype=torch.float64), _rand(b, cap, h, d, dtype=torch.float64, seed=1)
+    before = k_cache.clone()
+    q = _rand(b, 4, h, d, dtype=torch.float64, seed=2)  # seqlen_q 4 > seqlen_new 1
+    k_new, v_new = _rand(b, 1, h, d, dtype=torch.float64, seed=3), _rand(b, 1, h, d, dtype=torch.float64, seed=4)
+    angles = torch.arange(cap, dtype=torch.float64)[:, None] * torch.tensor([0.3, 0.05], dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    lens = torch.tensor([7, 3], dtype=torch.int32)
+    out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                             cache_seqlens=lens)
+    for i, n in enumerate(lens.tolist()):
+        k_rot = _rotary_oracle(k_new[i], torch.arange(n, n + 1), cos, sin, True)
+        q_rot = _rotary_oracle(q[i], torch.full((4,), n), cos, sin, True)
+        keys = torch.cat([before[i, :n], k_rot])[None]
+        torch.testing.assert_close(out[i:i + 1], tileattn.reference(q_rot[None], keys, v_cache[i:i + 1, :n + 1],
+                                                                    layout="BSND"))
+    with pytest.raises(ValueError, match="'rotary_cos'.*7 positions.*8") as info:
+        flash_attn.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, rotary_cos=cos[:7],
+                                           rotary_sin=sin[:7], cache_seqlens=torch.tensor([2, 3], dtype=torch.int32))
+    assert isinstance(info.value, RuntimeError)
+    # Causal: query i is rotated at cache_seqlens + i, which must exist in the table.
+    with pytest.raises(ValueError, match="'rotary_cos'.*causal"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, rotary_cos=cos,
+                                           rotary_sin=sin, cache_seqlens=lens, causal=True)
+
+
+def test_kvcache_paged_rotary_covers_the_pages_of_a_sequence():
+    """With a block table the cache seen by a sequence is max_blocks * page_size long."""
+    q, k_new, v_new = _rand(1, 1, 2, 8), _rand(1, 1, 2, 8, seed=1), _rand(1, 1, 2, 8, seed=2)
+    pool_k, pool_v = _rand(5, 4, 2, 8, seed=3), _rand(5, 4, 2, 8, seed=4)
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    angles = torch.arange(8, dtype=torch.float32)[:, None] * torch.tensor([0.3, 0.05])
+    kwargs = dict(cache_seqlens=2, block_table=table)
+    flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, rotary_cos=angles.cos(),
+                                       rotary_sin=angles.sin(), **kwargs)
+    with pytest.raises(ValueError, match="'rotary_cos'"):
+        flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, k_new, v_new, rotary_cos=angles[:7].cos(),
+                                           rotary_sin=angles[:7].sin(), **kwargs)
+
+
+def test_kvcache_block_table_errors_name_block_table_and_are_runtime_errors():
+    q, pool_k, pool_v = _rand(2, 1, 2, 8), _rand(4, 4, 2, 8, seed=1), _rand(4, 4, 2, 8, seed=2)
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    for table in ([[0, 1], [1, 5]], [[0, 1], [-1, 2]]):  # sequence 1 reads both of its pages
+        bad = torch.tensor(table, dtype=torch.int32)
+        with pytest.raises(ValueError, match="'block_table'") as info:
+            flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=bad)
+        assert isinstance(info.value, RuntimeError)
+    # Entries past a sequence's last page are never read (flash-attn ignores them too).
+    padded = torch.tensor([[0, 9], [1, 2]], dtype=torch.int32)
+    out = flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=padded)
+    same = flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens,
+                                              block_table=torch.tensor([[0, 3], [1, 2]], dtype=torch.int32))
+    assert torch.equal(out, same)
+    with pytest.raises(TypeError, match="'block_table'") as info:
+        flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, block_table=padded.long())
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_varlen_paged_cache_says_what_is_unsupported_first():
+    q = _rand(6, 2, 8)
+    pool_k, pool_v = _rand(4, 4, 2, 8, seed=1), _rand(4, 4, 2, 8, seed=2)  # a paged cache is 4-d
+    cu_q = torch.tensor([0, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="'block_table'"):
+        flash_attn.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 6, 5,
+                                          block_table=torch.tensor([[2, 0]], dtype=torch.int32))
+
+
+def test_flash_attn_errors_are_also_runtime_errors():
+    """flash-attn's checks are TORCH_CHECKs (RuntimeError): callers catch either category."""
+    q = _rand(1, 4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for call in (lambda: flash_attn.flash_attn_func(q, q, q, dropout_p=1.0),
+                 lambda: flash_attn.flash_attn_func(q[0], q, q),
+                 lambda: flash_attn.flash_attn_func(q, _rand(1, 4, 3, 8), _rand(1, 4, 3, 8)),
+                 lambda: flash_attn.flash_attn_func(q, q.double(), q),
+                 lambda: flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu.long(), cu, 4, 4)):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert isinstance(info.value, (ValueError, TypeError))
+        assert "tileattn.compat.flash_attn" in str(info.value)
+
+
+# --- return_attn_probs: S_dmask ---
+
+def _reference_probs(q, k, **kwargs):
+    """(B, H, Sq, Sk) softmax probabilities from the fp64 reference (attending with v = identity)."""
+    sk = k.shape[1]
+    eye = torch.eye(sk, dtype=torch.float64)[None, :, None, :].expand(k.shape[0], sk, k.shape[2], sk)
+    probs = tileattn.reference(q.double(), k.double(), eye, layout="BSND", compute_dtype=torch.float64, **kwargs)
+    return probs.permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attn_probs_are_the_softmax_in_the_input_dtype(dtype):
+    q, k, v = (_rand(2, s, h, 8, dtype=dtype, seed=i) for i, (s, h) in enumerate([(5, 4), (9, 2), (9, 2)]))
+    slopes = torch.tensor([0.5, 0.25, 0.1, 0.05])
+    _, _, probs = flash_attn.flash_attn_func(q, k, v, causal=True, window_size=(4, -1), softcap=2.0,
+                                             alibi_slopes=slopes, return_attn_probs=True)
+    assert probs.dtype == dtype and probs.shape == (2, 4, 5, 9)
+    expected = _reference_probs(q, k, causal=True, window=(4, None), softcap=2.0, alibi_slopes=slopes)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(probs.double(), expected, atol=tol, rtol=tol)
+    assert (probs[:, :, 0, 6:] == 0).all()  # causal, bottom-right: query 0 sees keys 0..4
+
+
+def test_attn_probs_with_dropout_negate_the_dropped_entries():
+    q, k, v = _rand(1, 6, 2, 8), _rand(1, 7, 2, 8, seed=1), _rand(1, 7, 2, 8, seed=2)
+    torch.manual_seed(11)
+    out, _, probs = flash_attn.flash_attn_func(q, k, v, dropout_p=0.3, return_attn_probs=True)
+    expected = _reference_probs(q, k)
+    torch.testing.assert_close(probs.abs().double(), expected, atol=1e-6, rtol=1e-6)
+    dropped = probs < 0
+    assert 0.1 < dropped.float().mean() < 0.5
+    kept = torch.where(dropped, 0.0, probs) / 0.7
+    torch.testing.assert_close(torch.einsum("bhij,bjhd->bihd", kept, v), out, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_attn_probs_are_padded_to_the_given_max_seqlens():
+    q, k, v, cu_q, cu_k = _varlen_inputs(torch.float32)
+    _, _, probs = flash_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 9, causal=True, return_attn_probs=True)
+    assert probs.shape == (3, 4, 7, 9) and probs.dtype == torch.float32
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:])):
+        expected = _reference_probs(q[None, q0:q1], k[None, k0:k1], causal=True)[0]
+        torch.testing.assert_close(probs[b, :, :q1 - q0, :k1 - k0].double(), expected, atol=1e-6, rtol=1e-6)
+        assert probs[b, :, q1 - q0:].abs().max() == 0 and probs[b, :, :, k1 - k0:].abs().max() == 0
+
+
+def test_attn_probs_cost_about_one_score_matrix():
+    """Materialising S_dmask used to attend with v = identity: ~Sk times the work and ~10x the score
+    matrix in memory. Now: the probabilities themselves plus one head's fp32 scores at a time."""
+    import time
+
+    from tileattn.bench import measure_peak_memory
+
+    s, h = 2048, 2
+    q, k, v = (_rand(1, s, h, 64, dtype=torch.bfloat16, seed=i) for i in range(3))
+    score_bytes = s * s * h * 2
+    timings, peaks = {}, {}
+    for flag in (False, True, False, True):
+        start = time.perf_counter()
+        peaks[flag] = measure_peak_memory(lambda: flash_attn.flash_attn_func(q, k, v, return_attn_probs=flag), "cpu")
+        timings[flag] = min(timings.get(flag, float("inf")), time.perf_counter() - start)
+    if peaks[True] is not None:
+        assert peaks[True] - peaks[False] < 2 * score_bytes, (peaks, score_bytes)
+    assert timings[True] < 3 * timings[False] + 0.1, timings

@@ -58,7 +58,8 @@ class Backend:
     rows that see no key, whose output is 0).
 
     ``backward(spec, grads)`` with a :class:`Gradients` bundle: given ``out``, ``dout`` (canonical
-    views), ``lse`` and ``delta`` (``rowsum(dout * out) - dlse``, fp32, lse-shaped), it writes dq, dk,
+    views), ``lse`` and ``delta`` (``rowsum(dout * out) - dlse``, fp32, lse-shaped; ``dlse`` itself too,
+    or None, for engines that recompute a row's statistics), it writes dq, dk,
     dv into the canonical views ``grads.dq``/``dk``/``dv`` (input dtype) and, when
     ``grads.dbias`` is set, accumulates dS reduced over the bias's broadcast dims into it (fp32,
     the bias's 4-d shape with size-1 dims). Sinks and the LSE gradient are handled by the caller.
@@ -135,6 +136,7 @@ class Gradients:
     dout: torch.Tensor
     lse: torch.Tensor
     delta: torch.Tensor
+    dlse: Optional[torch.Tensor]
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor

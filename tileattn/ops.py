@@ -155,7 +155,8 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     dout_c = to_canonical(dout, spec.layout, spec.heads_q)
     delta = _rows_to_lse((dout_c.to(acc) * out_c.to(acc)).sum(-1), spec)
     if dlse is not None:
-        delta = delta - dlse.to(acc)
+        dlse = dlse.to(acc)
+        delta = delta - dlse
     if dout.dtype != spec.dtype:
         # A partial result's output (and so its gradient) is fp32; engines take dO in the input dtype.
         dout_c = dout_c.to(spec.dtype)
@@ -164,11 +165,10 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     dv = torch.empty(spec.v.shape, dtype=spec.dtype, device=spec.device)
     heads_kv = spec.heads_kv if spec.layout in ("BSH", "SBH") else None
     bias = spec.modifier("bias")
-    dbias4 = torch.zeros(bias.view4.shape, dtype=torch.float32 if acc == torch.float32 else acc,
-                         device=spec.device) if need_dbias else None
-    grads = Gradients(out=out_c, dout=dout_c, lse=lse, delta=delta, dq=to_canonical(dq, spec.layout, spec.heads_q),
-                      dk=to_canonical(dk, spec.layout, heads_kv), dv=to_canonical(dv, spec.layout, heads_kv),
-                      dbias=dbias4)
+    dbias4 = torch.zeros(bias.view4.shape, dtype=acc, device=spec.device) if need_dbias else None
+    grads = Gradients(out=out_c, dout=dout_c, lse=lse, delta=delta, dlse=dlse,
+                      dq=to_canonical(dq, spec.layout, spec.heads_q), dk=to_canonical(dk, spec.layout, heads_kv),
+                      dv=to_canonical(dv, spec.layout, heads_kv), dbias=dbias4)
     if dq.numel() and dk.numel():
         with _autocast_off(spec.device):
             engine.backward(spec.without("sinks"), grads)

@@ -19,7 +19,7 @@ from ...dispatch import ALL_DTYPES, Backend, Capabilities, Gradients, register
 from ...reference import sequence_views
 from ...spec import AttentionSpec
 from . import kernels
-from .parallel import run_tasks
+from .parallel import planned_workers, run_tasks
 from .tiles import SequenceProblem
 
 
@@ -96,7 +96,7 @@ class CpuBackend(Backend):
     def forward(self, spec: AttentionSpec, out, lse):
         cfg = self.config(spec)
         tasks = []
-        nh = cfg.heads_per_task(spec, -(-max(spec.seqlen_q, 1) // cfg.block_m), 4 * torch.get_num_threads())
+        nh = cfg.heads_per_task(spec, -(-max(spec.seqlen_q, 1) // cfg.block_m), 4 * planned_workers())
         for seq, prob in self._problems(spec, cfg):
             prob.prepare(augment_k=prob.plain, augment_v=False)
             if spec.is_varlen:
@@ -122,7 +122,7 @@ class CpuBackend(Backend):
         dv = torch.zeros(grads.dv.shape, dtype=cdt) if spec.dtype != cdt else grads.dv.zero_()
         grads.dq.zero_()
         tasks = []
-        nh = cfg.heads_per_task(spec, 1, torch.get_num_threads())
+        nh = cfg.heads_per_task(spec, 1, planned_workers())
         for seq, prob in self._problems(spec, cfg):
             prob.prepare(augment_k=prob.plain, augment_v=prob.dropout_p == 0)
             if spec.is_varlen:
@@ -130,20 +130,21 @@ class CpuBackend(Backend):
                 keys = slice(seq.k_start, seq.k_start + seq.k_len)
                 do, dq_b = grads.dout[rows].transpose(0, 1), grads.dq[rows].transpose(0, 1)
                 l, delta = grads.lse[:, rows], grads.delta[:, rows]
+                dlse = None if grads.dlse is None else grads.dlse[:, rows]
                 dk_b, dv_b = dk[keys].transpose(0, 1), dv[keys].transpose(0, 1)
             else:
                 b = seq.batch
                 do, dq_b, l, delta = grads.dout[b], grads.dq[b], grads.lse[b], grads.delta[b]
+                dlse = None if grads.dlse is None else grads.dlse[b]
                 dk_b, dv_b = dk[b, :, : seq.k_len], dv[b, :, : seq.k_len]
             db = None if grads.dbias is None else grads.dbias[seq.batch if grads.dbias.shape[0] > 1 else 0]
             for hs in _head_ranges(prob.heads_kv, nh):
-                task = partial(kernels.backward_heads, prob, hs, do, l, delta, dq_b, dk_b[hs], dv_b[hs], db,
+                task = partial(kernels.backward_heads, prob, hs, do, l, delta, dlse, dq_b, dk_b[hs], dv_b[hs], db,
                                cfg.block_m, cfg.block_n)
                 tasks.append((prob.sq * prob.sk * (hs.stop - hs.start), task))
         if grads.dbias is not None:
             # Heads (and batch items) may share bias-gradient entries: accumulate in one thread, in order.
-            for _, task in tasks:
-                task()
+            run_tasks([task for _, task in tasks], max_workers=1)
         else:
             run_tasks(_longest_first(tasks))
         if dk is not grads.dk:

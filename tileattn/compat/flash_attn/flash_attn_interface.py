@@ -4,45 +4,145 @@ Every function validates its arguments under flash-attn's own names, then makes 
 :func:`tileattn.flash_attention` with ``layout="BSND"`` (or ``"TND"`` for varlen). Packed inputs are
 split into views, never copied. Gradients flow through autograd like the original; dropout draws its
 seed from torch's default generator, so ``torch.manual_seed`` makes it reproducible.
+
+Errors: flash-attn's checks are ``TORCH_CHECK``s and its arguments go through a ``torch.library``
+op schema, both of which raise RuntimeError; Python callers catch ValueError/TypeError. Every
+argument error here is both (:class:`FlashAttnArgumentError`, :class:`FlashAttnTypeError`).
+
+Integer arguments (``window_size`` sides, ``max_seqlen*``, ``num_splits``) accept what flash-attn's
+op schema accepts for an int: Python and numpy integers and one-element integer tensors (its own
+tests pass ``window_size=torch.randint(0, seqlen, (2,))``). Floats, strings and tensors of several
+elements are refused as flash-attn refuses them. Two deliberate differences: flash-attn takes
+``True`` as 1 and truncates a one-element float tensor (2.7 -> 2); here both are refused.
+
+``S_dmask`` (``return_attn_probs=True``): the softmax probabilities ``P`` of the scores with every
+modifier (scale, softcap, ALiBi, causal/window), one (B, H, Sq, Sk) tensor in q's dtype (varlen:
+(B, H, max_seqlen_q, max_seqlen_k), zero outside each sequence); where dropout dropped an entry it
+is negated, flash-attn's sign convention. Differences from flash-attn's kernel, whose docstring
+calls this output "for testing only": its values are unnormalised (``exp(s - m)`` against the
+running maximum of the key block being written), its rows and columns are padded to multiples of
+128, and with ``dropout_p == 0`` it returns an empty tensor; here ``P`` is normalised (rows sum to
+1 before dropout), unpadded, and returned at any ``dropout_p``. It costs one score matrix in q's
+dtype (computed a few query rows of one head at a time), on top of the attention itself.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
+import operator
+from functools import partial
 
+import numpy as np
 import torch
 
+from ... import scores as S
 from ...api import flash_attention
-from ...reference import reference
+from ...backends.cpu.parallel import run_tasks
+from ...spec import make_inputs
 
 
-def _fail(fn, arg, given, expected, exc=ValueError):
+class FlashAttnArgumentError(ValueError, RuntimeError):
+    """A bad argument value. Also a RuntimeError, which flash-attn's checks raise."""
+
+
+class FlashAttnTypeError(TypeError, RuntimeError):
+    """A bad argument type. Also a RuntimeError, which flash-attn's op schema raises."""
+
+
+def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):
+    if exc is TypeError:
+        exc = FlashAttnTypeError
     raise exc(f"tileattn.compat.flash_attn.{fn}: argument '{arg}': got {given}; expected {expected}.")
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _as_int(fn, name, value, expected="an int"):
+    """``value`` as an int if flash-attn's op schema takes it as one (see the module doc)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype != torch.bool:
+            return int(value.item())
+    elif not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)  # int, numpy integers, 0-d integer arrays
+        except TypeError:
+            pass
+    _fail(fn, name, _describe(value), f"{expected} (or a one-element integer tensor)", FlashAttnTypeError)
+
+
+def _window(fn, window_size):
+    """flash-attn's ``window_size`` pair as (left, right) ints; -1 (any negative) = unbounded."""
+    expected = "a pair (left, right) of ints, -1 = unbounded"
+    if isinstance(window_size, torch.Tensor) and window_size.dim() >= 1:
+        sides = list(window_size)
+    elif isinstance(window_size, (tuple, list)):
+        sides = list(window_size)
+    else:
+        sides = None
+    if sides is None or len(sides) != 2:
+        _fail(fn, "window_size", _describe(window_size), expected, FlashAttnTypeError)
+    return tuple(_as_int(fn, "window_size", side, expected) for side in sides)
 
 
 def _check_rank(fn, name, t, rank, shape):
     if not isinstance(t, torch.Tensor):
-        _fail(fn, name, type(t).__name__, f"a torch.Tensor of shape {shape}", TypeError)
+        _fail(fn, name, type(t).__name__, f"a torch.Tensor of shape {shape}", FlashAttnTypeError)
     if t.dim() != rank:
         _fail(fn, name, f"a {t.dim()}-d tensor of shape {tuple(t.shape)}", f"a {rank}-d tensor {shape}")
 
 
-def _check_options(fn, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_probs):
+def _check_qkv(fn, q, k, v):
+    """flash-attn's consistency checks on q (..., S, H, D), k (..., Sk, Hk, D), v (..., Sk, Hk, Dv),
+    ranks already checked (3-d varlen or 4-d)."""
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            _fail(fn, name, f"dtype {t.dtype}", f"q's dtype {q.dtype}", FlashAttnTypeError)
+        if t.device != q.device:
+            _fail(fn, name, f"device {t.device}", f"q's device {q.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        _fail(fn, "q", f"dtype {q.dtype}", "fp16, bf16 (flash-attn), fp32 or fp64", FlashAttnTypeError)
+    lead = q.dim() - 3  # the batch dim, if any
+    if k.shape[:lead] != q.shape[:lead] or v.shape[:-1] != k.shape[:-1]:
+        _fail(fn, "k/v", f"shapes {tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}",
+              "k and v with q's batch and one (seqlen, nheads_k) between them")
+    if k.shape[-1] != q.shape[-1]:
+        _fail(fn, "k", f"head dim {k.shape[-1]}", f"q's head dim {q.shape[-1]}")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+        _fail(fn, "k", f"{k.shape[-2]} heads for {q.shape[-2]} query heads",
+              "a number of kv heads dividing the query heads (MQA/GQA)")
+
+
+def _check_options(fn, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_probs,
+                   return_name="return_attn_probs"):
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         _fail(fn, "dropout_p", repr(dropout_p), "a float in [0, 1)")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
-        _fail(fn, "softmax_scale", repr(softmax_scale), "None (= 1/sqrt(headdim)) or a float", TypeError)
+        _fail(fn, "softmax_scale", repr(softmax_scale), "None (= 1/sqrt(headdim)) or a float", FlashAttnTypeError)
     if not isinstance(causal, bool):
-        _fail(fn, "causal", repr(causal), "True or False", TypeError)
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        _fail(fn, "window_size", repr(window_size), "a pair (left, right) of ints, -1 = unbounded", TypeError)
+        _fail(fn, "causal", repr(causal), "True or False", FlashAttnTypeError)
+    window = _window(fn, window_size)
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or softcap < 0:
         _fail(fn, "softcap", repr(softcap), "a float >= 0 (0 = off)")
-    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_probs)):
+    for name, flag in (("deterministic", deterministic), (return_name, return_probs)):
         if not isinstance(flag, bool):
-            _fail(fn, name, repr(flag), "True or False", TypeError)
-    return tuple(int(w) for w in window_size)
+            _fail(fn, name, repr(flag), "True or False", FlashAttnTypeError)
+    return window
+
+
+def _check_alibi(fn, alibi_slopes, batch, heads):
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+        _fail(fn, "alibi_slopes", _describe(alibi_slopes), f"an fp32 tensor ({heads},) or ({batch}, {heads})",
+              FlashAttnTypeError)
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        _fail(fn, "alibi_slopes", f"shape {tuple(alibi_slopes.shape)}", f"({heads},) or ({batch}, {heads})")
 
 
 def _draw_seed(dropout_p):
@@ -50,52 +150,81 @@ def _draw_seed(dropout_p):
     return int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
 
 
-def _attention_probs(q, k, kwargs, dropout_p, seed):
-    """The softmax matrix (B, H, Sq, Sk) from the exact reference, flash-attn's ``S_dmask``.
+#: Score elements computed at once for ``S_dmask`` (a few query rows of one head): bounds the fp32
+#: scores and the int64 dropout hashes to about a MiB per worker whatever the sequence lengths.
+_PROBS_CHUNK = 1 << 18
 
-    Attending with ``v = identity`` returns the probabilities themselves. Entries dropped by dropout
-    come back negated (flash-attn encodes the dropout pattern in the sign).
-    """
-    varlen = kwargs.get("layout") == "TND"
-    with torch.no_grad():
-        if varlen:
-            cu_q = kwargs["cu_seqlens_q"].tolist()
-            cu_k = kwargs["cu_seqlens_k"].tolist()
-            max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-            max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-            seq_of_key = torch.repeat_interleave(
-                torch.arange(len(cu_k) - 1), torch.tensor([b - a for a, b in zip(cu_k, cu_k[1:])]))
-            pos = torch.arange(k.shape[0]) - torch.tensor(cu_k[:-1], dtype=torch.long)[seq_of_key]
-            eye = torch.nn.functional.one_hot(pos, max(max_k, 1)).to(device=k.device, dtype=k.dtype)
-            v_eye = eye[:, None, :].expand(k.shape[0], k.shape[1], eye.shape[1])
+
+def _attention_probs(q, k, v, lse, kwargs, seed, max_seqlen_q, max_seqlen_k):
+    """``S_dmask``: see the module docstring. ``lse`` is the call's own (natural-log) LSE, so the
+    probabilities are exactly those the output was made of: ``P = exp(s - lse)``. On CPU the chunks
+    run on the CPU engine's single-threaded workers (PyTorch's own intra-op threads would split each
+    small operation with a barrier, several times slower on a busy machine)."""
+    inp = make_inputs(q, k, v, seed=seed, **kwargs)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    probs = torch.zeros(inp.batch, inp.heads_q, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device)
+    tasks = []
+    for b, (q0, lq, k0, lk) in enumerate(inp.seq_lengths()):
+        if inp.is_varlen:
+            qs, ks, ls = inp.q_c[q0:q0 + lq].transpose(0, 1), inp.k_c[k0:k0 + lk].transpose(0, 1), lse[:, q0:q0 + lq]
         else:
-            sk = k.shape[1]
-            eye = torch.eye(sk, dtype=k.dtype, device=k.device)
-            v_eye = eye[None, :, None, :].expand(k.shape[0], sk, k.shape[2], sk)
-        kw = dict(kwargs, dropout_p=0.0, seed=None)
-        probs = reference(q, k, v_eye, compute_dtype=torch.float32, **kw)
-        if dropout_p > 0:
-            kept = reference(q, k, v_eye, compute_dtype=torch.float32, **dict(kwargs, dropout_p=dropout_p, seed=seed))
-            probs = torch.where((kept == 0) & (probs != 0), -probs, probs)
-        if not varlen:
-            return probs.permute(0, 2, 1, 3)
-        out = probs.new_zeros(len(cu_q) - 1, q.shape[1], max_q, max(max_k, 1))
-        for b, (q0, q1) in enumerate(zip(cu_q, cu_q[1:])):
-            out[b, :, : q1 - q0] = probs[q0:q1].transpose(0, 1)
-        return out
+            qs, ks, ls = inp.q_c[b], inp.k_c[b], lse[b]
+        rows_per_chunk = max(1, _PROBS_CHUNK // max(lk, 1))
+        for h in range(inp.heads_q):
+            for r0 in range(0, lq, rows_per_chunk):
+                r1 = min(r0 + rows_per_chunk, lq)
+                tasks.append(partial(_probs_chunk, inp, cdt, b, h, qs[h, r0:r1], ks[h // inp.group_size],
+                                     ls[h, r0:r1], r0, lq, probs[b, h, r0:r1, :lk]))
+    with torch.no_grad():
+        if q.device.type == "cpu":
+            run_tasks(tasks)
+        else:
+            for task in tasks:
+                task()
+    return probs
+
+
+def _probs_chunk(inp, cdt, b, h, q_rows, k, lse, r0, sq, out):
+    """Rows ``r0..`` (``q_rows``, with their ``lse``) of head ``h`` of sequence ``b``: write ``out``."""
+    sk = k.shape[0]
+    rows = torch.arange(r0, r0 + q_rows.shape[0], device=out.device)
+    cols = torch.arange(sk, device=out.device)
+    s = torch.matmul(q_rows.to(cdt), k.to(cdt).T).mul_(inp.scale)
+    if inp.softcap > 0:
+        s = torch.tanh(s.div_(inp.softcap)).mul_(inp.softcap)
+    if inp.alibi_slopes is not None:
+        slope = inp.alibi_slopes[h] if inp.alibi_slopes.dim() == 1 else inp.alibi_slopes[b, h]
+        s.sub_(slope.to(cdt) * S.alibi_distance(rows, cols, sq, sk, cdt))
+    left, right = inp.window_bounds
+    if left is not None or right is not None:
+        s.masked_fill_(~S.band_keep(rows, cols, sq, sk, left, right), -math.inf)
+    # Rows that see no key have LSE -inf: shift them by +inf instead (P = 0, not NaN).
+    lse = lse.to(cdt).masked_fill(lse == -math.inf, math.inf)
+    p = s.sub_(lse[:, None]).exp_()
+    if inp.dropout_p > 0:
+        keys = S.dropout_row_keys(inp.seed, b, torch.tensor([h], device=out.device), rows)
+        p = torch.where(S.dropout_keep(keys, cols, inp.dropout_p)[0], p, p.neg())
+    out.copy_(p)
 
 
 def _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-         deterministic, return_attn_probs, **layout_kwargs):
+         deterministic, return_attn_probs, max_seqlens=None, **layout_kwargs):
     window = _check_options(fn, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                             return_attn_probs)
+    _check_qkv(fn, q, k, v)
+    batch = q.shape[0] if q.dim() == 4 else layout_kwargs["cu_seqlens_q"].numel() - 1
+    _check_alibi(fn, alibi_slopes, batch, q.shape[-2])
     seed = _draw_seed(dropout_p)
     kwargs = dict(scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
-                  alibi_slopes=alibi_slopes, deterministic=deterministic, **layout_kwargs)
-    out, lse = flash_attention(q, k, v, dropout_p=float(dropout_p), seed=seed, return_lse=True, **kwargs)
+                  alibi_slopes=alibi_slopes, deterministic=deterministic, dropout_p=float(dropout_p),
+                  **layout_kwargs)
+    if max_seqlens is not None:
+        kwargs.update(max_seqlen_q=max_seqlens[0], max_seqlen_k=max_seqlens[1])
+    out, lse = flash_attention(q, k, v, seed=seed, return_lse=True, **kwargs)
     if not return_attn_probs:
         return out
-    return out, lse, _attention_probs(q, k, kwargs, float(dropout_p), seed)
+    sq, sk = max_seqlens if max_seqlens is not None else (q.shape[1], k.shape[1])
+    return out, lse, _attention_probs(q, k, v, lse.detach(), kwargs, seed, sq, sk)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -103,8 +232,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Attention of q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv); H % Hk == 0.
 
     Causal and ``window_size`` are aligned to the bottom-right corner; -1 = unbounded window side.
-    Returns ``out`` (B, Sq, H, Dv), or ``(out, softmax_lse (B, H, Sq) fp32, S_dmask (B, H, Sq, Sk))``
-    with ``return_attn_probs=True``.
+    Returns ``out`` (B, Sq, H, Dv), or ``(out, softmax_lse (B, H, Sq) fp32, S_dmask)`` with
+    ``return_attn_probs=True``: ``S_dmask`` is the (B, H, Sq, Sk) softmax in q's dtype, normalised,
+    with the entries dropout dropped negated (flash-attn's own is unnormalised and padded; see the
+    module docstring).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank("flash_attn_func", name, t, 4, "(batch, seqlen, nheads, headdim)")
@@ -139,39 +270,39 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                 deterministic, return_attn_probs, layout="BSND")
 
 
-def _check_max_seqlen(fn, name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        _fail(fn, name, repr(value), "a non-negative int (the longest sequence)", TypeError)
-
-
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table=None):
-    if block_table is not None:
-        raise NotImplementedError(
-            f"tileattn.compat.flash_attn.{fn}: argument 'block_table' (paged KV cache) is not supported; "
-            "pass contiguous k/v of shape (total_k, nheads_k, headdim).")
-    _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
+            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    max_seqlens = []
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        n = _as_int(fn, name, value, "a non-negative int (the longest sequence)")
+        if n < 0:
+            _fail(fn, name, n, "a non-negative int (the longest sequence)")
+        max_seqlens.append(n)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
-            given = f"dtype {cu.dtype}, shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-            _fail(fn, name, given, "an int32 tensor of shape (batch + 1,) of cumulative offsets", TypeError)
+            _fail(fn, name, _describe(cu), "an int32 tensor of shape (batch + 1,) of cumulative offsets",
+                  FlashAttnTypeError)
     return _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, layout="TND", cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+                deterministic, return_attn_probs, max_seqlens=tuple(max_seqlens), layout="TND",
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """Variable-length attention: q (total_q, H, D), k/v (total_k, Hk, D); sequence ``b`` is rows
-    ``cu_seqlens[b]:cu_seqlens[b+1]``. softmax_lse is (H, total_q)."""
+    ``cu_seqlens[b]:cu_seqlens[b+1]``. softmax_lse is (H, total_q); ``S_dmask`` (B, H, max_seqlen_q,
+    max_seqlen_k). A paged KV cache (``block_table``) is not supported here."""
     fn = "flash_attn_varlen_func"
+    if block_table is not None:
+        # Before any shape check: a paged k/v is 4-d, and the limitation is what the caller must learn.
+        raise NotImplementedError(
+            f"tileattn.compat.flash_attn.{fn}: argument 'block_table' (paged KV cache) is not supported; "
+            "pass contiguous k/v of shape (total_k, nheads_k, headdim), or use flash_attn_with_kvcache.")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(fn, name, t, 3, "(total_tokens, nheads, headdim)")
     return _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, block_table)
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,

@@ -13,15 +13,14 @@ import numbers
 import torch
 
 from ...api import flash_attention
-from .flash_attn_interface import _check_options, _check_rank, _fail
+from .flash_attn_interface import FlashAttnTypeError, _as_int, _check_options, _check_rank, _describe, _fail
 
 _FN = "flash_attn_with_kvcache"
 
 
 def _int32_vector(name, t, length, upper, what):
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (length,):
-        given = f"dtype {t.dtype}, shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-        _fail(_FN, name, given, f"an int32 tensor of shape ({length},): {what}", TypeError)
+        _fail(_FN, name, _describe(t), f"an int32 tensor of shape ({length},): {what}", FlashAttnTypeError)
     values = t.tolist()
     if any(not 0 <= x < upper for x in values):
         _fail(_FN, name, values, f"{what} in [0, {upper})")
@@ -37,9 +36,8 @@ def _cache_lengths(cache_seqlens, batch, capacity):
             tuple(cache_seqlens.shape) == (batch,):
         lengths = cache_seqlens.tolist()
     else:
-        given = (f"dtype {cache_seqlens.dtype}, shape {tuple(cache_seqlens.shape)}"
-                 if isinstance(cache_seqlens, torch.Tensor) else repr(cache_seqlens))
-        _fail(_FN, "cache_seqlens", given, f"an int or an int32 tensor of shape ({batch},)", TypeError)
+        _fail(_FN, "cache_seqlens", _describe(cache_seqlens), f"an int or an int32 tensor of shape ({batch},)",
+              FlashAttnTypeError)
     if any(not 0 <= n <= capacity for n in lengths):
         _fail(_FN, "cache_seqlens", lengths, f"lengths in [0, {capacity}] (the cache's capacity per sequence)")
     return lengths
@@ -68,15 +66,11 @@ class _Cache:
         if block_table is not None:
             if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
                     block_table.dim() != 2 or block_table.shape[0] != batch:
-                given = (f"dtype {block_table.dtype}, shape {tuple(block_table.shape)}"
-                         if isinstance(block_table, torch.Tensor) else type(block_table).__name__)
-                _fail(_FN, "block_table", given, f"an int32 tensor (batch={batch}, max_blocks_per_sequence)", TypeError)
+                _fail(_FN, "block_table", _describe(block_table),
+                      f"an int32 tensor (batch={batch}, max_blocks_per_sequence)", FlashAttnTypeError)
             if cache_batch_idx is not None:
                 _fail(_FN, "cache_batch_idx", "a tensor together with block_table", "None with a paged cache")
-            pages = block_table.tolist()
-            if any(not 0 <= p < k_cache.shape[0] for row in pages for p in row):
-                _fail(_FN, "block_table", "out-of-range block indices", f"indices in [0, {k_cache.shape[0]})")
-            self.pages = pages
+            self.pages = block_table.tolist()
             self.page_size = k_cache.shape[1]
             self.capacity = block_table.shape[1] * self.page_size
             self.rows = list(range(batch))
@@ -89,6 +83,20 @@ class _Cache:
             else:
                 self.rows = _int32_vector("cache_batch_idx", cache_batch_idx, batch, k_cache.shape[0],
                                           "indices of the cache entries of each sequence")
+
+    def check_pages(self, used):
+        """The pages each sequence reads or writes (those holding its first ``used[b]`` positions)
+        must exist. Entries past them are never read, as in flash-attn (block tables are often
+        padded with arbitrary values)."""
+        if self.pages is None:
+            return
+        blocks = self.k.shape[0]
+        for b, n in enumerate(used):
+            for slot, page in enumerate(self.pages[b][: -(-n // self.page_size)]):
+                if not 0 <= page < blocks:
+                    _fail(_FN, "block_table", f"block_table[{b}][{slot}] = {page}",
+                          f"a page index in [0, {blocks}) (k_cache's pages) for each page sequence {b} "
+                          f"uses (its first {n} positions)")
 
     def write(self, b, start, k_new, v_new):
         """Store (S_new, Hk, D) keys/values at positions start.. of sequence b, in place."""
@@ -111,6 +119,28 @@ class _Cache:
         return (self.k[idx].flatten(0, 1)[:used].unsqueeze(0), self.v[idx].flatten(0, 1)[:used].unsqueeze(0))
 
 
+def _check_rotary(rotary_cos, rotary_sin, head_dim, capacity, lengths, seqlen_q, local):
+    """flash-attn's rule: cos/sin of shape (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim and
+    seqlen_ro >= the cache's capacity per sequence (``seqlen_k`` of its kernel); nothing about
+    seqlen_q, because non-causal, non-local queries are all rotated at ``cache_seqlens``. Causal or
+    local queries are rotated at ``cache_seqlens + i``, which flash-attn reads past the table when it
+    is beyond it; that is refused here."""
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            _fail(_FN, name, _describe(t), "a float tensor (seqlen_ro, rotary_dim / 2)", FlashAttnTypeError)
+    if rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
+        _fail(_FN, "rotary_cos/rotary_sin", f"shapes {tuple(rotary_cos.shape)}, {tuple(rotary_sin.shape)}",
+              f"equal shapes (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {head_dim}")
+    seqlen_ro = rotary_cos.shape[0]
+    if seqlen_ro < capacity:
+        _fail(_FN, "rotary_cos", f"{seqlen_ro} positions",
+              f"at least the cache's capacity per sequence, {capacity} (flash-attn: cos/sin seqlen must be at "
+              "least the seqlen of KV cache)")
+    if local and max(lengths) + seqlen_q > seqlen_ro:
+        _fail(_FN, "rotary_cos", f"{seqlen_ro} positions for causal/local queries at cache_seqlens + i",
+              f"at least max(cache_seqlens) + seqlen_q = {max(lengths) + seqlen_q}")
+
+
 @torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -120,14 +150,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Decoding attention over a KV cache (forward only, no gradients).
 
     q (B, Sq, H, D); k_cache/v_cache (B_cache, S_cache, Hk, D), or (num_blocks, page_size, Hk, D) with
-    ``block_table`` (B, max_blocks) int32 for a paged cache. ``cache_batch_idx`` (B,) int32 picks each
-    sequence's cache entry. When ``k``/``v`` (B, S_new, Hk, D) are given they are written into the
-    caches *in place* at positions ``cache_seqlens[b]:cache_seqlens[b] + S_new``, then q attends to the
-    first ``cache_seqlens[b] + S_new`` entries of its sequence (the whole cache when ``cache_seqlens``
-    is None). With ``rotary_cos/rotary_sin`` (seqlen_ro, rotary_dim / 2) the new keys are rotated at
-    positions ``cache_seqlens[b] + i`` and q at the same positions when causal or windowed, else all at
-    ``cache_seqlens[b]`` (flash-attn's rule); ``rotary_interleaved`` picks GPT-J pairs over GPT-NeoX
-    halves. ``num_splits`` is a GPU scheduling hint and is ignored. Returns ``out`` or
+    ``block_table`` (B, max_blocks) int32 for a paged cache (only the pages a sequence uses must be
+    valid). ``cache_batch_idx`` (B,) int32 picks each sequence's cache entry. When ``k``/``v``
+    (B, S_new, Hk, D) are given they are written into the caches *in place* at positions
+    ``cache_seqlens[b]:cache_seqlens[b] + S_new``, then q attends to the first
+    ``cache_seqlens[b] + S_new`` entries of its sequence (the whole cache when ``cache_seqlens`` is
+    None). With ``rotary_cos/rotary_sin`` (seqlen_ro, rotary_dim / 2), seqlen_ro at least the cache's
+    capacity per sequence (flash-attn's rule), the new keys are rotated at positions
+    ``cache_seqlens[b] + i`` and q at the same positions when causal or windowed, else all at
+    ``cache_seqlens[b]``; ``rotary_interleaved`` picks GPT-J pairs over GPT-NeoX halves.
+    ``num_splits`` is a GPU scheduling hint and is ignored. Returns ``out`` or
     ``(out, softmax_lse (B, H, Sq))``.
     """
     if cache_leftpad is not None:
@@ -136,11 +168,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_rank(_FN, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_rank(_FN, "k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_rank(_FN, "v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
-    window = _check_options(_FN, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        _fail(_FN, "num_splits", repr(num_splits), "an int >= 0 (0 = automatic)", TypeError)
+    window = _check_options(_FN, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse,
+                            "return_softmax_lse")
+    if _as_int(_FN, "num_splits", num_splits, "an int >= 0 (0 = automatic)") < 0:
+        _fail(_FN, "num_splits", repr(num_splits), "an int >= 0 (0 = automatic)")
     if v_cache.shape[:3] != k_cache.shape[:3]:
-        _fail(_FN, "v_cache", f"shape {tuple(v_cache.shape)}", f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
+        _fail(_FN, "v_cache", f"shape {tuple(v_cache.shape)}",
+              f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
     batch = q.shape[0]
     cache = _Cache(k_cache, v_cache, batch, cache_batch_idx, block_table)
     lengths = _cache_lengths(cache_seqlens, batch, cache.capacity)
@@ -163,17 +197,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if max(lengths) + new > cache.capacity:
             _fail(_FN, "cache_seqlens", lengths,
                   f"lengths + seqlen_new ({new}) <= the cache capacity ({cache.capacity}) so the new keys fit")
+    cache.check_pages([cache.capacity] * batch if lengths is None else [n + new for n in lengths])
+    local = causal or window != (-1, -1)
     if rotary:
-        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
-                _fail(_FN, name, getattr(t, "shape", type(t).__name__), "a float tensor (seqlen_ro, rotary_dim / 2)",
-                      TypeError)
-        if rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > q.shape[3]:
-            _fail(_FN, "rotary_cos/rotary_sin", f"shapes {tuple(rotary_cos.shape)}, {tuple(rotary_sin.shape)}",
-                  f"equal shapes (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {q.shape[3]}")
-        if max(lengths) + max(new, q.shape[1]) > rotary_cos.shape[0]:
-            _fail(_FN, "rotary_cos", f"{rotary_cos.shape[0]} positions",
-                  f"at least {max(lengths) + max(new, q.shape[1])} (cache_seqlens + new tokens)")
+        _check_rotary(rotary_cos, rotary_sin, q.shape[3], cache.capacity, lengths, q.shape[1], local)
     queries = q
     if k is not None:
         rotated_q = []
@@ -183,7 +210,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 pos = torch.arange(start, start + new, device=q.device)
                 k_b = _rotate(k_b, rotary_cos[pos], rotary_sin[pos], rotary_interleaved)
                 q_pos = (torch.arange(start, start + q.shape[1], device=q.device)
-                         if causal or window != (-1, -1) else torch.full((q.shape[1],), start, device=q.device))
+                         if local else torch.full((q.shape[1],), start, device=q.device))
                 rotated_q.append(_rotate(q[b], rotary_cos[q_pos], rotary_sin[q_pos], rotary_interleaved))
             cache.write(b, start, k_b, v[b])
         lengths = [n + new for n in lengths]
