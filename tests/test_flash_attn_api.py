@@ -494,19 +494,15 @@ def test_varlen_attn_probs_are_padded_to_the_given_max_seqlens():
 
 def test_attn_probs_cost_about_one_score_matrix():
     """Materialising S_dmask used to attend with v = identity: ~Sk times the work and ~10x the score
-    matrix in memory. Now: the probabilities themselves plus one head's fp32 scores at a time."""
-    import time
-
-    from tileattn.bench import measure_peak_memory
+    matrix in memory. Now: the probabilities themselves plus one chunk of fp32 scores at a time.
+    (Memory is measured; time is a benchmark's business, not a test's.)"""
+    from tileattn.measure import peak_memory
 
     s, h = 2048, 2
     q, k, v = (_rand(1, s, h, 64, dtype=torch.bfloat16, seed=i) for i in range(3))
     score_bytes = s * s * h * 2
-    timings, peaks = {}, {}
+    peaks = {}
     for flag in (False, True, False, True):
-        start = time.perf_counter()
-        peaks[flag] = measure_peak_memory(lambda: flash_attn.flash_attn_func(q, k, v, return_attn_probs=flag), "cpu")
-        timings[flag] = min(timings.get(flag, float("inf")), time.perf_counter() - start)
+        _, peaks[flag] = peak_memory(lambda: flash_attn.flash_attn_func(q, k, v, return_attn_probs=flag), "cpu")
     if peaks[True] is not None:
         assert peaks[True] - peaks[False] < 2 * score_bytes, (peaks, score_bytes)
-    assert timings[True] < 3 * timings[False] + 0.1, timings

@@ -282,9 +282,6 @@ def test_packed_sequences_with_cu_seq_lens_match_separate_sequences():
 # --- inference mode ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="core bug, not the integration: under torch.inference_mode the CPU engine's "
-                   "worker threads update the output in place outside inference mode ('Inplace update to inference "
-                   "tensor outside InferenceMode'); being fixed in the CPU engine's worker threads")
 def test_inference_mode_without_padding():
     eager, ours = _pair("llama")
     ids, _ = _batch()
@@ -295,8 +292,6 @@ def test_inference_mode_without_padding():
     assert torch.equal(tokens, eager.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
 
 
-@pytest.mark.xfail(strict=True, reason="core bug, not the integration: under torch.inference_mode the CPU engine's "
-                   "worker threads update the output in place outside inference mode; being fixed in the CPU engine")
 def test_inference_mode_with_padding():
     eager, ours = _pair("llama")
     ids, attention_mask = _batch()

@@ -58,7 +58,8 @@ def sequence_views(spec: AttentionSpec, seq: SequenceSlice):
 
 
 def _scores(spec: AttentionSpec, seq: SequenceSlice, q, k, cdtype):
-    """Masked scores (Hq, q_len, k_len) of one sequence and the softcap's tanh (or None)."""
+    """Masked scores (Hq, q_len, k_len) of one sequence, the softcap's tanh (or None) and the keep
+    mask of the band and bool mask (or None)."""
     k = k.to(cdtype).repeat_interleave(spec.group_size, dim=0)
     s = torch.einsum("hid,hjd->hij", q.to(cdtype), k) * spec.scale
     dev = s.device
@@ -85,7 +86,7 @@ def _scores(spec: AttentionSpec, seq: SequenceSlice, q, k, cdtype):
         keep = block if keep is None else keep & block
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
-    return s.expand(spec.heads_q, seq.q_len, seq.k_len), tanh
+    return s.expand(spec.heads_q, seq.q_len, seq.k_len), tanh, keep
 
 
 def _dropout_factor(spec: AttentionSpec, seq: SequenceSlice, cdtype):
@@ -127,7 +128,7 @@ def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
     outs, lses = [], []
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
-        s, _ = _scores(spec, seq, q, k, cdtype)
+        s, _, _ = _scores(spec, seq, q, k, cdtype)
         lse = _lse(spec, s)
         p = _probabilities(s, lse)
         drop = _dropout_factor(spec, seq, cdtype)
@@ -175,7 +176,7 @@ def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_
     dk_c.zero_(), dv_c.zero_()
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
-        s, tanh = _scores(spec, seq, q, k, cdt)
+        s, tanh, keep = _scores(spec, seq, q, k, cdt)
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
         if spec.is_varlen:
             lse_s, delta_s = lse[:, rows].to(cdt), delta[:, rows].to(cdt)
@@ -192,6 +193,10 @@ def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_
         if drop is not None:
             dp = dp * drop
         ds = p * (dp - delta_s[..., None])
+        if keep is not None:
+            # Hidden pairs get no gradient, even in a row made NaN by a +inf score (as autograd
+            # through the forward's masked_fill gives).
+            ds = ds.masked_fill(~keep, 0.0)
         if dbias4 is not None:
             _accumulate_bias_grad(dbias4, ds, seq)
         if tanh is not None:

@@ -31,15 +31,13 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from functools import partial
 
 import numpy as np
 import torch
 
-from ... import scores as S
 from ...api import flash_attention
-from ...backends.cpu.parallel import run_tasks
-from ...spec import make_inputs
+from ...reference import sequence_views
+from ...spec import build_spec
 
 
 class FlashAttnArgumentError(ValueError, RuntimeError):
@@ -157,53 +155,42 @@ _PROBS_CHUNK = 1 << 18
 
 def _attention_probs(q, k, v, lse, kwargs, seed, max_seqlen_q, max_seqlen_k):
     """``S_dmask``: see the module docstring. ``lse`` is the call's own (natural-log) LSE, so the
-    probabilities are exactly those the output was made of: ``P = exp(s - lse)``. On CPU the chunks
-    run on the CPU engine's single-threaded workers (PyTorch's own intra-op threads would split each
-    small operation with a barrier, several times slower on a busy machine)."""
-    inp = make_inputs(q, k, v, seed=seed, **kwargs)
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    probs = torch.zeros(inp.batch, inp.heads_q, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device)
-    tasks = []
-    for b, (q0, lq, k0, lk) in enumerate(inp.seq_lengths()):
-        if inp.is_varlen:
-            qs, ks, ls = inp.q_c[q0:q0 + lq].transpose(0, 1), inp.k_c[k0:k0 + lk].transpose(0, 1), lse[:, q0:q0 + lq]
-        else:
-            qs, ks, ls = inp.q_c[b], inp.k_c[b], lse[b]
-        rows_per_chunk = max(1, _PROBS_CHUNK // max(lk, 1))
-        for h in range(inp.heads_q):
-            for r0 in range(0, lq, rows_per_chunk):
-                r1 = min(r0 + rows_per_chunk, lq)
-                tasks.append(partial(_probs_chunk, inp, cdt, b, h, qs[h, r0:r1], ks[h // inp.group_size],
-                                     ls[h, r0:r1], r0, lq, probs[b, h, r0:r1, :lk]))
+    probabilities are exactly those the output was made of: ``P = exp(s - lse)``, built chunk by chunk
+    from the call's modifiers (a few query rows of one head at a time)."""
+    spec = build_spec(q, k, v, seed=seed, **kwargs)
+    cdt = spec.acc_dtype()
+    probs = torch.zeros(spec.batch, spec.heads_q, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device)
     with torch.no_grad():
-        if q.device.type == "cpu":
-            run_tasks(tasks)
-        else:
-            for task in tasks:
-                task()
+        for seq in spec.sequences:
+            qs, ks, _ = sequence_views(spec, seq)
+            ls = lse[:, seq.q_start:seq.q_start + seq.q_len] if spec.is_varlen else lse[seq.batch]
+            rows_per_chunk = max(1, _PROBS_CHUNK // max(seq.k_len, 1))
+            for h in range(spec.heads_q):
+                for r0 in range(0, seq.q_len, rows_per_chunk):
+                    r1 = min(r0 + rows_per_chunk, seq.q_len)
+                    _probs_chunk(spec, cdt, seq, h, qs[h, r0:r1], ks[h // spec.group_size], ls[h, r0:r1], r0,
+                                 probs[seq.batch, h, r0:r1, :seq.k_len])
     return probs
 
 
-def _probs_chunk(inp, cdt, b, h, q_rows, k, lse, r0, sq, out):
-    """Rows ``r0..`` (``q_rows``, with their ``lse``) of head ``h`` of sequence ``b``: write ``out``."""
-    sk = k.shape[0]
+def _probs_chunk(spec, cdt, seq, h, q_rows, k, lse, r0, out):
+    """Rows ``r0..`` (``q_rows``, with their ``lse``) of head ``h`` of sequence ``seq``: write ``out``."""
     rows = torch.arange(r0, r0 + q_rows.shape[0], device=out.device)
-    cols = torch.arange(sk, device=out.device)
-    s = torch.matmul(q_rows.to(cdt), k.to(cdt).T).mul_(inp.scale)
-    if inp.softcap > 0:
-        s = torch.tanh(s.div_(inp.softcap)).mul_(inp.softcap)
-    if inp.alibi_slopes is not None:
-        slope = inp.alibi_slopes[h] if inp.alibi_slopes.dim() == 1 else inp.alibi_slopes[b, h]
-        s.sub_(slope.to(cdt) * S.alibi_distance(rows, cols, sq, sk, cdt))
-    left, right = inp.window_bounds
-    if left is not None or right is not None:
-        s.masked_fill_(~S.band_keep(rows, cols, sq, sk, left, right), -math.inf)
+    cols = torch.arange(seq.k_len, device=out.device)
+    s = torch.matmul(q_rows.to(cdt), k.to(cdt).T).mul_(spec.scale)
+    softcap, alibi = spec.modifier("softcap"), spec.modifier("alibi")
+    band, dropout = spec.modifier("band"), spec.modifier("dropout")
+    if softcap is not None:
+        s = softcap.apply(s)[0]
+    if alibi is not None:
+        s.add_(alibi.scores(seq.batch, slice(h, h + 1), rows, cols, seq.offset, cdt)[0])
+    if band is not None:
+        s.masked_fill_(~band.keep(rows, cols, seq.offset), -math.inf)
     # Rows that see no key have LSE -inf: shift them by +inf instead (P = 0, not NaN).
     lse = lse.to(cdt).masked_fill(lse == -math.inf, math.inf)
     p = s.sub_(lse[:, None]).exp_()
-    if inp.dropout_p > 0:
-        keys = S.dropout_row_keys(inp.seed, b, torch.tensor([h], device=out.device), rows)
-        p = torch.where(S.dropout_keep(keys, cols, inp.dropout_p)[0], p, p.neg())
+    if dropout is not None:
+        p = torch.where(dropout.keep(seq.batch, torch.tensor([h], device=out.device), rows, cols)[0], p, p.neg())
     out.copy_(p)
 
 
