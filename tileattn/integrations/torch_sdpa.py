@@ -54,7 +54,6 @@ any ``attn_mask``, causal with ``Sq != Sk``, head dims over 256...). Nested tens
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import threading
 import warnings
@@ -208,16 +207,6 @@ def _attend(query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=
                                     **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
 
 
-def _outside_inference_mode():
-    """Leave inference mode for the forward, if in it.
-
-    tileattn's CPU engine fills its output buffers from worker threads, which are never in inference
-    mode, and torch refuses in-place writes to inference tensors from outside it; buffers allocated
-    outside inference mode are ordinary tensors. The inputs are only read, which inference tensors allow.
-    """
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
-
-
 def _torch_lse(lse, query, layout_bshd, dtype):
     """tileattn's LSE in the layout and dtype torch's kernel returns, with torch's 0 for rows that see no key."""
     batch, heads, sq = query.shape[:3]
@@ -272,8 +261,7 @@ def _cpu_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask
         _fail(_CPU_FWD, "dropout_p", repr(dropout_p),
               "0.0 (the op returns no RNG state for its backward; SDPA sends dropout to the math path)")
     _count(_CPU_FWD)
-    with _outside_inference_mode():
-        out, lse = _attend(query, key, value, is_causal, attn_mask, scale)
+    out, lse = _attend(query, key, value, is_causal, attn_mask, scale)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return _like(out, query), _torch_lse(lse, query, layout_bshd=True, dtype=lse_dtype)
 
@@ -306,8 +294,7 @@ def _cuda_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
     _count(_CUDA_FWD)
     # Drawn from torch's default generator, so torch.manual_seed reproduces the dropout.
     seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0.0 else None
-    with _outside_inference_mode():
-        out, lse = _attend(query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
+    out, lse = _attend(query, key, value, is_causal, None, scale, dropout_p, seed, top_left=False)
     rng_state = torch.tensor([seed or 0, _SEED_TAG], dtype=torch.uint64, device=query.device)
     unused = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
