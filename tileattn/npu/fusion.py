@@ -315,7 +315,7 @@ def _build(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, 
     elif not has_mask and (pre, nxt) != (UNBOUNDED, UNBOUNDED):
         warn_once(("no-mask-band", 0), "pre_tockens/next_tockens without atten_mask are ignored: full attention, "
                   "as in torch_npu.")
-    if has_mask and sparse_mode in (1, 2, 3, 5, 6) and (pre, nxt) != (UNBOUNDED, UNBOUNDED):
+    if has_mask and sparse_mode in (1, 2, 3, 5, 6) and _band_meant(sparse_mode, pre, nxt, key, layout):
         warn_once(("ignored-band", sparse_mode), f"pre_tockens/next_tockens are ignored with sparse_mode={sparse_mode} "
                   "(as in torch_npu).")
     if prefix is not None and sparse_mode not in (5, 6):
@@ -351,6 +351,17 @@ def _build(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, 
     kwargs["mask"] = keep
     call.pieces.append(Piece(query, key, value, kwargs, call.heads_kv, bias_fn=bias_fn))
     return call
+
+
+def _band_meant(sparse_mode, pre, nxt, key, layout) -> bool:
+    """Whether pre/next tokens ask for something the mode ignores (Megatron passes pre = S, next = 0
+    with its causal modes: that is the causal pattern itself, not worth a warning)."""
+    if (pre, nxt) == (UNBOUNDED, UNBOUNDED):
+        return False
+    if sparse_mode in (2, 3):
+        keys = key.shape[0] if layout in ("TND", "SBH") else key.shape[2 if layout == "BNSD" else 1]
+        return nxt not in (0, UNBOUNDED) or pre < keys
+    return True
 
 
 def _neg(x):
