@@ -133,6 +133,14 @@ def test_fia_decode_with_paged_cache(kv_layout):
     ifa = torch_npu.npu_incre_flash_attention(*args, num_heads=N, num_key_value_heads=NKV, input_layout=layout,
                                               scale_value=0.3, block_table=table, block_size=4, actual_seq_lengths=lk)
     torch.testing.assert_close(ifa, out)
+    # a (B, KV_S) decode mask over a paged cache (the cache is gathered for the mask)
+    dmask = torch.zeros(B, table.shape[1] * 4, dtype=torch.bool)
+    dmask[0, 1], dmask[1, 5] = True, True
+    out, _ = torch_npu.npu_fused_infer_attention_score(*args, num_heads=N, num_key_value_heads=NKV,
+                                                       input_layout=layout, scale=0.3, block_table=table, block_size=4,
+                                                       actual_seq_lengths_kv=lk, atten_mask=dmask)
+    got = out.unflatten(-1, (N, D)) if layout == "BSH" else out.transpose(1, 2)
+    assert_fa_rule("paged + mask", got, q, k_pad, v_pad, [1, 1], lk, 0.3, lambda b, a, c: ~dmask[b, :c][None])
 
 
 def test_fia_tnd_prefill_over_paged_cache_like_vllm_ascend():

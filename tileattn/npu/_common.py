@@ -128,29 +128,3 @@ def core_errors(fn):
         raise NpuTypeError(f"tileattn.npu.{fn}: {e}") from e
     except ValueError as e:
         raise NpuValueError(f"tileattn.npu.{fn}: {e}") from e
-
-
-def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(..., heads * d) -> (..., heads, d): a view."""
-    return t.unflatten(-1, (heads, t.shape[-1] // heads))
-
-
-def to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
-    """A (B, N, S, D) view of a padded-layout tensor (BSH/SBH need ``heads``)."""
-    if layout == "BNSD":
-        return t
-    if layout == "BSND":
-        return t.transpose(1, 2)
-    t4 = split_heads(t, heads)
-    return t4.transpose(1, 2) if layout == "BSH" else t4.permute(1, 2, 0, 3)
-
-
-def from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """The inverse of :func:`to_bnsd` (a view; BSH/SBH merge the heads, which copies if needed)."""
-    if layout == "BNSD":
-        return t
-    if layout == "BSND":
-        return t.transpose(1, 2)
-    if layout == "BSH":
-        return t.transpose(1, 2).flatten(2)
-    return t.permute(2, 0, 1, 3).flatten(2)

@@ -333,7 +333,7 @@ def _build(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, 
             fail(fn, name, repr(val), f"None for input_layout='{layout}' (only TND is variable-length)")
     call.numels = call.batch * head_num * call.sq * call.sk
     bias_fn = _pse_bias(fn, pse, pse_type, scale, query, layout, call.batch, head_num, call.sq, call.sk,
-                           _start(fn, "q_start_idx", q_start_idx), _start(fn, "kv_start_idx", kv_start_idx))
+                        _start(fn, "q_start_idx", q_start_idx), _start(fn, "kv_start_idx", kv_start_idx))
     kwargs = dict(layout=layout, num_heads=head_num if layout in ("BSH", "SBH") else None, seed=call.seed, **base)
     keep = None
     if mode >= 0:

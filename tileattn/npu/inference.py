@@ -31,7 +31,7 @@ import torch
 from ..api import flash_attention
 from ._common import (
     FLOAT_DTYPES, UNBOUNDED, NpuTypeError, band_side, check_float, check_int, check_tensor, core_errors, fail,
-    int_list, refuse, warn_once,
+    int_list, refuse,
 )
 from ._plan import Band, band_call, region
 
