@@ -531,8 +531,8 @@ def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mas
     if padding_mask is not None:
         refuse(fn, "argument 'padding_mask'", "it is reserved in torch_npu; pass None")
     input_upper = input_layout.upper() if isinstance(input_layout, str) else input_layout
-    if input_upper not in ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND"):
-        fail(fn, "input_layout", repr(input_layout), "'BSH', 'BSND', 'BNSD', 'BNSD_BSND' or 'TND'")
+    if input_upper not in ("BSH", "BSND", "BNSD", "BNSD_BSND"):
+        fail(fn, "input_layout", repr(input_layout), "'BSH', 'BSND', 'BNSD' or 'BNSD_BSND'")
     return _infer(_Names(fn, scale="scale_value"), query, key, value, pse_shift=pse_shift, atten_mask=atten_mask,
                   q_lens=actual_seq_lengths, kv_lens=actual_seq_lengths_kv, block_table=None, block_size=0,
                   num_heads=num_heads, num_kv_heads=num_key_value_heads, scale=scale_value, pre_tokens=pre_tokens,
