@@ -43,7 +43,6 @@ class Band:
     hi: Optional[int]
 
 
-
 def band_call(band: Band, common_offset: Optional[int]):
     """``flash_attention`` keywords for a non-empty ``band``: ``align``/``window``, plus ``trim``
     (keys to drop from the end of every sequence). ``common_offset``: ``k_len - q_len`` when all
@@ -91,10 +90,8 @@ class PadIndex:
     back, with index tensors built once (no loop over sequences)."""
 
     def __init__(self, cu_q: List[int], cu_k: List[int], device):
-        self.cu_q, self.cu_k = cu_q, cu_k
         self.q_len = torch.tensor([b - a for a, b in zip(cu_q, cu_q[1:])], device=device)
         self.k_len = torch.tensor([b - a for a, b in zip(cu_k, cu_k[1:])], device=device)
-        self.batch = len(cu_q) - 1
         self.sq = max(1, int(self.q_len.max()))
         self.sk = max(1, int(self.k_len.max()))
         self.src_q, self.flat_q = self._index(cu_q, self.q_len, self.sq, device)
@@ -146,10 +143,10 @@ class Piece:
     pad: Optional[PadIndex] = None
     bias_fn: Optional[Callable[[], torch.Tensor]] = field(default=None, repr=False)
 
-    def call_kwargs(self, bias=None) -> dict:
+    def call_kwargs(self) -> dict:
         kwargs = dict(self.kwargs)
         if self.bias_fn is not None:
-            kwargs["bias"] = self.bias_fn() if bias is None else bias
+            kwargs["bias"] = self.bias_fn()
         return kwargs
 
     def value_probe(self) -> torch.Tensor:
@@ -204,8 +201,10 @@ def row_max(pieces: List[Piece], geo: Geometry):
     Read off the engines' own LSE: ``max_j s_j = lim LSE(t s) / t``, and at ``t = 2**40`` the
     remainder ``log(#ties) / t`` is below 1e-11, so ``LSE(t s) / t`` is the fp32 row maximum.
     The probe is the same call (same engine, masks, bands, varlen, paging) with the scale, bias,
-    sinks and ALiBi slopes multiplied by ``t``, no dropout, and ``v`` cut to head dim 1: it costs
-    about one Q.K^T GEMM, and no second implementation of masking is needed here.
+    sinks and ALiBi slopes multiplied by ``t``, no dropout, and ``v`` cut to head dim 1, so no
+    second implementation of masking is needed here. Its cost is one more Q.K^T and exp pass; on
+    CPU, libm's exp is several times slower on the underflowing scaled scores, which makes it about
+    twice a forward (docs/dialects.md has the measurement).
     """
     t = _MAX_SHARPNESS
     lses = []
