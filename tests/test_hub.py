@@ -136,7 +136,7 @@ def test_hub_has_every_tutorial_and_recipe():
     names = {p.name for p in TUTORIALS}
     assert [n[:2] for n in sorted(names)] == [f"{i:02d}" for i in range(1, 9)], sorted(names)
     assert {p.name for p in RECIPES} == {"run_flash_attention.py", "llama.py", "cross_attention.py",
-                                         "migrate_torch_npu.py", "sink_model.py"}
+                                         "migrate_torch_npu.py", "sink_model.py", "ascend_inference.py"}
     assert (HUB / "README.md").is_file() and (HUB / "contest" / "RULES.md").is_file()
 
 
