@@ -117,3 +117,13 @@ def test_calls_without_a_process_group_or_with_unsupported_arguments_fail_clearl
         cp.context_parallel_attention(q, q, q)
     with pytest.raises(ValueError, match="argument 'timeout'"):
         cp.comm.resolve_timeout(0)
+
+
+def test_block_kind_says_how_a_chunk_pair_runs():
+    # Zigzag, 2 ranks, 16 tokens: chunks of 4 at 0, 4, 8, 12.
+    assert cp.block_kind(0, 4, 0, 4, causal=True) == ("partial", 0)
+    assert cp.block_kind(12, 4, 4, 4, causal=True) == ("full", 8)
+    assert cp.block_kind(0, 4, 12, 4, causal=True) == ("skip", -12)
+    assert cp.block_kind(12, 4, 4, 4) == ("full", 8)
+    assert cp.block_kind(12, 4, 4, 4, causal=True, window=(5, 0)) == ("partial", 8)
+    assert cp.block_kind(12, 4, 0, 4, causal=True, window=(5, 0)) == ("skip", 12)

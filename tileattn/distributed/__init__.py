@@ -15,11 +15,11 @@ the global (out, LSE). The core never imports this package. See docs/distributed
 from .attention import SEQ_DIM, context_parallel_attention, positions, shard, unshard
 from .comm import DEFAULT_TIMEOUT_S, CollectiveError, CommStats, count_collectives
 from .plan import ShardPlan, zigzag_chunks
-from .ring import merge_into, merge_sink
+from .ring import block_kind, merge_into, merge_sink
 from .topology import hybrid_mesh
 
 __all__ = [
     "context_parallel_attention", "shard", "unshard", "positions", "hybrid_mesh", "count_collectives",
-    "CommStats", "CollectiveError", "DEFAULT_TIMEOUT_S", "ShardPlan", "zigzag_chunks", "merge_into", "merge_sink",
-    "SEQ_DIM",
+    "CommStats", "CollectiveError", "DEFAULT_TIMEOUT_S", "ShardPlan", "zigzag_chunks", "block_kind", "merge_into",
+    "merge_sink", "SEQ_DIM",
 ]

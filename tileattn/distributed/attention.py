@@ -150,22 +150,8 @@ def context_parallel_attention(
     batch = 1 if varlen else spec.batch
 
     # Every rank must be making the same call; the global length follows from the local ones.
-    fields = [
-        ("q", topology.describe_tensor(q, sd)), ("k", topology.describe_tensor(k, sd)),
-        ("v", topology.describe_tensor(v, sd)), ("layout", (list(SEQ_DIM).index(layout),)),
-        ("mode", (topology.MODES.index(mode), topo.U, topo.R)), ("load_balance", (int(load_balance),)),
-        ("causal/window", (0,) if band is None else (1, -1 if band.left is None else band.left,
-                                                      -1 if band.right is None else band.right)),
-        ("align", (off0,)), ("scale", topology.describe_float(spec.scale)),
-        ("softcap", topology.describe_float(softcap)),
-        ("alibi_slopes", topology.describe_tensor(alibi_slopes)), ("sinks", topology.describe_tensor(sinks)),
-        ("bias", topology.describe_tensor(bias, bias.dim() - 2 if bias is not None and bias.dim() >= 2 else None)),
-        ("mask", topology.describe_tensor(mask, mask.dim() - 2 if mask is not None and mask.dim() >= 2 else None)),
-        ("cu_seqlens_q", (-1,) if not varlen else (cu_seqlens_q.numel(), int(cu_seqlens_q[-1]),
-                                                    int((cu_seqlens_q.long() * torch.arange(
-                                                        1, cu_seqlens_q.numel() + 1, device=cu_seqlens_q.device)
-                                                    ).sum()))),
-    ]
+    fields = _call_fields(q, k, v, layout, mode, topo, load_balance, band, off0, spec.scale, softcap, alibi_slopes,
+                          sinks, bias, mask, cu_seqlens_q if varlen else None)
     lengths = topology.check_agreement(topo, fields, local, q.device)
     plan = (ShardPlan.build(topo.world, load_balance, cu_seqlens=cu_seqlens_q) if varlen
             else ShardPlan.build(topo.world, load_balance, seq_len=sum(lengths)))
@@ -214,6 +200,29 @@ def context_parallel_attention(
     if not return_lse:
         return out
     return out, (lse[0] if varlen else lse)
+
+
+def _call_fields(q, k, v, layout, mode, topo, load_balance, band, off0, scale, softcap, alibi_slopes, sinks, bias,
+                 mask, cu_seqlens):
+    """What every rank must agree on, as (argument name, ints) for :func:`topology.check_agreement`;
+    shard lengths (the sequence dim of q/k/v, the row dim of bias/mask) may differ."""
+    sd = SEQ_DIM[layout]
+    rows = lambda t: t.dim() - 2 if t is not None and t.dim() >= 2 else None  # noqa: E731
+    digest = (-1,)
+    if cu_seqlens is not None:
+        weights = torch.arange(1, cu_seqlens.numel() + 1, device=cu_seqlens.device)
+        digest = (cu_seqlens.numel(), int(cu_seqlens[-1]), int((cu_seqlens.long() * weights).sum()))
+    return [
+        ("q", topology.describe_tensor(q, sd)), ("k", topology.describe_tensor(k, sd)),
+        ("v", topology.describe_tensor(v, sd)), ("layout", (list(SEQ_DIM).index(layout),)),
+        ("mode", (topology.MODES.index(mode), topo.U, topo.R)), ("load_balance", (int(load_balance),)),
+        ("causal/window", (0,) if band is None else (1, -1 if band.left is None else band.left,
+                                                      -1 if band.right is None else band.right)),
+        ("align", (off0,)), ("scale", topology.describe_float(scale)), ("softcap", topology.describe_float(softcap)),
+        ("alibi_slopes", topology.describe_tensor(alibi_slopes)), ("sinks", topology.describe_tensor(sinks)),
+        ("bias", topology.describe_tensor(bias, rows(bias))), ("mask", topology.describe_tensor(mask, rows(mask))),
+        ("cu_seqlens_q", digest),
+    ]
 
 
 def _ulysses_4d(ex, t4, heads: slice, heads_q: int, local: int, tag: str):

@@ -108,10 +108,12 @@ class Group:
 
 
 class Pending:
-    """Works in flight, waited for together under the group's timeout."""
+    """Works in flight, waited for together under the group's timeout. Holds the tensors they read
+    and write until then (a temporary send buffer must outlive an asynchronous transfer)."""
 
-    def __init__(self, group: Group, works, what: str):
+    def __init__(self, group: Group, works, what: str, tensors=()):
         self.group, self.works, self.what = group, [w for w in works if w is not None], what
+        self.tensors = tuple(tensors)
 
     def wait(self) -> None:
         t0 = time.perf_counter()
@@ -123,7 +125,7 @@ class Pending:
         finally:
             for s in _ACTIVE:
                 s.wait_s += time.perf_counter() - t0
-        self.works = []
+        self.works, self.tensors = [], ()
 
 
 def _failure(group: Group, what: str, exc: BaseException) -> CollectiveError:
@@ -155,7 +157,7 @@ def exchange(group: Group, send: Optional[torch.Tensor], dst: int, recv: Optiona
         works = dist.batch_isend_irecv(ops) if ops else []
     except RuntimeError as exc:
         raise _failure(group, what, exc) from exc
-    return Pending(group, works, what)
+    return Pending(group, works, what, (send, recv))
 
 
 def all_to_all(group: Group, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],

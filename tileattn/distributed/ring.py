@@ -37,14 +37,18 @@ Sel = Union[slice, torch.Tensor]
 # Merging partial results by LSE (also what a dialect needs to combine context-parallel blocks).
 
 
-def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+               scratch: bool = False) -> None:
     """In place, ``(out, lse) <- merge((out, lse), (part_out, part_lse))``; ``out`` (..., S, Dv) fp32,
-    ``lse`` (..., S). The form PyTorch's context parallel uses (``out -= sigmoid(lse_b - lse) *
-    (out - out_b)``) written with ``logaddexp``, so rows that are ``-inf`` on either side stay exact
-    (a row empty everywhere keeps out 0 and LSE -inf)."""
+    ``lse`` (..., S). The weights of PyTorch's context parallel (``sigmoid(lse_b - lse)`` is
+    ``exp(lse_b - logaddexp(lse, lse_b))``) in a form where rows that are ``-inf`` on either side stay
+    exact (a row empty everywhere keeps out 0 and LSE -inf). ``scratch=True`` lets it scale
+    ``part_out`` in place instead of allocating a temporary the size of the output (the ring does)."""
     new = torch.logaddexp(lse, part_lse)
-    w = torch.exp(part_lse - new).nan_to_num_(nan=0.0).unsqueeze(-1)
-    out.add_(w * (part_out.to(out.dtype) - out))
+    w_old = torch.exp(lse - new).nan_to_num_(nan=0.0).unsqueeze(-1)
+    w_new = torch.exp(part_lse - new).nan_to_num_(nan=0.0).unsqueeze(-1)
+    part = part_out.mul_(w_new) if scratch and part_out.dtype == out.dtype else part_out.to(out.dtype) * w_new
+    out.mul_(w_old).add_(part)
     lse.copy_(new)
 
 
@@ -76,12 +80,17 @@ class Call:
     max_k: int = 0
 
 
+def _aranges(starts_and_lengths) -> torch.Tensor:
+    parts = [torch.arange(a, a + n) for a, n in starts_and_lengths]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def _rows(runs: Sequence[Run]) -> torch.Tensor:
-    return torch.cat([torch.arange(r.row, r.row + r.length) for r in runs]) if runs else torch.zeros(0, dtype=torch.long)
+    return _aranges((r.row, r.length) for r in runs)
 
 
 def _positions(runs: Sequence[Run]) -> torch.Tensor:
-    return torch.cat([torch.arange(r.pos, r.pos + r.length) for r in runs]) if runs else torch.zeros(0, dtype=torch.long)
+    return _aranges((r.pos, r.length) for r in runs)
 
 
 def _span(runs: Sequence[Run]) -> Optional[slice]:
@@ -90,6 +99,20 @@ def _span(runs: Sequence[Run]) -> Optional[slice]:
         if a.row + a.length != b.row:
             return None
     return slice(runs[0].row, runs[-1].row + runs[-1].length)
+
+
+def block_kind(q_pos: int, q_len: int, k_pos: int, k_len: int, *, causal: bool = False, window=None,
+               align: int = 0) -> Tuple[str, int]:
+    """How to compute the pair (queries ``q_pos .. q_pos + q_len - 1``, keys ``k_pos ..``) of one
+    sequence: ``("skip" | "full" | "partial", off)``. ``off = q_pos - k_pos + align`` is the
+    ``align=`` int that places the pair's diagonal; "full" pairs need no causal/window flag (only
+    ALiBi still reads ``off``), "partial" ones take ``causal``/``window`` with ``align=off``."""
+    band = Band.from_args(causal, window)
+    off = q_pos - k_pos + align
+    if band is None or q_len == 0 or k_len == 0:
+        return ("skip" if q_len == 0 or k_len == 0 else "full"), off
+    state = band.tile_state(0, q_len, 0, k_len, off)
+    return {TileState.EMPTY: "skip", TileState.FULL: "full", TileState.PARTIAL: "partial"}[state], off
 
 
 def _classify(q_runs, k_runs, band: Optional[Band], align: int):
@@ -298,12 +321,12 @@ def ring_forward(cfg: RingConfig, q, k, v, bias, sinks):
             o, l = attention_partial(blk.q, blk.k, blk.v, **blk.kwargs)
             if cfg.varlen:  # (T', H, Dv), (H, T') -> gathered rows of the (1, H, T, .) accumulators
                 rows_o, rows_l = _take(out[0], 1, call.q), _take(lse[0], 1, call.q)
-                merge_into(rows_o, rows_l, o.transpose(0, 1), l)
+                merge_into(rows_o, rows_l, o.transpose(0, 1), l, scratch=True)
                 if not isinstance(call.q, slice):
                     out[0].index_copy_(1, call.q, rows_o)
                     lse[0].index_copy_(1, call.q, rows_l)
             else:
-                merge_into(_take(out, 2, call.q), _take(lse, 2, call.q), o, l)
+                merge_into(_take(out, 2, call.q), _take(lse, 2, call.q), o, l, scratch=True)
         if pending is not None:
             pending.wait()
             cur = nxt
@@ -331,8 +354,9 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
                               dtype=cur.dtype, device=cur.device)
             pending = comm.exchange(cfg.group, cur, (rank + 1) % world, nxt, (rank - 1) % world, "kv",
                                     f"the ring K/V exchange (backward, step {step + 1} of {world - 1})")
-        dk_blk = torch.zeros(shapes[0], dtype=acc, device=q.device)
-        dv_blk = torch.zeros(shapes[1], dtype=acc, device=q.device)
+        # The block's dK and dV accumulate in one flat fp32 buffer: it is sent as it is, no packing copy.
+        d_blk = torch.zeros(sum(math.prod(x) for x in shapes), dtype=acc, device=q.device)
+        dk_blk, dv_blk = _unpack(d_blk, shapes)
         for call in cfg.calls_for(src, q.device):
             blk = _Block(cfg, call, q, kc, vc, bias)
             if bias_grad:  # attention_backward returns dbias for a bias that requires grad
@@ -351,9 +375,7 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
                     _add_4d(dbias, call.q, call.k_pos, g.dbias)
         if d_pending is not None:
             d_pending.wait()
-            d_k, d_v = _unpack(d_recv, shapes)
-            dk_blk += d_k
-            dv_blk += d_v
+            d_blk += d_recv
         if pending is not None:
             pending.wait()
             cur = nxt
@@ -361,7 +383,7 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
         if world > 1:
             d_recv = torch.empty(sum(math.prod(s) for s in _kv_shapes(k, v, cfg.block_rows((src - 1) % world))),
                                  dtype=acc, device=q.device)
-            d_pending = comm.exchange(cfg.group, _pack(dk_blk, dv_blk), (rank + 1) % world, d_recv, (rank - 1) % world,
+            d_pending = comm.exchange(cfg.group, d_blk, (rank + 1) % world, d_recv, (rank - 1) % world,
                                       "dkv", f"the ring dK/dV exchange (backward, step {step + 1} of {world})")
     if world > 1:
         d_pending.wait()
