@@ -146,7 +146,8 @@ def main():
     for mode in MODES:
         losses, grads = results[mode]
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
-        grad_err = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in want_grads.items())
+        grad_err = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                       for n, g in want_grads.items())
         print(f"  {mode:>8}: losses " + ", ".join(f"{x:.6f}" for x in losses)
               + f"; max relative loss error {loss_err:.1e}, max gradient error / gradient scale {grad_err:.1e}")
         # fp32 all the way: the only differences are summation orders.
