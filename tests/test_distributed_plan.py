@@ -10,6 +10,7 @@ import torch
 
 import tileattn
 import tileattn.distributed as cp
+from tileattn.distributed import model
 from tileattn.distributed.plan import ShardPlan, split_sizes
 from tileattn.distributed.ring import plan_calls
 from tileattn.modifiers import Band
@@ -127,3 +128,18 @@ def test_block_kind_says_how_a_chunk_pair_runs():
     assert cp.block_kind(12, 4, 4, 4) == ("full", 8)
     assert cp.block_kind(12, 4, 4, 4, causal=True, window=(5, 0)) == ("partial", 8)
     assert cp.block_kind(12, 4, 0, 4, causal=True, window=(5, 0)) == ("skip", 12)
+
+
+def test_traffic_model_counts_what_the_ring_and_ulysses_send():
+    """The model's bytes for the shapes the tests count (the benchmark checks larger ones)."""
+    s = model.Shape(64, 4, 2, 16, batch=2, elem_bytes=4)
+    block = 2 * 2 * 32 * 2 * 16  # k and v of one rank: batch 2, 32 tokens, 2 kv heads, dim 16
+    assert model.ring_bytes(s, 2, backward=False) == block * 4
+    assert model.ring_bytes(s, 2) == block * 4 * 2 + 2 * block * 4
+    # Ulysses on 4 ranks: 2 kv heads are repeated to 4; each all-to-all keeps 1/4 at home.
+    local = 2 * 16 * 16 * 4
+    assert model.ulysses_bytes(s, 4, backward=False) == (2 * 4 + 2 * 4) * local * 3 / 4
+    llama = model.Shape(131072, 32, 8, 128)
+    assert model.ring_hides_transfer_from(llama, 400e12, 50e9) == 4000
+    assert model.ulysses_beats_ring_from(llama) == 8
+    assert model.forward_time(llama, "ulysses", 64) is None  # more ranks than heads
