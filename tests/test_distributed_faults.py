@@ -51,7 +51,9 @@ def _fault_main(kind):
     except Exception as exc:
         seconds = time.monotonic() - t0
         if rank == 1:
-            time.sleep(TIMEOUT_S + 2)  # alive and silent: rank 0 must not wait for it forever
+            # Alive and silent until well after rank 0's deadline: rank 0 must give up on its own timeout,
+            # not learn of the failure from a closed connection.
+            time.sleep(TIMEOUT_S + SLACK_S + 2)
         return dict(error=type(exc).__name__, message=str(exc), seconds=seconds)
     return dict(error=None, seconds=time.monotonic() - t0)
 
