@@ -103,8 +103,8 @@ def rank_job(row, d, dtype_name, reps):
         first = time.perf_counter() - t0
     times = [first] + [measure.time_call(run) for _ in range(reps - 1)]
     return dict(ms=1e3 * measure.median(times), peak=peak, retained=retained[0], wait_ms=1e3 * stats.wait_s,
-                messages=sum(n for (op, _), n in stats.messages.items() if op in ("send", "all_to_all")),
-                sent=sum(n for (op, _), n in stats.bytes.items() if op in ("send", "all_to_all")),
+                messages=stats.count("send") + stats.count("all_to_all"),
+                sent=stats.nbytes("send") + stats.nbytes("all_to_all"),
                 threads=torch.get_num_threads())
 
 

@@ -51,9 +51,6 @@ class CommStats:
     def nbytes(self, op: str, tag: Optional[str] = None) -> int:
         return sum(n for (o, t), n in self.bytes.items() if o == op and (tag is None or t == tag))
 
-    def summary(self) -> dict:
-        return {f"{o}:{t}": (self.messages[(o, t)], self.bytes[(o, t)]) for (o, t) in sorted(self.messages)}
-
 
 _ACTIVE: List[CommStats] = []
 

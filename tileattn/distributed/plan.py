@@ -141,13 +141,3 @@ class ShardPlan:
         if torch.equal(order, torch.arange(idx.numel())):
             return None
         return order
-
-    def local_cu_seqlens(self, rank: int) -> List[int]:
-        """Cumulative local token counts per sequence (varlen)."""
-        counts = [0] * len(self.lengths)
-        for b, _, n in self.pieces(rank):
-            counts[b] += n
-        out = [0]
-        for c in counts:
-            out.append(out[-1] + c)
-        return out
