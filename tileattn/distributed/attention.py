@@ -1,0 +1,295 @@
+"""The entry point: :func:`context_parallel_attention` on each rank's shard of one attention call."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from ..modifiers import Band, fail, to_4d
+from ..spec import build_spec, check_bool, to_canonical
+from . import ring as ring_mod
+from . import topology, ulysses
+from .plan import ShardPlan
+
+#: Dimension of the sequence in each layout.
+SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0, "TND": 0}
+
+
+def _refuse(name, given, why):
+    fail(NotImplementedError, name, given, why)
+
+
+def _internal(x: torch.Tensor, layout: str, heads: Optional[int]) -> torch.Tensor:
+    """A strided (B, H, S, D) view of a tensor in ``layout``; TND becomes (1, H, T, D)."""
+    if layout == "TND":
+        return x.transpose(0, 1).unsqueeze(0)
+    return to_canonical(x, layout, heads)
+
+
+def _external(y: torch.Tensor, layout: str) -> torch.Tensor:
+    """(B, H, S, D) -> a contiguous tensor in ``layout``."""
+    if layout == "BNSD":
+        return y
+    if layout == "TND":
+        return y[0].transpose(0, 1).contiguous()
+    if layout == "BSND":
+        return y.transpose(1, 2).contiguous()
+    if layout == "BSH":
+        return y.transpose(1, 2).flatten(2)
+    return y.permute(2, 0, 1, 3).flatten(2)  # SBH
+
+
+def _sharded_4d(name, t, batch, heads, rows, seq_len, dtype_ok, expected):
+    """A bias/mask as a 4-d (B|1, H|1, rows|1, S|1) view, or a clear error."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or not dtype_ok(t):
+        fail(TypeError, name, type(t).__name__ if not isinstance(t, torch.Tensor) else f"dtype {t.dtype}", expected)
+    t4 = to_4d(t)
+    full = (batch, heads, rows, seq_len)
+    if t.dim() > 4 or any(n not in (1, f) for n, f in zip(t4.shape, full)):
+        fail(ValueError, name, f"shape {tuple(t.shape)}",
+             f"a shape broadcastable to (B, Hq, local rows, global keys) = {full}: rows sharded like q, keys "
+             "in global order")
+    return t4
+
+
+def context_parallel_attention(
+    q, k, v, *, group=None, mode="ring", causal=False, layout="BNSD", load_balance=True, timeout=None,
+    num_heads=None, scale=None, window=None, align="bottom_right", mask=None, bias=None, alibi_slopes=None,
+    softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    return_lse=False, deterministic=False, backend="auto", dropout_p=0.0, seqused_k=None, block_table=None,
+    **unknown,
+):
+    r"""Exact attention of a sequence sharded over the ranks of ``group``: call it on every rank with
+    that rank's shard of q, k and v; each rank gets its shard of the output (and LSE).
+
+    The tokens a rank holds are those of :func:`shard` with the same ``group`` and ``load_balance``
+    (zigzag when True: chunks ``r`` and ``2W-1-r`` of ``2W``; contiguous otherwise). Every mode
+    reads the same placement, so shards can go to any mode.
+
+    Modes:
+        ``"ring"``: K/V blocks rotate with point-to-point sends, overlapped with compute
+        (``W - 1`` block transfers forward; backward ``W - 1`` K/V and ``W`` dK/dV transfers).
+        ``"ulysses"``: all-to-all sequence -> heads, plain attention on ``Hq / W`` heads of the
+        whole sequence, all-to-all back. Needs ``Hq % W == 0``; kv heads are repeated to
+        ``lcm(Hkv, W)`` when fewer or not divisible.
+        ``"hybrid"``: Ulysses inside each row of a 2-D DeviceMesh ``(ring, ulysses)``, ring across.
+
+    Args are :func:`tileattn.flash_attention`'s, for the local shards, plus:
+        group: None (default group), a ProcessGroup, a DeviceMesh (2-D for hybrid).
+        load_balance: the placement the shards were cut with (:func:`shard`).
+        timeout: seconds (or timedelta) any communication may wait before every rank raises
+            :class:`CollectiveError`; default ``$TILEATTN_CP_TIMEOUT`` or 300 s.
+        cu_seqlens_q / cu_seqlens_k: varlen (``layout="TND"``): the **global** int32 cumulative
+            offsets of the packed batch (the same on every rank; sequences may span ranks, each is
+            placed as a padded sequence would be). Must be equal (self-attention).
+        bias / mask: broadcastable to (B, Hq, local rows, global keys): rows sharded like q, keys in
+            global position order; the bias gradient is this rank's rows' share.
+        sinks: counted once per row (not once per shard). ``dsinks`` and the gradient of any bias
+            broadcast over rows are this rank's contribution: sum them over the group, as a
+            data-parallel gradient reduction does for every replicated parameter.
+
+    Not available across shards (raise ``NotImplementedError`` naming the argument): dropout (its
+    mask is a function of local row numbers), ``seqused_k`` and ``block_table`` (KV caches),
+    bias/mask with varlen (as in :func:`tileattn.flash_attention`), Sq != Sk.
+
+    Returns ``out`` (and ``lse``, fp32, with ``return_lse=True``) for the local shard; differentiable.
+    """
+    if unknown:
+        name = sorted(unknown)[0]
+        fail(TypeError, name, "an unexpected keyword", "one of flash_attention's keywords or group, mode, "
+             "load_balance, timeout")
+    check_bool("return_lse", return_lse)
+    check_bool("load_balance", load_balance)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        _refuse("dropout_p", repr(dropout_p), "0.0: context-parallel attention has no dropout (the mask is a function "
+                "of row/column numbers, which differ between a shard and the whole sequence)")
+    for name, val in (("seqused_k", seqused_k), ("block_table", block_table)):
+        if val is not None:
+            _refuse(name, "a tensor", "None: a KV cache is not sequence-sharded; run flash_attention on each rank")
+    if not isinstance(layout, str) or layout.upper() not in SEQ_DIM:
+        fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in SEQ_DIM))
+    layout = layout.upper()
+    varlen = layout == "TND"
+    sd = SEQ_DIM[layout]
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            fail(TypeError, name, type(t).__name__, f"a tensor in layout '{layout}'")
+    if q.dim() > sd and k.dim() > sd and q.shape[sd] != k.shape[sd]:
+        fail(ValueError, "k", f"{k.shape[sd]} local tokens for {q.shape[sd]} queries",
+             "the same shard of the sequence as q (context parallelism is self-attention: Sq == Sk)")
+    if varlen:
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor):
+                fail(ValueError, name, type(cu).__name__, "the global int32 cumulative offsets (layout='TND')")
+        if not torch.equal(cu_seqlens_q.cpu(), cu_seqlens_k.cpu()):
+            fail(ValueError, "cu_seqlens_k", "offsets different from cu_seqlens_q", "the same global offsets "
+                 "(context parallelism is self-attention)")
+        for name, t in (("bias", bias), ("mask", mask)):
+            if t is not None:
+                _refuse(name, "a tensor with layout='TND'", "None (as flash_attention: no bias or mask with varlen)")
+        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:
+            _refuse("alibi_slopes", f"shape {tuple(alibi_slopes.shape)} with layout='TND'",
+                    "one slope per head, shape (Hq,): the varlen calls of a ring step regroup the sequences")
+    local = q.shape[sd] if q.dim() > sd else 0
+    local_cu = torch.tensor([0, local], dtype=torch.int32, device=q.device) if varlen else None
+    # The local call, validated as flash_attention would validate it (bias/mask: below, global keys).
+    spec = build_spec(q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window,
+                      align=align, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                      cu_seqlens_q=local_cu, cu_seqlens_k=local_cu, deterministic=deterministic)
+    topo = topology.resolve(group, mode, timeout)
+    if topo.U > 1 and spec.heads_q % topo.U:
+        fail(ValueError, "q", f"{spec.heads_q} query heads for {topo.U} Ulysses ranks",
+             f"a number of heads divisible by {topo.U} (or mode='ring', or a hybrid mesh whose ulysses size "
+             f"divides {spec.heads_q})")
+    band = Band.from_args(causal, window)
+    off0 = 0 if isinstance(spec.align, str) else spec.align
+    batch = 1 if varlen else spec.batch
+
+    # Every rank must be making the same call; the global length follows from the local ones.
+    fields = _call_fields(q, k, v, layout, mode, topo, load_balance, band, off0, spec.scale, softcap, alibi_slopes,
+                          sinks, bias, mask, cu_seqlens_q if varlen else None)
+    lengths = topology.check_agreement(topo, fields, local, q.device)
+    plan = (ShardPlan.build(topo.world, load_balance, cu_seqlens=cu_seqlens_q) if varlen
+            else ShardPlan.build(topo.world, load_balance, seq_len=sum(lengths)))
+    expected = [plan.local_len(r) for r in range(topo.world)]
+    if lengths != expected:
+        bad = next(r for r in range(topo.world) if lengths[r] != expected[r])
+        fail(ValueError, "q", f"{lengths[bad]} tokens on CP rank {bad}",
+             f"{expected[bad]}: the shard of a {'varlen batch' if varlen else f'{sum(lengths)}-token sequence'} "
+             f"over {topo.world} ranks with load_balance={load_balance} (cut it with tileattn.distributed.shard)")
+    seq_len = sum(plan.lengths) if varlen else plan.lengths[0]
+    heads_arg = spec.heads_q if layout in ("BSH", "SBH") else None
+    bias4 = _sharded_4d("bias", bias, batch, spec.heads_q, local, seq_len, lambda t: t.is_floating_point(),
+                        "a float tensor broadcastable to (B, Hq, local rows, global keys)")
+    mask4 = _sharded_4d("mask", mask, batch, spec.heads_q, local, seq_len, lambda t: t.dtype == torch.bool,
+                        "a bool tensor (True = take part) broadcastable to (B, Hq, local rows, global keys)")
+
+    qi = _internal(q, layout, heads_arg)
+    ki = _internal(k, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
+    vi = _internal(v, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
+    kwargs = dict(scale=spec.scale, softcap=softcap, deterministic=deterministic, backend=backend)
+    if topo.U > 1:
+        u = topo.ulysses_rank
+        ex = ulysses.Exchange(topo.ulysses, [plan.local_len(g) for g in topo.ring_members(topo.ring_rank)],
+                              plan.gather_order(list(topo.ring_members(topo.ring_rank))))
+        heads = ulysses.head_slice(u, spec.heads_q, topo.U)
+        repeat = ulysses.kv_repeats(spec.heads_kv, topo.U)
+        if repeat > 1:
+            ki, vi = ki.repeat_interleave(repeat, dim=1), vi.repeat_interleave(repeat, dim=1)
+        qi, ki, vi = (ulysses.SeqToHeads.apply(ex, t, n) for t, n in ((qi, "q"), (ki, "k"), (vi, "v")))
+        bias4 = _ulysses_4d(ex, bias4, heads, spec.heads_q, local, "bias")
+        mask4 = _ulysses_4d(ex, mask4, heads, spec.heads_q, local, "mask")
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes[..., heads]
+        if sinks is not None:
+            sinks = sinks[heads]
+    if alibi_slopes is not None:
+        kwargs["alibi_slopes"] = alibi_slopes
+    cfg = ring_mod.RingConfig(topo.ring, [plan.runs(list(topo.ring_members(i))) for i in range(topo.R)], varlen,
+                              band, off0, kwargs, mask=mask4)
+    out, lse = ring_mod.RingAttention.apply(cfg, qi, ki, vi, bias4, sinks)
+    if topo.U > 1:
+        out = ulysses.HeadsToSeq.apply(ex, out, "out")
+        if return_lse:
+            lse = ulysses.HeadsToSeq.apply(ex, lse.unsqueeze(-1), "lse").squeeze(-1)
+    out = _external(out, layout)
+    if not return_lse:
+        return out
+    return out, (lse[0] if varlen else lse)
+
+
+def _call_fields(q, k, v, layout, mode, topo, load_balance, band, off0, scale, softcap, alibi_slopes, sinks, bias,
+                 mask, cu_seqlens):
+    """What every rank must agree on, as (argument name, ints) for :func:`topology.check_agreement`;
+    shard lengths (the sequence dim of q/k/v, the row dim of bias/mask) may differ."""
+    sd = SEQ_DIM[layout]
+    rows = lambda t: t.dim() - 2 if t is not None and t.dim() >= 2 else None  # noqa: E731
+    digest = (-1,)
+    if cu_seqlens is not None:
+        weights = torch.arange(1, cu_seqlens.numel() + 1, device=cu_seqlens.device)
+        digest = (cu_seqlens.numel(), int(cu_seqlens[-1]), int((cu_seqlens.long() * weights).sum()))
+    return [
+        ("q", topology.describe_tensor(q, sd)), ("k", topology.describe_tensor(k, sd)),
+        ("v", topology.describe_tensor(v, sd)), ("layout", (list(SEQ_DIM).index(layout),)),
+        ("mode", (topology.MODES.index(mode), topo.U, topo.R)), ("load_balance", (int(load_balance),)),
+        ("causal/window", (0,) if band is None else (1, -1 if band.left is None else band.left,
+                                                      -1 if band.right is None else band.right)),
+        ("align", (off0,)), ("scale", topology.describe_float(scale)), ("softcap", topology.describe_float(softcap)),
+        ("alibi_slopes", topology.describe_tensor(alibi_slopes)), ("sinks", topology.describe_tensor(sinks)),
+        ("bias", topology.describe_tensor(bias, rows(bias))), ("mask", topology.describe_tensor(mask, rows(mask))),
+        ("cu_seqlens_q", digest),
+    ]
+
+
+def _ulysses_4d(ex, t4, heads: slice, heads_q: int, local: int, tag: str):
+    """A bias/mask for the Ulysses step: rows sharded like q travel with the all-to-all (broadcast
+    heads expanded first); rows broadcast over queries only lose the heads of other ranks."""
+    if t4 is None:
+        return None
+    if t4.shape[2] == local:
+        if t4.shape[1] == 1:
+            t4 = t4.expand(t4.shape[0], heads_q, t4.shape[2], t4.shape[3])
+        return ulysses.SeqToHeads.apply(ex, t4.contiguous(), tag)
+    return t4[:, heads] if t4.shape[1] > 1 else t4
+
+
+def _group_topology(group):
+    """The topology :func:`shard` and :func:`unshard` place tokens by (any mode reads the same)."""
+    mode = "hybrid" if topology._is_mesh(group) and group.ndim == 2 else "ring"
+    return topology.resolve(group, mode, None)
+
+
+def _plan(topo, load_balance, seq_len, cu_seqlens):
+    check_bool("load_balance", load_balance)
+    if cu_seqlens is None and (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0):
+        fail(ValueError, "seq_len", repr(seq_len), "the global sequence length, an int >= 0")
+    return ShardPlan.build(topo.world, load_balance, seq_len=seq_len, cu_seqlens=cu_seqlens)
+
+
+def shard(x: torch.Tensor, *, seq_dim: int, group=None, load_balance: bool = True, cu_seqlens=None) -> torch.Tensor:
+    """This rank's shard of ``x`` (the whole sequence, or packed varlen tokens with ``cu_seqlens``)
+    along ``seq_dim``: the tokens :func:`context_parallel_attention` expects here. Differentiable."""
+    if not isinstance(x, torch.Tensor):
+        fail(TypeError, "x", type(x).__name__, "a tensor")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, numbers.Integral) or not -x.dim() <= seq_dim < x.dim():
+        fail(ValueError, "seq_dim", repr(seq_dim), f"a dimension of the {x.dim()}-d tensor")
+    topo = _group_topology(group)
+    plan = _plan(topo, load_balance, x.shape[seq_dim], cu_seqlens)
+    if cu_seqlens is not None and sum(plan.lengths) != x.shape[seq_dim]:
+        fail(ValueError, "cu_seqlens", f"{sum(plan.lengths)} tokens", f"{x.shape[seq_dim]}, the tokens of x")
+    return x.index_select(seq_dim, plan.global_index([topo.rank]).to(x.device))
+
+
+def positions(seq_len: Optional[int] = None, *, group=None, load_balance: bool = True, cu_seqlens=None,
+              device=None) -> torch.Tensor:
+    """Position of each of this rank's tokens inside its sequence (``position_ids`` for RoPE)."""
+    topo = _group_topology(group)
+    return _plan(topo, load_balance, seq_len, cu_seqlens).positions(topo.rank).to(device)
+
+
+@torch.no_grad()
+def unshard(x: torch.Tensor, *, seq_dim: int, group=None, load_balance: bool = True, cu_seqlens=None,
+            seq_len: Optional[int] = None) -> torch.Tensor:
+    """The whole tensor from every rank's shard (the inverse of :func:`shard`), on every rank.
+
+    ``seq_len`` (or ``cu_seqlens``) is the global length; by default the sum of the shards. Not
+    differentiable (for checking and saving results)."""
+    if not isinstance(x, torch.Tensor):
+        fail(TypeError, "x", type(x).__name__, "a tensor")
+    topo = _group_topology(group)
+    mine = torch.tensor([x.shape[seq_dim]], dtype=torch.int64, device=x.device)
+    lengths = [int(t) for t in topo.gather_all(mine, "unshard", "the exchange of shard lengths")]
+    plan = _plan(topo, load_balance, sum(lengths) if seq_len is None else seq_len, cu_seqlens)
+    if lengths != [plan.local_len(r) for r in range(topo.world)]:
+        fail(ValueError, "x", f"shards of {lengths} tokens", f"{[plan.local_len(r) for r in range(topo.world)]} "
+             f"(the plan for load_balance={load_balance})")
+    rows = x.movedim(seq_dim, 0)
+    padded = torch.cat([rows, rows.new_zeros((max(lengths) - rows.shape[0],) + tuple(rows.shape[1:]))])
+    pieces = topo.gather_all(padded.contiguous(), "unshard", "the gathering of shards")
+    gathered = torch.cat([p[:n] for p, n in zip(pieces, lengths)], 0)
+    order = torch.argsort(plan.global_index(range(topo.world))).to(x.device)
+    return gathered.index_select(0, order).movedim(0, seq_dim)

@@ -1,0 +1,181 @@
+"""Who talks to whom: the context-parallel group as a ring level and a Ulysses level.
+
+``group`` may be None (the default group), a ProcessGroup, a 1-D DeviceMesh or, for
+``mode="hybrid"``, a 2-D DeviceMesh whose dimensions are named ``"ring"`` and ``"ulysses"`` (else
+dimension 0 is the ring, 1 Ulysses, USP's and Megatron's ``a2a+p2p`` arrangement: Ulysses inside
+a node, where all-to-all bandwidth is high, the ring across nodes). The CP rank of a process is
+``g = ring_rank * U + ulysses_rank``; :mod:`tileattn.distributed.plan` places tokens by ``g``.
+
+Before any compute, :func:`check_agreement` all-gathers a small integer description of every rank's
+call and raises the same clear error on every rank when they differ (shapes, dtypes, flags):
+otherwise the collectives would be mismatched and hang or fail obscurely.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..modifiers import fail
+from . import comm
+
+MODES = ("ring", "ulysses", "hybrid")
+
+
+@dataclass
+class Topology:
+    ring: Optional[comm.Group]  # None: one ring rank
+    ulysses: Optional[comm.Group]  # None: one Ulysses rank
+    timeout: float
+
+    @property
+    def U(self) -> int:
+        return 1 if self.ulysses is None else self.ulysses.size
+
+    @property
+    def R(self) -> int:
+        return 1 if self.ring is None else self.ring.size
+
+    @property
+    def world(self) -> int:
+        return self.U * self.R
+
+    @property
+    def ring_rank(self) -> int:
+        return 0 if self.ring is None else self.ring.rank
+
+    @property
+    def ulysses_rank(self) -> int:
+        return 0 if self.ulysses is None else self.ulysses.rank
+
+    @property
+    def rank(self) -> int:
+        """CP rank ``g = ring_rank * U + ulysses_rank``."""
+        return self.ring_rank * self.U + self.ulysses_rank
+
+    def ring_members(self, i: int) -> range:
+        """CP ranks whose tokens ring rank ``i`` holds after the Ulysses all-to-all."""
+        return range(i * self.U, (i + 1) * self.U)
+
+    def gather_all(self, x: torch.Tensor, tag: str, what: str) -> List[torch.Tensor]:
+        """Every CP rank's ``x`` (one shape everywhere), in CP-rank order."""
+        inner = comm.all_gather(self.ulysses, x, tag, what) if self.ulysses is not None else [x]
+        if self.ring is None:
+            return inner
+        outer = comm.all_gather(self.ring, torch.stack(inner), tag, what)
+        return [t for block in outer for t in block.unbind(0)]
+
+
+def _is_mesh(group) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        return False
+    return isinstance(group, DeviceMesh)
+
+
+def resolve(group, mode: str, timeout) -> Topology:
+    """The topology of ``group`` for ``mode``; raises a clear error for a wrong combination."""
+    if not isinstance(mode, str) or mode not in MODES:
+        fail(ValueError, "mode", repr(mode), "'ring', 'ulysses' or 'hybrid'")
+    if not dist.is_available() or not dist.is_initialized():
+        fail(RuntimeError, "group", "no initialised torch.distributed process group",
+             "torch.distributed.init_process_group(...) first (or launch with torchrun)")
+    seconds = comm.resolve_timeout(timeout)
+    if _is_mesh(group):
+        names = tuple(group.mesh_dim_names or ())
+        if group.ndim == 2:
+            if mode != "hybrid":
+                fail(ValueError, "mode", repr(mode), "'hybrid' for a 2-D DeviceMesh (or pass a 1-D mesh or group)")
+            ring_dim, uly_dim = (names.index("ring"), names.index("ulysses")) if {"ring", "ulysses"} <= set(names) \
+                else (0, 1)
+            coord = group.get_coordinate()
+            ring = comm.Group.of(group.get_group(ring_dim), seconds)
+            uly = comm.Group.of(group.get_group(uly_dim), seconds)
+            if coord is None or (ring.rank, uly.rank) != (coord[ring_dim], coord[uly_dim]):
+                fail(ValueError, "group", f"a DeviceMesh whose coordinate {coord} is not this rank's place in its "
+                     "ring and ulysses groups", "a mesh from init_device_mesh or tileattn.distributed.hybrid_mesh")
+            return Topology(_nontrivial(ring), _nontrivial(uly), seconds)
+        if group.ndim != 1:
+            fail(ValueError, "group", f"a {group.ndim}-d DeviceMesh", "a 1-d mesh, or a 2-d (ring, ulysses) mesh for "
+                 "mode='hybrid'")
+        group = group.get_group()
+    if mode == "hybrid":
+        fail(ValueError, "group", "a process group with mode='hybrid'",
+             "a 2-D DeviceMesh (ring, ulysses), e.g. tileattn.distributed.hybrid_mesh(ring_size, ulysses_size)")
+    g = comm.Group.of(group, seconds)
+    return Topology(g, None, seconds) if mode == "ring" else Topology(None, g, seconds)
+
+
+def _nontrivial(g: comm.Group) -> Optional[comm.Group]:
+    return g if g.size > 1 else None
+
+
+def hybrid_mesh(ring_size: int, ulysses_size: int, device_type: str = "cpu"):
+    """A 2-D DeviceMesh ``(ring, ulysses)`` over the default group for ``mode="hybrid"``: Ulysses
+    over consecutive ranks (a node's devices), the ring across them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (ring_size, ulysses_size), mesh_dim_names=("ring", "ulysses"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rank must make the same call.
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int32, torch.int64)
+_WIDTH = 7  # slots per field
+
+
+def describe_tensor(t, skip_dim: Optional[int] = None) -> Tuple[int, ...]:
+    """(dtype code, ndim, shape...) with the sharded dim (which may differ) written as -2."""
+    if t is None:
+        return (-1,)
+    shape = [(-2 if i == skip_dim else n) for i, n in enumerate(t.shape)]
+    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
+    return (code, t.dim(), *shape)
+
+
+def describe_float(x) -> Tuple[int, ...]:
+    return (struct.unpack("<q", struct.pack("<d", float(x)))[0],)
+
+
+def _show(field: str, row: Sequence[int]) -> str:
+    if row[0] == -1 and all(x == 0 for x in row[1:]):
+        return "None"
+    if field in TENSOR_FIELDS:
+        dtype = _DTYPES[row[0]] if 0 <= row[0] < len(_DTYPES) else "?"
+        shape = tuple("S" if x == -2 else x for x in row[2:2 + row[1]])
+        return f"{dtype} {shape}"
+    if field in FLOAT_FIELDS:
+        return repr(struct.unpack("<d", struct.pack("<q", row[0]))[0])
+    return repr(tuple(x for x in row if x != 0) or 0)
+
+
+TENSOR_FIELDS = {"q", "k", "v", "bias", "mask", "alibi_slopes", "sinks"}
+FLOAT_FIELDS = {"scale", "softcap"}
+
+
+def check_agreement(topo: Topology, fields: Sequence[Tuple[str, Tuple[int, ...]]], local_len: int,
+                    device) -> List[int]:
+    """All-gather the described call; raise the same error on every rank when two ranks differ.
+    Returns every CP rank's ``local_len`` (token count), in CP-rank order."""
+    rows = []
+    for name, values in fields:
+        if len(values) > _WIDTH:
+            raise AssertionError(f"field {name} needs {len(values)} slots")
+        rows.append(list(values) + [0] * (_WIDTH - len(values)))
+    mine = torch.tensor([x for r in rows for x in r] + [local_len], dtype=torch.int64, device=device)
+    everyone = topo.gather_all(mine, "validate", "the check that every rank makes the same call")
+    table = [t.tolist() for t in everyone]
+    for rank, theirs in enumerate(table):
+        for f, (name, _) in enumerate(fields):
+            a, b = table[0][f * _WIDTH:(f + 1) * _WIDTH], theirs[f * _WIDTH:(f + 1) * _WIDTH]
+            if a != b:
+                fail(ValueError, name, f"{_show(name, b)} on CP rank {rank} but {_show(name, a)} on CP rank 0",
+                     "the same on every rank of the context-parallel group (each rank passes its shard of one "
+                     "call; only the sequence length of a shard may differ)")
+    return [t[-1] for t in table]
