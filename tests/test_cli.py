@@ -282,3 +282,33 @@ def test_tuning_models_and_override_are_consistent():
     with tuning.overriding("cpu", {"block_m": 48, "block_n": 80}):
         assert (default_config(inp).block_m, default_config(inp).block_n) == (48, 80)
     assert (default_config(inp).block_m, default_config(inp).block_n) != (48, 80)
+
+
+def test_env_reports_integrations_as_they_are_switched_on():
+    """`tileattn env` (and its collect()) says which integrations are available and active."""
+    import torch
+    import torch.nn.functional as F
+
+    import tileattn
+    import tileattn.integrations.torch_sdpa as hook
+    from tileattn.cli.env import integrations
+
+    before = integrations()
+    assert before["patch_sdpa"] == {"active": False}
+    assert before["torch_npu_stand_in"] == {"installed": False}
+    assert "gloo" in before["torch_distributed"]["backends"]
+    with tileattn.patch_sdpa():
+        assert integrations()["patch_sdpa"] == {"active": True}
+    assert F.scaled_dot_product_attention is not tileattn.scaled_dot_product_attention
+    if hook.hook_available():
+        hook.register()
+        torch.nn.attention.activate_flash_attention_impl("tileattn")
+        try:
+            assert integrations()["sdpa_hook"]["active"] is True
+        finally:
+            torch.nn.attention.restore_flash_attention_impl()
+        assert integrations()["sdpa_hook"]["active"] is False
+    r = cli("env", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)["integrations"]
+    assert set(report) == {"sdpa_hook", "patch_sdpa", "transformers", "torch_npu_stand_in", "torch_distributed"}

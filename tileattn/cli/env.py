@@ -52,6 +52,31 @@ def probe_backend(backend, device: str) -> list:
     return []
 
 
+def integrations() -> dict:
+    """Which integrations this process offers and has switched on, with versions."""
+    import torch
+    import torch.nn.functional as F
+
+    from .. import sdpa
+    from ..integrations import torch_sdpa, transformers as hf
+    from .. import npu
+
+    hook = torch_sdpa.status()
+    hf_report = hf.integration_report()
+    dist = torch.distributed
+    backends = ([name for name, probe in (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available),
+                                           ("mpi", dist.is_mpi_available)) if probe()]
+                if dist.is_available() else [])
+    return {
+        "sdpa_hook": dict(hook, torch=torch.__version__),
+        "patch_sdpa": {"active": F.scaled_dot_product_attention is sdpa.scaled_dot_product_attention},
+        "transformers": {"version": hf_report["transformers"], "registered": hf_report["registered"],
+                         "architectures_tested": len(hf_report["architectures"])},
+        "torch_npu_stand_in": {"installed": npu.installed()},
+        "torch_distributed": {"available": dist.is_available(), "backends": backends},
+    }
+
+
 def collect() -> dict:
     import torch
 
@@ -80,6 +105,7 @@ def collect() -> dict:
             "l2_per_core_bytes": cache_size(2), "gpus": gpus(),
         },
         "backends": backends,
+        "integrations": integrations(),
     }
 
 
@@ -113,6 +139,31 @@ def run(args) -> int:
         role = "auto" if b["auto"] else "explicit only"
         rows.append([b["name"], role, usable, why])
     print("\n".join("  " + line for line in format_table(["backend", "chosen by", "usable on", "why not"], rows).splitlines()))
+    print("integrations")
+    for line in _integration_lines(info["integrations"]):
+        print("  " + line)
     if not ok:
         print("tileattn env: no engine other than the reference works here", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _integration_lines(i: dict) -> list:
+    def on(flag, yes="active", no="not active"):
+        return yes if flag else no
+
+    hook, hf = i["sdpa_hook"], i["transformers"]
+    hook_line = ("not in this torch (use patch_sdpa)" if not hook["available"] else
+                 f"{on(hook['registered'], 'registered', 'not registered')}, {on(hook['active'])}")
+    hf_line = ("not installed" if hf["version"] is None else
+               f"{hf['version']}, {on(hf['registered'], 'registered', 'not registered')} "
+               f"({hf['architectures_tested']} architectures tested)")
+    dist = i["torch_distributed"]
+    rows = [
+        (f"SDPA hook (torch {hook['torch']})", hook_line),
+        ("patch_sdpa", on(i["patch_sdpa"]["active"])),
+        ("Hugging Face transformers", hf_line),
+        ("torch_npu stand-in", on(i["torch_npu_stand_in"]["installed"], "installed", "not installed")),
+        ("torch.distributed", (", ".join(dist["backends"]) or "no backend") if dist["available"] else "not available"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return [f"{label:<{width}}  {value}" for label, value in rows]

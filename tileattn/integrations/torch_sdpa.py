@@ -109,6 +109,16 @@ def register() -> str:
     return IMPL_NAME
 
 
+def status() -> dict:
+    """Whether this torch has the hook, whether tileattn is registered with it, and whether it is
+    the active flash implementation (plain data, for ``tileattn env``)."""
+    if not hook_available():
+        return {"available": False, "registered": False, "active": False}
+    attention = torch.nn.attention
+    return {"available": True, "registered": IMPL_NAME in attention.list_flash_attention_impls(),
+            "active": attention.current_flash_attention_impl() == IMPL_NAME}
+
+
 def call_counts() -> dict:
     """Calls served so far, per aten op name: proof that an activation really reaches tileattn."""
     with _lock:
