@@ -172,11 +172,12 @@ check(rule("dsinks (attention_backward)", grads.dsinks, oracle[3], plain[3]),
 # %% [markdown]
 # **Learning to attend nowhere.** Take the loss `||O||^2 / 2`, so `dO = O` and `Delta_i = ||O_i||^2
 # >= 0`: the formula says `dsigma <= 0`, so gradient descent can only *raise* the sink, and the head
-# learns to switch itself off. We train nothing but the sinks, with tileattn's gradients.
+# learns to switch itself off. We train nothing but the sinks, with tileattn's gradients (Adam: its
+# steps follow the gradient's sign, whatever its scale).
 
 # %%
 learned = torch.zeros(H, requires_grad=True)
-opt = torch.optim.SGD([learned], lr=2.0)
+opt = torch.optim.Adam([learned], lr=0.3)
 first_grad, losses, sink_values, sink_mass = None, [], [], []
 for step in range(40):
     o, l = tileattn.flash_attention(q32, k32, v32, sinks=learned, causal=True, return_lse=True)
@@ -201,7 +202,7 @@ check(sink_mass[-1] > 0.9, f"after training, {sink_mass[-1]:.0%} of the attentio
 #
 # ```
 # o = (sum_A exp(s_j) v_j + sum_B exp(s_j) v_j) / (Z_A + Z_B) = w_A o_A + w_B o_B,
-# w_A = Z_A / (Z_A + Z_B) = exp(L_A - L),      L = logaddexp(L_A, L_B)
+# w_A = Z_A / (Z_A + Z_B) = exp(L_A - L) = sigmoid(L_A - L_B),      L = logaddexp(L_A, L_B)
 # ```
 #
 # The outputs alone do not know how much of the row's mass each part holds: averaging them
@@ -452,8 +453,9 @@ for S_t, t, spread in timings:
           f"{t['fwd+bwd'] * 1e3:>9.1f} {t['fwd+bwd sinks'] * 1e3:>9.1f} {t['fwd+bwd sinks'] / t['fwd+bwd']:>6.2f} "
           f"{spread:>6.0f}%")
 S_last, t_last, _ = timings[-1]
-overhead = max(t_last["fwd sinks"] / t_last["fwd"], t_last["fwd+bwd sinks"] / t_last["fwd+bwd"])
-check(overhead < 1.25, f"at S={S_last} sinks cost at most {overhead - 1:+.0%} (forward and forward+backward)")
+ratios = [t_last[f"{mode} sinks"] / t_last[mode] for mode in ("fwd", "fwd+bwd")]
+check(max(ratios) < 1.25, f"at S={S_last} sinks change the time by {ratios[0] - 1:+.0%} (forward) and "
+      f"{ratios[1] - 1:+.0%} (forward+backward): less than +25%")
 
 # %%
 fig, (ax_mass, ax_cost) = figure(1, 2, figsize=(11, 4))
@@ -467,17 +469,42 @@ xs = [S_t for S_t, _, _ in timings]
 for mode in ("fwd", "fwd+bwd"):
     ax_cost.plot(xs, [t[f"{mode} sinks"] / t[mode] for _, t, _ in timings], "o-", label=mode)
 ax_cost.axhline(1.0, color="k", lw=0.8)
-ax_cost.set(xscale="log", xlabel="sequence length S (causal)", ylabel="time with sinks / without",
+ax_cost.set(xscale="log", ylim=(0.5, 1.5), xlabel="sequence length S (causal)", ylabel="time with sinks / without",
             title="cost of sinks, one thread")
+ax_cost.set_xticks(xs, [str(x) for x in xs], minor=False)
+ax_cost.minorticks_off()
 ax_cost.legend()
 save_figure(fig, "11_sinks.png")
 
 # %% [markdown]
 # ![sink mass against the sink logit; cost of sinks against S](../../docs/hub/11_sinks.png)
 #
-# Measured at full size on this machine (log in `docs/hub/logs/11.txt`): see the table printed above
-# the figure. The mass curves are the closed form `sigmoid(sigma - L)` shifted by `log n`; the cost of
-# a sink is within the timing noise once `S` is a few thousand.
+# Measured at full size on this machine (2 cores, Xeon with AVX-512, shared with other jobs: load
+# average 8-10 during the run; log in `docs/hub/logs/11.txt`). Sink mass at `sigma = 0, 4, 8`:
+#
+# | keys n | log n + 1/2 | sigma = 0 | sigma = 4 | sigma = 8 |
+# |---:|---:|---:|---:|---:|
+# | 64 | 4.66 | 0.010 | 0.346 | 0.966 |
+# | 512 | 6.74 | 0.001 | 0.061 | 0.778 |
+# | 4096 | 8.82 | 0.000 | 0.008 | 0.306 |
+# | 32768 | 10.90 | 0.000 | 0.001 | 0.052 |
+#
+# Causal, H=8, D=64, fp32, one thread, median ms (spread = the noisiest contender's (max - min) /
+# median):
+#
+# | S | fwd | + sinks | ratio | fwd+bwd | + sinks | ratio | spread |
+# |---:|---:|---:|---:|---:|---:|---:|---:|
+# | 512 | 27.5 | 19.7 | 0.72 | 77.5 | 86.6 | 1.12 | 60% |
+# | 1024 | 73.5 | 74.6 | 1.01 | 245.0 | 223.5 | 0.91 | 28% |
+# | 2048 | 243.0 | 226.7 | 0.93 | 764.8 | 809.8 | 1.06 | 13% |
+# | 4096 | 871.8 | 809.0 | 0.93 | 2514.4 | 2739.0 | 1.09 | 24% |
+# | 8192 | 3935.6 | 3841.1 | 0.98 | 12229.2 | 12888.2 | 1.05 | 39% |
+#
+# The mass curves are the closed form `sigmoid(sigma - L)`, moved right by `log 8 = 2.08` for every
+# 8x more keys. The cost of a sink is lost in the timing noise at every length: the ratios scatter
+# on both sides of 1 by about the spread. The gpt-oss-style stack at S=2048 peaked at 46 MiB with
+# tileattn against 1488 MiB with the reference, and training the sinks alone moved 97% of the
+# attention onto them (sinks ~9.0 at S=256).
 #
 # ## Exercises
 #
