@@ -269,7 +269,8 @@ def test_contest_rejects_with_the_reason(runs, name, reason):
 
 
 def test_leaderboard_ranks_accepted_entries_and_lists_rejected_ones(tmp_path):
-    shape = lambda sub: [{"shape": "s", "tokens": 8, "submission": sub, "baseline": 1.0, "tileattn": 0.5}]  # noqa: E731
+    shape = lambda sub: [{"shape": "s", "tokens": 8, "submission": sub, "baseline": 1.0,  # noqa: E731
+                          "tileattn": 0.5}]
     contest.record(contest.Outcome("accepted", "", 1, shape(0.5)), "fast", "fast.py", tmp_path)
     contest.record(contest.Outcome("rejected", "wrong result | bad", 2, []), "broken", "broken.py", tmp_path)
     contest.record(contest.Outcome("accepted", "", 3, shape(0.25)), "faster", "faster.py", tmp_path)
@@ -277,7 +278,8 @@ def test_leaderboard_ranks_accepted_entries_and_lists_rejected_ones(tmp_path):
         assert [r["name"] for r in csv.DictReader(f)] == ["fast", "broken", "faster"]
     text = (tmp_path / "LEADERBOARD.md").read_text()
     ranked = text.split("## Rejected")[0]
-    assert ranked.index("| 1 | faster | 4.000 | 2.000 | 32.0 |") < ranked.index("| 2 | fast | 2.000 | 1.000 | 16.0 |")
+    assert ranked.index("| 1 | faster | 4.000 | 2.000 | 32.0 |") < ranked.index(
+        "| 2 | fast | 2.000 | 1.000 | 16.0 |")
     assert "broken" not in ranked and "wrong result \\| bad" in text.split("## Rejected")[1]
     assert contest.Outcome("rejected", "x", 0, []).score is None
 
@@ -330,14 +332,16 @@ def test_each_track_keeps_its_own_leaderboard_and_an_old_csv_gains_the_new_colum
     assert [(r["name"], r["score"], r["tokens_per_s"]) for r in contest.read_rows(tmp_path, "decode")] == [
         ("dec", "4.000", "400.0")]
     decode_md = (tmp_path / "LEADERBOARD_decode.md").read_text()
-    assert "decode track" in decode_md and "| 1 | dec | 4.000 | 2.000 | 400.0 |" in decode_md and "old" not in decode_md
+    assert "decode track" in decode_md and "| 1 | dec | 4.000 | 2.000 | 400.0 |" in decode_md
+    assert "old" not in decode_md
     assert "| 1 | new |" in (tmp_path / "LEADERBOARD.md").read_text()
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_contest_decode_track_from_the_command_line(tmp_path, capsys):
+def test_contest_decode_track_from_the_command_line(tmp_path, capsys, monkeypatch):
     from tileattn.cli import main
 
+    monkeypatch.setattr(contest, "score_submission", lambda *a, **k: pytest.fail("scored before checking"))
     assert main(["contest", "score", str(contest.DECODE_BASELINE), "--track", "nope",
                  "--leaderboard", str(tmp_path)]) == 2
     assert "--track" in capsys.readouterr().err
@@ -347,5 +351,6 @@ def test_contest_decode_track_from_the_command_line(tmp_path, capsys):
     assert main(["contest", "score", str(contest.DECODE_BASELINE), "--track", "decode",
                  "--leaderboard", str(tmp_path)]) == 2
     assert "is not a contest leaderboard" in capsys.readouterr().err
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="argument '--track'"):
         contest.score_submission(contest.DECODE_BASELINE, track="prefil")
