@@ -392,7 +392,7 @@ check(all([rule(n, a, b, c) for n, a, b, c in zip(names, results["tileattn"], re
       f"4 gpt-oss-style layers (window {window} on layers 0 and 2, sinks everywhere): output and gradients pass")
 
 # %% [markdown]
-# What the stack costs in memory, forward and backward, at `S = 512` here (2048 at full size): the
+# What the stack costs in memory, forward and backward, at `S = 2048` (512 at CI size): the
 # reference keeps every layer's `S x S` probabilities for the backward, tileattn keeps `O(S)` per
 # row (the sinks add one number per head).
 
@@ -420,14 +420,17 @@ check(peak_tileattn * 4 < peak_reference, f"tileattn's peak is {peak_reference /
 # without sinks, forward and forward+backward, round-robin with `tileattn.measure` (the timing loop of
 # `tileattn bench`) on **one thread**: the sink's few element-wise operations run outside the engine's
 # worker threads, and on a shared machine a multi-threaded element-wise operation can wait for a
-# preempted core, which would time the machine rather than the sink.
+# preempted core, which would time the machine rather than the sink. For the same reason the cost is
+# the median of the per-round ratios: within a round the calls with and without sinks run back to
+# back, under the same load, while the load itself drifts from round to round. One length's ratio
+# still scatters by several percent; the claim is checked on all rounds of all lengths together.
 
 # %%
-H_t, D_t = 8, 64
-lengths = pick([128, 256], [512, 1024, 2048, 4096, 8192])
+H_t, D_t, reps = 8, 64, 7
+lengths = pick([256, 512], [512, 1024, 2048, 4096])
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
-timings = []
+timings, pooled = [], []
 for S_t in lengths:
     qt, kt, vt = (seeded(1, H_t, S_t, D_t, seed=40 + i).requires_grad_() for i in range(3))
     st = torch.zeros(H_t, requires_grad=True)
@@ -441,21 +444,23 @@ for S_t in lengths:
 
     samples = measure.time_interleaved({"fwd": lambda: forward(False), "fwd sinks": lambda: forward(True),
                                         "fwd+bwd": lambda: train(False), "fwd+bwd sinks": lambda: train(True)},
-                                       reps=pick(5, 3), warmup=1)
-    timings.append((S_t, {name: measure.median(s) for name, s in samples.items()},
-                    max(measure.spread_pct(s) for s in samples.values())))
+                                       reps=reps, warmup=1)
+    row = {name: measure.median(s) for name, s in samples.items()}
+    for mode in ("fwd", "fwd+bwd"):  # within a round both ran back to back, under the same load
+        rounds = [a / b for a, b in zip(samples[f"{mode} sinks"], samples[mode])]
+        row[f"{mode} ratio"] = measure.median(rounds)
+        pooled += rounds
+    timings.append((S_t, row, max(measure.spread_pct(s) for s in samples.values())))
 torch.set_num_threads(threads)
 
-print(f"causal, H={H_t}, D={D_t}, fp32, one thread; median ms")
+print(f"causal, H={H_t}, D={D_t}, fp32, one thread; median ms of {reps}, ratio = median of the rounds' ratios")
 print(f"{'S':>6} {'fwd':>9} {'+ sinks':>9} {'ratio':>6} {'fwd+bwd':>9} {'+ sinks':>9} {'ratio':>6} {'spread':>7}")
 for S_t, t, spread in timings:
-    print(f"{S_t:>6} {t['fwd'] * 1e3:>9.1f} {t['fwd sinks'] * 1e3:>9.1f} {t['fwd sinks'] / t['fwd']:>6.2f} "
-          f"{t['fwd+bwd'] * 1e3:>9.1f} {t['fwd+bwd sinks'] * 1e3:>9.1f} {t['fwd+bwd sinks'] / t['fwd+bwd']:>6.2f} "
-          f"{spread:>6.0f}%")
-S_last, t_last, _ = timings[-1]
-ratios = [t_last[f"{mode} sinks"] / t_last[mode] for mode in ("fwd", "fwd+bwd")]
-check(max(ratios) < 1.25, f"at S={S_last} sinks change the time by {ratios[0] - 1:+.0%} (forward) and "
-      f"{ratios[1] - 1:+.0%} (forward+backward): less than +25%")
+    print(f"{S_t:>6} {t['fwd'] * 1e3:>9.1f} {t['fwd sinks'] * 1e3:>9.1f} {t['fwd ratio']:>6.2f} "
+          f"{t['fwd+bwd'] * 1e3:>9.1f} {t['fwd+bwd sinks'] * 1e3:>9.1f} {t['fwd+bwd ratio']:>6.2f} {spread:>6.0f}%")
+overall = measure.median(pooled)
+check(overall < 1.1, f"over every length and both passes ({len(pooled)} rounds), the median time with sinks is "
+      f"{overall:.3f}x the time without: sinks cost less than 10%")
 
 # %%
 fig, (ax_mass, ax_cost) = figure(1, 2, figsize=(11, 4))
@@ -467,7 +472,7 @@ ax_mass.set(xlabel="sink logit sigma", ylabel="mean attention mass on the sink",
 ax_mass.legend()
 xs = [S_t for S_t, _, _ in timings]
 for mode in ("fwd", "fwd+bwd"):
-    ax_cost.plot(xs, [t[f"{mode} sinks"] / t[mode] for _, t, _ in timings], "o-", label=mode)
+    ax_cost.plot(xs, [t[f"{mode} ratio"] for _, t, _ in timings], "o-", label=mode)
 ax_cost.axhline(1.0, color="k", lw=0.8)
 ax_cost.set(xscale="log", ylim=(0.5, 1.5), xlabel="sequence length S (causal)", ylabel="time with sinks / without",
             title="cost of sinks, one thread")
@@ -480,7 +485,7 @@ save_figure(fig, "11_sinks.png")
 # ![sink mass against the sink logit; cost of sinks against S](../../docs/hub/11_sinks.png)
 #
 # Measured at full size on this machine (2 cores, Xeon with AVX-512, shared with other jobs: load
-# average 8-10 during the run; log in `docs/hub/logs/11.txt`). Sink mass at `sigma = 0, 4, 8`:
+# average about 6 during the run; log in `docs/hub/logs/11.txt`). Sink mass at `sigma = 0, 4, 8`:
 #
 # | keys n | log n + 1/2 | sigma = 0 | sigma = 4 | sigma = 8 |
 # |---:|---:|---:|---:|---:|
@@ -489,22 +494,21 @@ save_figure(fig, "11_sinks.png")
 # | 4096 | 8.82 | 0.000 | 0.008 | 0.306 |
 # | 32768 | 10.90 | 0.000 | 0.001 | 0.052 |
 #
-# Causal, H=8, D=64, fp32, one thread, median ms (spread = the noisiest contender's (max - min) /
-# median):
+# Causal, H=8, D=64, fp32, one thread, median ms of 7 rounds; ratio = median of the rounds' ratios
+# (with sinks / without); spread = the noisiest contender's (max - min) / median:
 #
 # | S | fwd | + sinks | ratio | fwd+bwd | + sinks | ratio | spread |
 # |---:|---:|---:|---:|---:|---:|---:|---:|
-# | 512 | 27.5 | 19.7 | 0.72 | 77.5 | 86.6 | 1.12 | 60% |
-# | 1024 | 73.5 | 74.6 | 1.01 | 245.0 | 223.5 | 0.91 | 28% |
-# | 2048 | 243.0 | 226.7 | 0.93 | 764.8 | 809.8 | 1.06 | 13% |
-# | 4096 | 871.8 | 809.0 | 0.93 | 2514.4 | 2739.0 | 1.09 | 24% |
-# | 8192 | 3935.6 | 3841.1 | 0.98 | 12229.2 | 12888.2 | 1.05 | 39% |
+# | 512 | 11.5 | 10.9 | 0.96 | 34.4 | 33.0 | 0.92 | 47% |
+# | 1024 | 18.3 | 18.0 | 0.99 | 57.8 | 58.2 | 1.01 | 14% |
+# | 2048 | 59.1 | 61.4 | 1.00 | 201.5 | 197.5 | 0.99 | 78% |
+# | 4096 | 329.9 | 335.1 | 1.02 | 1075.8 | 1067.7 | 1.00 | 44% |
 #
 # The mass curves are the closed form `sigmoid(sigma - L)`, moved right by `log 8 = 2.08` for every
-# 8x more keys. The cost of a sink is lost in the timing noise at every length: the ratios scatter
-# on both sides of 1 by about the spread. The gpt-oss-style stack at S=2048 peaked at 46 MiB with
-# tileattn against 1488 MiB with the reference, and training the sinks alone moved 97% of the
-# attention onto them (sinks ~9.0 at S=256).
+# 8x more keys. The cost of a sink is lost in the timing noise at every length: over all 56 rounds
+# the median ratio was 0.989. The gpt-oss-style stack at S=2048 peaked at 50 MiB with tileattn
+# against 1780 MiB with the reference, and training the sinks alone moved 97% of the attention onto
+# them (sinks ~9.0 at S=256).
 #
 # ## Exercises
 #
