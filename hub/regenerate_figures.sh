@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Re-run every tutorial at full size, writing docs/hub/*.png and a log per tutorial
-# (docs/hub/logs/NN.txt, the measured numbers quoted in the tutorials). Takes several minutes on two
-# cores; run it on a quiet machine, since the timings are part of the figures.
+# Re-run tutorials at full size, writing docs/hub/*.png and a log per tutorial (docs/hub/logs/NN.txt,
+# the measured numbers quoted in the tutorials). Takes several minutes on two cores; run it on a quiet
+# machine, since the timings are part of the figures.
+#
+#   hub/regenerate_figures.sh          every tutorial
+#   hub/regenerate_figures.sh 11 04    only these chapters (a new chapter need not re-measure the others)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
 mkdir -p docs/hub/logs
 unset TILEATTN_SMALL
-for tutorial in $(cd hub/tutorials && ls [0-9][0-9]_*.py | sed "s/\.py$//"); do
+all=$(cd hub/tutorials && ls [0-9][0-9]_*.py | sed "s/\.py$//")
+selected=""
+for chapter in "$@"; do
+    match=$(printf '%s\n' $all | grep "^${chapter}_" || true)
+    if [ -z "$match" ]; then
+        echo "regenerate_figures.sh: no tutorial hub/tutorials/${chapter}_*.py; chapters: $(printf '%s\n' $all | cut -c1-2 | tr '\n' ' ')" >&2
+        exit 2
+    fi
+    selected="$selected $match"
+done
+for tutorial in ${selected:-$all}; do
     echo "== $tutorial"
     (cd hub/tutorials && "../../$python" "$tutorial.py") | tee "docs/hub/logs/${tutorial%%_*}.txt"
 done

@@ -19,7 +19,7 @@ from tileattn import bench, tuning
 REPO = Path(__file__).resolve().parents[1]
 TOOLING_FILES = sorted(
     [REPO / "tileattn" / name for name in ("bench.py", "tuning.py", "contest.py", "tunecache.py", "measure.py",
-                                           "contest_baseline.py")]
+                                           "contest_baseline.py", "contest_baseline_decode.py")]
     + list((REPO / "tileattn" / "cli").glob("*.py"))
     + [REPO / "benchmarks" / "bench_cpu.py", REPO / "benchmarks" / "gpu_check.py", REPO / "hub" / "tutorials" / "_hub.py"]
 )
