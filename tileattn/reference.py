@@ -100,17 +100,26 @@ def _dropout_factor(spec: AttentionSpec, seq: SequenceSlice, cdtype):
     return keep.to(cdtype) * dropout.keep_scale
 
 
-def _lse(spec: AttentionSpec, s):
-    """Log-sum-exp of each row, the sink included. A row that sees no key (and has no sink) gets
-    -inf, computed over zeros so that neither the forward nor the logsumexp backward meets
-    ``-inf - (-inf) = NaN`` (which would leak into dq, dk and dbias)."""
-    sinks = spec.modifier("sinks")
-    if sinks is not None:
-        sink = sinks.tensor.to(s.dtype)[:, None, None].expand(s.shape[0], s.shape[1], 1)
-        return torch.logsumexp(torch.cat((s, sink), dim=-1), dim=-1)
+def _lse(s):
+    """Log-sum-exp of each row of scores. A row that sees no key gets -inf, computed over zeros so that
+    neither the forward nor the logsumexp backward meets ``-inf - (-inf) = NaN`` (which would leak
+    into dq, dk and dbias)."""
     empty = torch.isneginf(s).all(dim=-1)
     lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), dim=-1)
     return lse.masked_fill(empty, -math.inf)
+
+
+def _with_sinks(spec: AttentionSpec, out, lse):
+    """(out, lse) with the sinks in the denominator: ``out * sigmoid(lse - sink)`` and
+    ``lse - logsigmoid(lse - sink)``, a form whose gradients stay finite for a sink of +-inf and for
+    rows that see no key (whose LSE becomes the sink)."""
+    sinks = spec.modifier("sinks")
+    if sinks is None:
+        return out, lse
+    sink = sinks.tensor.to(lse.dtype)[:, None]
+    gap = lse - sink
+    total = torch.where(torch.isneginf(lse), sink.expand_as(lse), lse - torch.nn.functional.logsigmoid(gap))
+    return out * torch.sigmoid(gap)[..., None], total
 
 
 def _probabilities(s, lse):
@@ -129,13 +138,14 @@ def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
         s, _, _ = _scores(spec, seq, q, k, cdtype)
-        lse = _lse(spec, s)
+        lse = _lse(s)
         p = _probabilities(s, lse)
         drop = _dropout_factor(spec, seq, cdtype)
         if drop is not None:
             p = p * drop
         v = v.to(cdtype).repeat_interleave(spec.group_size, dim=0)
-        outs.append(torch.einsum("hij,hjd->hid", p, v))
+        out, lse = _with_sinks(spec, torch.einsum("hij,hjd->hid", p, v), lse)
+        outs.append(out)
         lses.append(lse)
     lse_dtype = torch.float64 if cdtype == torch.float64 else torch.float32
     if spec.is_varlen:
