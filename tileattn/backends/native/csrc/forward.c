@@ -47,13 +47,21 @@ static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, 
         msub[v] = vselect(mn == -INFINITY, vzero(), mn);
         lsum[v] = vzero();
     }
-    for (int64_t j = 0; j < n; j++)
-        for (int v = 0; v < TA_NV; v++) {
-            vr pr = vexp2(vload(S + j * PW + v * VW) - msub[v]);
-            lsum[v] += pr;
-            if (a->dropout_p > 0) pr = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), pr, vzero());
-            vstore(S + j * PW + v * VW, pr);
-        }
+    if (a->dropout_p > 0) {
+        for (int64_t j = 0; j < n; j++)
+            for (int v = 0; v < TA_NV; v++) {
+                vr pr = vexp2(vload(S + j * PW + v * VW) - msub[v]);
+                lsum[v] += pr;
+                vstore(S + j * PW + v * VW, vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), pr, vzero()));
+            }
+    } else {
+        for (int64_t j = 0; j < n; j++)
+            for (int v = 0; v < TA_NV; v++) {
+                vr pr = vexp2(vload(S + j * PW + v * VW) - msub[v]);
+                lsum[v] += pr;
+                vstore(S + j * PW + v * VW, pr);
+            }
+    }
     for (int v = 0; v < TA_NV; v++) vstore(l + base + v * VW, vload(l + base + v * VW) + lsum[v]);
 }
 

@@ -150,16 +150,11 @@ TA_INLINE real vsum(vr x) {
 /* 2^x, accurate to ~1 ulp; NaN -> NaN, -inf -> 0, +inf -> +inf.
  *
  * x = n + f with n = round(x), |f| <= 1/2; 2^f by a polynomial (fp32: minimax, relative error
- * 1.9e-9; fp64: Taylor to degree 13, first omitted term 3e-17), 2^n by writing n into the exponent
- * field. The rounding uses the 1.5*2^mant trick: after t = x + magic the low mantissa bits of t
- * hold n, so shifting t's bits left by the mantissa width yields n's exponent bits directly.
+ * 1.9e-9; fp64: Taylor to degree 13, first omitted term 3e-17), then scaled by 2^n. Without
+ * AVX-512 the rounding uses the 1.5*2^mant trick: after t = x + magic the low mantissa bits of t
+ * hold n, so shifting t's bits left by the mantissa width yields 2^n's exponent bits directly.
  */
-TA_INLINE vr vexp2(vr x) {
-    x = vmax_keepnan(x, vset1((real)-REAL_BIAS));
-    x = vmin_keepnan(x, vset1((real)(REAL_BIAS + 1)));
-    vr t = x + REAL_ROUND_MAGIC;
-    vr n = t - REAL_ROUND_MAGIC;
-    vr f = x - n;
+TA_INLINE vr vexp2_poly(vr f) {
 #if TA_REAL_BITS == 64
     static const double c[14] = {1.3691488853904124e-12, 2.5678435993488196e-11, 4.44553827187081e-10,
                                  7.054911620801121e-09,  1.0178086009239696e-07, 1.3215486790144305e-06,
@@ -177,9 +172,31 @@ TA_INLINE vr vexp2(vr x) {
     p = vfma(p, f, vset1(0.6931472058202f));
     p = vfma(p, f, vset1(1.0000000005308562f));
 #endif
+    return p;
+}
+
+TA_INLINE vr vexp2(vr x) {
+#if defined(TA_ISA_AVX512)
+    /* AVX-512 rounds and scales by 2^n in one instruction each (vrndscale, vscalef); outside
+     * +-(bias + 64) the result is exactly 0 or inf. */
+    x = vmax_keepnan(x, vset1((real)(-REAL_BIAS - 64)));
+    x = vmin_keepnan(x, vset1((real)(REAL_BIAS + 64)));
+#if TA_REAL_BITS == 64
+    vr n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_pd(vexp2_poly(x - n), n);
+#else
+    vr n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(vexp2_poly(x - n), n);
+#endif
+#else
+    x = vmax_keepnan(x, vset1((real)-REAL_BIAS));
+    x = vmin_keepnan(x, vset1((real)(REAL_BIAS + 1)));
+    vr t = x + REAL_ROUND_MAGIC;
+    vr n = t - REAL_ROUND_MAGIC;
     /* unsigned lanes: the shift discards the magic's exponent bits (signed overflow would be UB) */
     vui e = ((vui)vibits(t) << REAL_MANT) + ((uireal)REAL_BIAS << REAL_MANT);
-    return p * vbits((vi)e);
+    return vexp2_poly(x - n) * vbits((vi)e);
+#endif
 }
 
 /* tanh for the softcap. fp32: (1 - e)/(1 + e) with e = 2^(-2|x| log2 e), and the odd Taylor series
