@@ -369,3 +369,223 @@ def test_batch_invariance(sq):
     for b in (0, 2, 4):
         alone = raw_forward(q[b:b + 1], k[b:b + 1], v[b:b + 1], seqused_k=used[b:b + 1], right=0)
         assert torch.equal(alone[0], full[0][b:b + 1]) and torch.equal(alone[1], full[1][b:b + 1])
+
+
+# ---------------------------------------------------------------------------------- modifiers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
+def test_softcap_and_alibi(dtype):
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=70, sk=90, d=16, dtype=dtype, seed=13, scale=3.0)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(1)) * 0.5
+    assert_native_matches(q, k, v, softcap=5.0, alibi_slopes=slopes, causal=True, return_lse=True)
+    assert_native_matches(q, k, v, alibi_slopes=slopes[0], window=(30, 10), return_lse=True)
+
+
+@pytest.mark.parametrize("shape", [(70, 90), (2, 1, 70, 90), (1, 4, 1, 90), (2, 4, 70, 1)],
+                         ids=["SqSk", "B1SqSk", "1H1Sk", "BHSq1"])
+def test_bias_and_its_gradient(shape):
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=70, sk=90, d=16, seed=14)
+    bias = torch.randn(shape, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    assert_native_matches(q, k, v, bias=bias, causal=True, return_lse=True)
+
+
+def test_bias_gradient_is_bitwise_identical_for_any_thread_count():
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=300, sk=300, d=16, seed=15)
+    bias0 = torch.randn(1, 4, 300, 300)
+    grads = []
+    for n, opt in ((1, 0), (2, 0), (3, nk.FORCE_SPLIT)):
+        bias = bias0.clone().requires_grad_()
+        out = native_attention(q, k, v, bias=bias, num_threads=n, options=opt)
+        out.backward(torch.ones_like(out))
+        grads.append(bias.grad)
+    assert all(torch.equal(g, grads[0]) for g in grads)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 70, 90), (90,), (70, 1)], ids=["B1SqSk", "keys", "rows"])
+def test_bool_mask(shape):
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=70, sk=90, d=16, seed=16)
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    assert_native_matches(q, k, v, mask=mask, causal=True, return_lse=True)
+
+
+def test_mask_hiding_whole_tiles_skips_them():
+    """NaN values in V under fully hidden key tiles never reach the output (the tiles are skipped)."""
+    q, k, v = qkv(b=1, hq=2, sq=300, sk=1024, d=16, seed=17)
+    mask = torch.ones(1024, dtype=torch.bool)
+    mask[256:768] = False  # key tiles 1 and 2 of 256
+    v[:, :, 256:768] = float("nan")
+    out = native_attention(q, k, v, mask=mask)
+    assert torch.isfinite(out).all()
+    ref = tileattn.reference(q, k[:, :, mask], v[:, :, mask], compute_dtype=torch.float64)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dropout(dtype):
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=70, sk=90, d=16, dtype=dtype, seed=18)
+    assert_native_matches(q, k, v, dropout_p=0.3, seed=1234, causal=True)
+    a = native_attention(q, k, v, dropout_p=0.3, seed=99)
+    b = native_attention(q, k, v, dropout_p=0.3, seed=99, num_threads=1, block_n=64)
+    c = native_attention(q, k, v, dropout_p=0.3, seed=98)
+    assert (a - b).abs().max() < 1e-5 and not torch.allclose(a, c)
+
+
+def test_dropout_decode_path():
+    q, k, v = qkv(b=2, hq=8, hkv=2, sq=1, sk=700, d=32, seed=19)
+    assert_native_matches(q, k, v, grad=False, dropout_p=0.25, seed=7)
+
+
+# ------------------------------------------------------------------------------ edge values
+
+
+def test_rows_that_see_nothing():
+    q, k, v = qkv(b=1, hq=2, sq=5, sk=2, d=8, seed=20)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = native_attention(*leaves, causal=True, return_lse=True)
+    assert torch.equal(out[:, :, :3], torch.zeros(1, 2, 3, 8)) and torch.isneginf(lse[:, :, :3]).all()
+    out.sum().backward()
+    assert torch.equal(leaves[0].grad[:, :, :3], torch.zeros(1, 2, 3, 8))
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+    mask = torch.rand(2, 1, 40, 60, generator=torch.Generator().manual_seed(4)) > 0.5
+    mask[0, 0, 3] = False
+    q, k, v = qkv(b=2, hq=2, sq=40, sk=60, d=8, seed=21)
+    assert_native_matches(q, k, v, mask=mask, return_lse=True)
+
+
+def test_huge_scores_give_finite_gradients():
+    """|q.k| ~ 1e9 in fp32: the LSE carries ~64 units of rounding, yet P stays <= 1."""
+    q, k, v = qkv(b=1, hq=2, sq=300, sk=300, d=64, seed=22)
+    q, k = q * 4e3, k * 4e3
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = native_attention(*leaves, scale=1.0, causal=True)
+    out.backward(torch.randn_like(out))
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in leaves)
+    ref = tileattn.reference(q, k, v, scale=1.0, causal=True, compute_dtype=torch.float64)
+    assert (out.double() - ref).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "bias"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("s", [40, 300], ids=["one-tile", "tiles"])
+def test_nan_and_inf_reach_the_output_like_the_reference(where, value, s):
+    """Every row that sees the bad value is non-finite as in the reference; in one tile the pattern
+    is identical. (Across tiles the reference also spreads a NaN of V into rows that do not see its
+    key, through 0 * NaN; skipping invisible tiles is what keeps those rows finite here.)"""
+    q, k, v = qkv(b=1, hq=2, sq=s, sk=s, d=8, seed=23)
+    bias = torch.zeros(s, s)
+    {"q": q, "k": k, "v": v, "bias": bias}[where][..., s // 2, 3] = value
+    out = native_attention(q, k, v, bias=bias, causal=True)
+    ref = tileattn.reference(q, k, v, bias=bias, causal=True, compute_dtype=torch.float64)
+    finite, ref_finite = torch.isfinite(out), torch.isfinite(ref)
+    sees = torch.zeros_like(finite)
+    sees[:, :, s // 2:] = True  # rows at or after the bad key (or the bad query row)
+    assert not finite[sees & ~ref_finite].any() and not finite.all()
+    if s == 40:
+        assert torch.equal(finite, ref_finite)
+    both = finite & ref_finite
+    assert (out[both].double() - ref[both]).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def _call_ok():
+    q, k, v = qkv(b=1, hq=2, sq=4, sk=6, d=8)
+    return q, k, v, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4)
+
+
+@pytest.mark.parametrize("change,exc,words", [
+    (lambda a: a.update(q=a["q"].double()), TypeError, "dtype"),
+    (lambda a: a.update(k=a["k"][:, :, :, :4]), ValueError, "head dim"),
+    (lambda a: a.update(v=a["v"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "unit stride"),
+    (lambda a: a.update(out=a["out"][:, :1]), ValueError, "'out'"),
+    (lambda a: a.update(lse=a["lse"].double()), TypeError, "'lse'"),
+    (lambda a: a.update(q=a["q"][:, :1]), ValueError, "kv heads dividing"),
+    (lambda a: a["kw"].update(seqused_k=torch.tensor([7], dtype=torch.int32)), ValueError, "seqused_k"),
+    (lambda a: a["kw"].update(seqused_k=torch.tensor([3])), TypeError, "seqused_k"),
+    (lambda a: a["kw"].update(dropout_p=1.0), ValueError, "dropout_p"),
+    (lambda a: a["kw"].update(cancel=True), TypeError, "cancel"),
+    (lambda a: a["kw"].update(typo=1), TypeError, "typo"),
+], ids=["dtype", "headdim", "stride", "out-shape", "lse-dtype", "heads", "seqused-range", "seqused-dtype",
+        "dropout", "cancel", "keyword"])
+def test_bad_input_raises_before_compute(change, exc, words):
+    q, k, v, out, lse = _call_ok()
+    args = dict(q=q, k=k, v=v, out=out, lse=lse, kw={})
+    change(args)
+    with pytest.raises(exc, match=words):
+        nk.forward(args["q"], args["k"], args["v"], args["out"], args["lse"], scale=1.0, **args["kw"])
+    assert torch.equal(out, torch.zeros(1, 2, 4, 8))
+
+
+def test_bad_index_data_is_caught_in_c_before_compute():
+    q, k, v, cu_q, cu_k = packed([3, 4], [5, 6])
+    out, lse = torch.zeros(7, 4, 16), torch.zeros(4, 7)
+    bad = cu_k.clone()
+    bad[1] = 12  # [0, 12, 11]
+    with pytest.raises(ValueError, match="cu_seqlens_k decreases"):
+        nk.forward(q, k, v, out, lse, scale=1.0, cu_seqlens_q=cu_q, cu_seqlens_k=bad)
+    q, k, v = qkv(b=1, hq=2, sq=1, sk=32, d=16)
+    kp, vp, table = paginate(k, v, 16)
+    table[0, 1] = 1000
+    with pytest.raises(ValueError, match="block_table"):
+        raw_forward(q, kp, vp, block_table=table)
+    assert torch.equal(out, torch.zeros(7, 4, 16))
+
+
+# ------------------------------------------------------------------------ threads, cancellation
+
+
+def test_one_openmp_runtime_and_caller_settings_untouched():
+    threads = torch.get_num_threads()
+    q, k, v = qkv(b=2, hq=8, sq=300, d=64)
+    raw_forward(q, k, v, num_threads=3)
+    assert torch.get_num_threads() == threads
+    maps = open("/proc/self/maps").read()
+    runtimes = {m for m in re.findall(r"\S*lib(?:g|i)omp\S*\.so\S*", maps)}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_cancel_flag_set_before_the_call():
+    flag = nk.CancelFlag()
+    flag.set()
+    q, k, v = qkv(b=1, hq=2, sq=300, d=64)
+    with pytest.raises(nk.Cancelled):
+        raw_forward(q, k, v, cancel=flag)
+    flag.clear()
+    raw_forward(q, k, v, cancel=flag)
+
+
+def test_cancel_flag_stops_a_long_call_from_another_thread():
+    import threading
+    import time
+    q, k, v = qkv(b=1, hq=16, sq=4096, d=64)
+    flag = nk.CancelFlag()
+    timer = threading.Timer(0.05, flag.set)
+    start = time.perf_counter()
+    timer.start()
+    with pytest.raises(nk.Cancelled):
+        raw_forward(q, k, v, cancel=flag, num_threads=1)
+    assert time.perf_counter() - start < 1.0  # the whole call takes several seconds on one thread
+
+
+def test_sigint_interrupts_a_long_call():
+    script = textwrap.dedent("""
+        import os, signal, threading, time, torch
+        from tileattn.backends.native import kernels as nk
+        q = torch.randn(1, 16, 4096, 64); out = torch.empty_like(q); lse = torch.empty(1, 16, 4096)
+        nk.load()
+        flag = nk.CancelFlag()
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        start = time.perf_counter()
+        try:
+            with flag.on_sigint():
+                nk.forward(q, q, q, out, lse, scale=0.125, cancel=flag, num_threads=1)
+        except KeyboardInterrupt:
+            print("interrupted", flag.by_sigint, round(time.perf_counter() - start, 1))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ))
+    words = res.stdout.split()
+    assert words[:2] == ["interrupted", "True"], res.stdout + res.stderr
+    assert float(words[2]) < 1.5

@@ -23,8 +23,8 @@ Tensors (CPU; any strides with a unit last-dim stride; views are read and writte
 dtypes: q, k, v share one of fp32, fp64, bf16, fp16. ``out``, ``dq``, ``dk``, ``dv`` and ``dout``
 are that dtype or fp32 (fp64 inputs: fp64); ``lse`` and ``delta`` are fp32 (fp64 for fp64 inputs).
 ``mask`` is bool and ``bias`` any float dtype, both 4-d and broadcast to (B, Hq, Sq, Sk) (expanded
-views with stride 0 are read in place); ``dbias`` is an fp32 (fp64) buffer of the bias's 4-d shape
-that the backward pass *adds* to (size-1 dimensions are reduced). ``alibi_slopes`` fp32 (Hq,) or
+views with stride 0 are read in place); ``dbias`` is an fp32 (fp64) 4-d buffer whose every dimension
+is the full one or 1, which the backward pass *adds* to, summing over its size-1 dimensions. ``alibi_slopes`` fp32 (Hq,) or
 (B, Hq). ``delta`` = rowsum(dout * out) - dlse, computed by the caller; ``out`` is not read by the
 backward pass (pass it or None).
 
@@ -111,7 +111,7 @@ class CancelFlag:
     def on_sigint(self):
         """Within the block (main thread), SIGINT also sets this flag; Python still gets its
         KeyboardInterrupt once the native call returns."""
-        lib = _library()
+        lib = _library().lib
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("CancelFlag.on_sigint() must be used from the main thread")
         before = self._value.value
@@ -233,7 +233,7 @@ def _fail(arg, given, expected, exc=ValueError):
     raise exc(f"tileattn native: argument '{arg}': got {given}; expected {expected}.")
 
 
-def _tensor(name, t, dim, dtypes=None):
+def _tensor(name, t, dim, dtypes=None, unit_last=True):
     if not isinstance(t, torch.Tensor):
         _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
     if t.device.type != "cpu":
@@ -242,7 +242,7 @@ def _tensor(name, t, dim, dtypes=None):
         _fail(name, f"shape {tuple(t.shape)}", f"a {dim}-d tensor")
     if dtypes is not None and t.dtype not in dtypes:
         _fail(name, f"dtype {t.dtype}", "one of " + ", ".join(str(d) for d in dtypes), TypeError)
-    if t.numel() and t.stride(-1) != 1 and t.shape[-1] != 1:
+    if unit_last and t.numel() and t.stride(-1) != 1 and t.shape[-1] != 1:
         _fail(name, f"strides {t.stride()}", "a unit stride in the last dimension (a strided view, not a copy)")
 
 
@@ -260,8 +260,8 @@ def _index(name, t, length):
 
 
 def _bcast4(name, t, full, dtypes):
-    """Strides of a 4-d tensor broadcast to `full` (0 along its size-1 dims)."""
-    _tensor(name, t, 4, dtypes)
+    """Strides of a 4-d tensor broadcast to `full` (0 along its size-1 dims); any strides are read."""
+    _tensor(name, t, 4, dtypes, unit_last=False)
     st = []
     for d, (n, f) in enumerate(zip(t.shape, full)):
         if n != f and n != 1:
@@ -476,13 +476,11 @@ def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, dbias=None, *
     vals[idx["dout_dtype"]], vals[idx["dq_dtype"]] = _DTYPES[dout.dtype], _DTYPES[dq.dtype]
     vals[idx["dkv_dtype"]] = _DTYPES[dk.dtype]
     if dbias is not None:
-        bias = kw["bias"]
-        if bias is None:
+        if kw["bias"] is None:
             _fail("dbias", "a buffer", "None when there is no bias")
-        _tensor("dbias", dbias, 4, _acc_dtypes(dtype))
-        _shape("dbias", dbias, bias.shape)
+        full = q.shape[:3] + k.shape[2:3]  # bias is padded-only, so q and k are (B, H, S, D)
         i = idx["dbias_st"]
-        vals[i:i + 4] = [0 if dbias.shape[d] == 1 else dbias.stride(d) for d in range(4)]  # size 1: reduced
+        vals[i:i + 4] = _bcast4("dbias", dbias, full, _acc_dtypes(dtype))  # size-1 dims: reduced
         vals[idx["dbias"]] = dbias.data_ptr()
     _call(lib, lib.lib.ta_backward, vals, kw["cancel"])
 
