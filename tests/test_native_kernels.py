@@ -589,3 +589,9 @@ def test_sigint_interrupts_a_long_call():
     words = res.stdout.split()
     assert words[:2] == ["interrupted", "True"], res.stdout + res.stderr
     assert float(words[2]) < 1.5
+
+
+def test_active_isa_is_the_requested_one():
+    info = nk.build_info()
+    assert info["isa"] == os.environ.get("TILEATTN_NATIVE_ISA", info["isa"])
+    assert info["openmp"] and os.path.isfile(info["path"])
