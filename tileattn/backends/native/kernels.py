@@ -24,9 +24,9 @@ dtypes: q, k, v share one of fp32, fp64, bf16, fp16. ``out``, ``dq``, ``dk``, ``
 are that dtype or fp32 (fp64 inputs: fp64); ``lse`` and ``delta`` are fp32 (fp64 for fp64 inputs).
 ``mask`` is bool and ``bias`` any float dtype, both 4-d and broadcast to (B, Hq, Sq, Sk) (expanded
 views with stride 0 are read in place); ``dbias`` is an fp32 (fp64) 4-d buffer whose every dimension
-is the full one or 1, which the backward pass *adds* to, summing over its size-1 dimensions. ``alibi_slopes`` fp32 (Hq,) or
-(B, Hq). ``delta`` = rowsum(dout * out) - dlse, computed by the caller; ``out`` is not read by the
-backward pass (pass it or None).
+is the full one or 1, which the backward pass *adds* to, summing over its size-1 dimensions.
+``alibi_slopes`` fp32 (Hq,) or (B, Hq). ``delta`` = rowsum(dout * out) - dlse, lse-shaped with
+lse's strides, computed by the caller; ``out`` is not read by the backward pass (pass it or None).
 
 Semantics, as :func:`tileattn.reference`: ``s = scale * q.k -> softcap -> + ALiBi + bias -> band and
 mask -> softmax -> dropout -> . v``; query row i of a sequence sees key j iff
@@ -39,6 +39,7 @@ by the counter-based hash of :mod:`tileattn.scores` (row and column within the s
 split depends only on the problem, so the results are bitwise identical for any thread count and a
 row's result does not depend on the other batch items. ``block_m`` (query lanes per tile, default
 128) and ``block_n`` (keys per tile, default 256) change the tiling and therefore the rounding.
+``options`` takes the FORCE_* / *BF16DOT flags below (tests and tuning).
 
 Cancellation: ``cancel`` is a :class:`CancelFlag` (or None). The kernels poll it between tiles;
 once set, every thread stops at its next tile, the call returns and the wrapper raises
@@ -46,6 +47,10 @@ once set, every thread stops at its next tile, the call returns and the wrapper 
 may set it. ``with flag.on_sigint():`` arms a C-level SIGINT handler around a call from the main
 thread: Ctrl-C sets the flag and is passed on to Python's own handler, so a long call stops within
 one tile and KeyboardInterrupt is raised as usual.
+
+Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) packed with
+``struct.pack_into`` into a per-thread buffer; only its "core" section (61 values) is packed on
+every call, optional sections (paged KV, mask, bias, ALiBi, backward) when used.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ import torch
 
 from . import build as _build
 
-_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+_DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
 _ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q"}
 _WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4}
 _ERR_LEN = 512
@@ -78,6 +84,13 @@ CAPABILITIES = {
     "backward": frozenset({"band", "shift", "gqa", "varlen", "seqused_k", "softcap", "alibi", "mask", "bias",
                            "dbias", "dropout"}),
 }
+
+#: The core section in C's order, packed by every call (checked against the library at load time).
+CORE = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv", "dbias", "cu_q", "cu_k", "seqused_k",
+        "block_table", "alibi", "mask", "bias", "cancel", "err", "B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv", "Tq",
+        "Tk", "q_st", "k_st", "v_st", "o_st", "lse_st", "dtype", "out_dtype", "left", "right", "bottom_right",
+        "shift", "drop_threshold", "seed", "block_m", "block_n", "num_threads", "varlen", "paged", "options",
+        "scale", "softcap", "dropout_p")
 
 
 class Unavailable(RuntimeError):
@@ -125,21 +138,6 @@ class CancelFlag:
                 self.by_sigint = True
 
 
-class _Abi:
-    """The ta_args layout, read from the library so Python and C cannot disagree."""
-
-    def __init__(self, lib):
-        fields = [f.split(":") for f in lib.ta_abi().decode().strip(",").split(",")]
-        self.index = {}
-        fmt, pos = "<", 0
-        for name, kind in fields:
-            self.index[name] = pos
-            fmt += _ELEMENT[kind]
-            pos += _WIDTH[kind]
-        self.struct = struct.Struct(fmt)
-        self.nvalues = pos
-
-
 class _Library:
     def __init__(self, info: _build.BuildInfo):
         self.info = info
@@ -151,19 +149,34 @@ class _Library:
             getattr(lib, name).restype = ctypes.c_int
         lib.ta_sigint_disarm.restype = ctypes.c_int
         self.lib = lib
-        self.abi = _Abi(lib)
+        self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
+        # the argument struct: one (byte offset, struct.Struct, field names) per section
+        fmt, names, offset, self.size = {}, {}, {}, 0
+        for field in lib.ta_abi().decode().strip(",").split(","):
+            section, name, kind = field.split(":")
+            offset.setdefault(section, self.size)
+            fmt[section] = fmt.get(section, "<") + _ELEMENT[kind]
+            names.setdefault(section, []).append(name)
+            self.size += 8 * _WIDTH[kind]
+        if tuple(names["core"]) != CORE:
+            raise _build.BuildError("the library's argument layout does not match kernels.py")
+        self.sections = {s: (offset[s], struct.Struct(fmt[s])) for s in fmt}
         self.local = threading.local()
 
     def buffers(self):
-        """Per-thread argument struct and error buffer, allocated once."""
+        """This thread's argument struct and error buffer, allocated once."""
         loc = self.local
         if not hasattr(loc, "args"):
-            loc.args = ctypes.create_string_buffer(self.abi.struct.size)
+            loc.args = ctypes.create_string_buffer(self.size)
             loc.err = ctypes.create_string_buffer(_ERR_LEN)
             loc.args_addr = ctypes.addressof(loc.args)
             loc.err_addr = ctypes.addressof(loc.err)
         return loc
+
+    def pack(self, section, loc, *values):
+        off, packer = self.sections[section]
+        packer.pack_into(loc.args, off, *values)
 
 
 _lock = threading.Lock()
@@ -233,35 +246,41 @@ def _fail(arg, given, expected, exc=ValueError):
     raise exc(f"tileattn native: argument '{arg}': got {given}; expected {expected}.")
 
 
-def _tensor(name, t, dim, dtypes=None, unit_last=True):
+def _check(name, t, dim, dtype=None, dtype2=None):
+    """Shape and strides of a CPU tensor of `dim` dims with a unit last-dim stride (and dtype
+    `dtype` or `dtype2` when given)."""
     if not isinstance(t, torch.Tensor):
         _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         _fail(name, f"device {t.device}", "a CPU tensor")
-    if t.dim() != dim:
-        _fail(name, f"shape {tuple(t.shape)}", f"a {dim}-d tensor")
-    if dtypes is not None and t.dtype not in dtypes:
-        _fail(name, f"dtype {t.dtype}", "one of " + ", ".join(str(d) for d in dtypes), TypeError)
-    if unit_last and t.numel() and t.stride(-1) != 1 and t.shape[-1] != 1:
-        _fail(name, f"strides {t.stride()}", "a unit stride in the last dimension (a strided view, not a copy)")
+    shape, st = t.shape, t.stride()
+    if len(shape) != dim:
+        _fail(name, f"shape {tuple(shape)}", f"a {dim}-d tensor")
+    if dtype is not None and t.dtype is not dtype and t.dtype is not dtype2:
+        _fail(name, f"dtype {t.dtype}", f"{dtype}" + (f" or {dtype2}" if dtype2 is not None else ""), TypeError)
+    if st[-1] != 1 and shape[-1] != 1 and t.numel():
+        _fail(name, f"strides {st}", "a unit stride in the last dimension (a strided view, not a copy)")
+    return shape, st
 
 
-def _shape(name, t, shape):
-    if tuple(t.shape) != tuple(shape):
-        _fail(name, f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
+def _same(name, shape, expected):
+    if tuple(shape) != tuple(expected):
+        _fail(name, f"shape {tuple(shape)}", f"shape {tuple(expected)}")
 
 
 def _index(name, t, length):
-    _tensor(name, t, 1, (torch.int32,))
-    if not t.is_contiguous():
-        _fail(name, f"strides {t.stride()}", "a contiguous int32 tensor")
-    if t.shape[0] != length:
-        _fail(name, f"length {t.shape[0]}", f"length {length}")
+    if not isinstance(t, torch.Tensor) or t.dtype is not torch.int32 or t.dim() != 1 or not t.is_cpu:
+        _fail(name, getattr(t, "dtype", type(t).__name__), "a 1-d int32 CPU tensor", TypeError)
+    if not t.is_contiguous() or t.shape[0] != length:
+        _fail(name, f"shape {tuple(t.shape)}, strides {t.stride()}", f"a contiguous tensor of length {length}")
+    return t.data_ptr()
 
 
 def _bcast4(name, t, full, dtypes):
     """Strides of a 4-d tensor broadcast to `full` (0 along its size-1 dims); any strides are read."""
-    _tensor(name, t, 4, dtypes, unit_last=False)
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != 4 or not t.is_cpu:
+        _fail(name, getattr(t, "shape", type(t).__name__), f"a 4-d CPU tensor of dtype {' or '.join(map(str, dtypes))}",
+              TypeError)
     st = []
     for d, (n, f) in enumerate(zip(t.shape, full)):
         if n != f and n != 1:
@@ -270,74 +289,66 @@ def _bcast4(name, t, full, dtypes):
     return st
 
 
-def _acc_dtypes(dtype):
-    return (torch.float64,) if dtype == torch.float64 else (torch.float32,)
+def _acc(dtype):
+    return _F64 if dtype is _F64 else _F32
 
 
-def _out_dtypes(dtype):
-    return (torch.float64,) if dtype == torch.float64 else (dtype, torch.float32)
+def _out2(dtype):
+    """The second allowed dtype of outputs and gradients besides the input dtype: fp32."""
+    return None if dtype is _F64 else _F32
 
 
 # --------------------------------------------------------------------------------------------- calls
 
 
-def _fill(lib, q, k, v, out, lse, kw, backward):
-    """Validate and return the value list of ta_args (everything but the backward-only tensors)."""
-    idx = lib.abi.index
-    vals = [0] * lib.abi.nvalues
-    dtype = q.dtype
-    if dtype not in _DTYPES:
+def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
+          cancel, options, backward):
+    """Validate the forward-shaped arguments and pack every section but the backward ones. Returns
+    (q shape, k shape, whether varlen) for the backward wrapper."""
+    dtype = q.dtype if isinstance(q, torch.Tensor) else None
+    code = _DTYPES.get(dtype)
+    if code is None:
         _fail("q", f"dtype {dtype}", "float32, float64, bfloat16 or float16", TypeError)
-    cu_q, cu_k, used, table = kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"], kw["block_table"]
-    varlen, paged = cu_q is not None, table is not None
-    if cu_k is not None and not varlen:
+    varlen, paged = cu_seqlens_q is not None, block_table is not None
+    if cu_seqlens_k is not None and not varlen:
         _fail("cu_seqlens_k", "a tensor", "None unless cu_seqlens_q is given (varlen)")
-    if varlen and not paged and cu_k is None:
-        _fail("cu_seqlens_k", None, "int32 cumulative key offsets (varlen)")
-    if paged and cu_k is not None:
+    if paged and cu_seqlens_k is not None:
         _fail("cu_seqlens_k", "a tensor", "None with a block_table (key counts come from seqused_k)")
+    if varlen and not paged and cu_seqlens_k is None:
+        _fail("cu_seqlens_k", None, "int32 cumulative key offsets (varlen)")
     if paged and backward:
-        _fail("block_table", "a paged KV cache in the backward pass", "contiguous or strided k/v (paged KV is forward-only)")
+        _fail("block_table", "a paged KV cache in the backward pass", "k/v tensors (paged KV is forward-only)")
     qdim = 3 if varlen else 4
-    _tensor("q", q, qdim, _DTYPES)
-    kvdim = 4 if paged else qdim
-    _tensor("k", k, kvdim, (dtype,))
-    _tensor("v", v, kvdim, (dtype,))
+    kdim = 4 if paged else qdim
+    qs, qst = _check("q", q, qdim)
+    ks, kst = _check("k", k, kdim, dtype)
+    vs, vst = _check("v", v, kdim, dtype)
     if varlen:
-        tq, hq, d = q.shape
-        batch = cu_q.shape[0] - 1
-        sq = 0
+        tq, hq, d = qs
+        batch, sq = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0, 0
+        q_st = (0, qst[1], qst[0])
     else:
-        batch, hq, sq, d = q.shape
-        tq = 0
+        batch, hq, sq, d = qs
+        tq, q_st = 0, qst[:3]
     if paged:
-        pages, page_size, hkv, dk = k.shape
-        _shape("v", v, (pages, page_size, hkv, v.shape[3]))
-        dv = v.shape[3]
-        if table.dim() != 2 or table.dtype != torch.int32 or table.shape[0] != batch:
-            _fail("block_table", f"{table.dtype} tensor of shape {tuple(table.shape)}",
-                  f"an int32 tensor of shape ({batch}, max_pages)", TypeError)
-        if table.shape[1] == 0 or page_size == 0:
-            _fail("block_table", f"shape {tuple(table.shape)} with page size {page_size}", "at least one page")
-        sk, tk = table.shape[1] * page_size, 0
-        st_k, st_v = (k.stride(0), k.stride(2), k.stride(1)), (v.stride(0), v.stride(2), v.stride(1))
-        vals[idx["block_table"]] = table.data_ptr()
-        vals[idx["num_pages"]], vals[idx["page_size"]], vals[idx["max_pages"]] = pages, page_size, table.shape[1]
-        bt = idx["bt_st"]
-        vals[bt], vals[bt + 1] = table.stride(0), table.stride(1)
+        pages, page_size, hkv, dk = ks
+        dv = vs[3]
+        _same("v", vs, (pages, page_size, hkv, dv))
+        sk = tk = 0
+        k_st, v_st = (kst[0], kst[2], kst[1]), (vst[0], vst[2], vst[1])
     elif varlen:
-        tk, hkv, dk = k.shape
-        dv = v.shape[2]
-        _shape("v", v, (tk, hkv, dv))
+        tk, hkv, dk = ks
+        dv = vs[2]
+        _same("v", vs, (tk, hkv, dv))
         sk = 0
-        st_k, st_v = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
+        k_st, v_st = (0, kst[1], kst[0]), (0, vst[1], vst[0])
     else:
-        _, hkv, sk, dk = k.shape
-        dv = v.shape[3]
-        _shape("k", k, (batch, hkv, sk, dk))
-        _shape("v", v, (batch, hkv, sk, dv))
-        tk = 0
-        st_k, st_v = k.stride()[:3], v.stride()[:3]
+        hkv, sk, dk = ks[1], ks[2], ks[3]
+        dv = vs[3]
+        _same("k", ks, (batch, hkv, sk, dk))
+        _same("v", vs, (batch, hkv, sk, dv))
+        tk, k_st, v_st = 0, kst[:3], vst[:3]
     if dk != d:
         _fail("k", f"head dim {dk}", f"the head dim of q, {d}")
     if hkv == 0 or hq % hkv:
@@ -346,80 +357,65 @@ def _fill(lib, q, k, v, out, lse, kw, backward):
         _fail("q/v", f"head dims {d}/{dv}", "positive head dims")
     if max(sq, sk, tq, tk) >= 2**31 - 1:
         _fail("q/k", "a sequence of 2^31 tokens or more", "fewer tokens")
+    os_, ost = _check("out", out, qdim, dtype, _out2(dtype))
+    ls, lst = _check("lse", lse, qdim - 1, _acc(dtype))
     if varlen:
-        _index("cu_seqlens_q", cu_q, batch + 1)
-        if cu_k is not None:
-            _index("cu_seqlens_k", cu_k, batch + 1)
-            vals[idx["cu_k"]] = cu_k.data_ptr()
-        vals[idx["cu_q"]] = cu_q.data_ptr()
-        _tensor("out", out, 3, _out_dtypes(dtype))
-        _shape("out", out, (tq, hq, dv))
-        _tensor("lse", lse, 2, _acc_dtypes(dtype))
-        _shape("lse", lse, (hq, tq))
-        st_q, st_o, st_l = (0, q.stride(1), q.stride(0)), (0, out.stride(1), out.stride(0)), (0,) + lse.stride()
+        _same("out", os_, (tq, hq, dv))
+        _same("lse", ls, (hq, tq))
+        o_st, l_st = (0, ost[1], ost[0]), (0, lst[0], lst[1])
+        cu_q = _index("cu_seqlens_q", cu_seqlens_q, batch + 1)
+        cu_k = 0 if cu_seqlens_k is None else _index("cu_seqlens_k", cu_seqlens_k, batch + 1)
     else:
-        _tensor("out", out, 4, _out_dtypes(dtype))
-        _shape("out", out, (batch, hq, sq, dv))
-        _tensor("lse", lse, 3, _acc_dtypes(dtype))
-        _shape("lse", lse, (batch, hq, sq))
-        st_q, st_o, st_l = q.stride()[:3], out.stride()[:3], lse.stride()
-    if used is not None:
-        _index("seqused_k", used, batch)
-        vals[idx["seqused_k"]] = used.data_ptr()
-    full = (batch, hq, sq, sk)
-    if kw["mask"] is not None:
-        if varlen or paged:
-            _fail("mask", "a mask with varlen or paged inputs", "no mask (sequences are already separated)")
-        i = idx["mask_st"]
-        vals[i:i + 4] = _bcast4("mask", kw["mask"], full, (torch.bool,))
-        vals[idx["mask"]] = kw["mask"].data_ptr()
-    if kw["bias"] is not None:
-        if varlen or paged:
-            _fail("bias", "a bias with varlen or paged inputs", "no bias")
-        bias = kw["bias"]
-        i = idx["bias_st"]
-        vals[i:i + 4] = _bcast4("bias", bias, full, tuple(_DTYPES))
-        vals[idx["bias"]], vals[idx["bias_dtype"]] = bias.data_ptr(), _DTYPES[bias.dtype]
-    slopes = kw["alibi_slopes"]
-    if slopes is not None:
-        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or \
-                tuple(slopes.shape) not in ((hq,), (batch, hq)):
-            _fail("alibi_slopes", getattr(slopes, "shape", type(slopes).__name__), f"fp32 ({hq},) or ({batch}, {hq})")
-        i = idx["alibi_st"]
-        vals[i], vals[i + 1] = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
-        vals[idx["alibi"]] = slopes.data_ptr()
-    p = float(kw["dropout_p"])
-    if not 0.0 <= p < 1.0:
-        _fail("dropout_p", p, "a float in [0, 1)")
-    if kw["softcap"] < 0:
-        _fail("softcap", kw["softcap"], "a float >= 0")
-    cancel = kw["cancel"]
+        _same("out", os_, (batch, hq, sq, dv))
+        _same("lse", ls, (batch, hq, sq))
+        o_st, l_st, cu_q, cu_k = ost[:3], lst, 0, 0
+    used = 0 if seqused_k is None else _index("seqused_k", seqused_k, batch)
+    if not 0.0 <= dropout_p < 1.0:
+        _fail("dropout_p", dropout_p, "a float in [0, 1)")
+    if softcap < 0:
+        _fail("softcap", softcap, "a float >= 0")
     if cancel is not None and not isinstance(cancel, CancelFlag):
         _fail("cancel", type(cancel).__name__, "a CancelFlag or None", TypeError)
-    nthreads = kw["num_threads"]
-    for name, arr in (("q_st", st_q), ("k_st", st_k), ("v_st", st_v), ("o_st", st_o), ("lse_st", st_l)):
-        i = idx[name]
-        vals[i:i + 3] = arr
-    vals[idx["q"]], vals[idx["k"]], vals[idx["v"]] = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    vals[idx["out"]], vals[idx["lse"]] = out.data_ptr(), lse.data_ptr()
-    vals[idx["cancel"]] = 0 if cancel is None else cancel.address
-    for name, val in (("B", batch), ("Hq", hq), ("Hkv", hkv), ("Sq", sq), ("Sk", sk), ("D", d), ("Dv", dv),
-                      ("Tq", tq), ("Tk", tk), ("dtype", _DTYPES[dtype]), ("out_dtype", _DTYPES[out.dtype]),
-                      ("left", int(kw["left"])), ("right", int(kw["right"])),
-                      ("bottom_right", 1 if kw["bottom_right"] else 0), ("shift", int(kw["shift"])),
-                      ("drop_threshold", int(round(p * (1 << 24)))), ("seed", int(kw["seed"]) & (2**63 - 1)),
-                      ("block_m", int(kw["block_m"])), ("block_n", int(kw["block_n"])),
-                      ("num_threads", torch.get_num_threads() if nthreads is None else int(nthreads)),
-                      ("varlen", int(varlen)), ("paged", int(paged)), ("options", int(kw["options"])),
-                      ("scale", float(kw["scale"])), ("softcap", float(kw["softcap"])), ("dropout_p", p)):
-        vals[idx[name]] = val
-    return vals
+    mask_ptr = bias_ptr = alibi_ptr = bt_ptr = 0
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype is not torch.int32 or \
+                block_table.dim() != 2 or block_table.shape[0] != batch or not block_table.is_cpu:
+            _fail("block_table", getattr(block_table, "shape", type(block_table).__name__),
+                  f"an int32 CPU tensor of shape ({batch}, max_pages)", TypeError)
+        if block_table.shape[1] == 0 or page_size == 0:
+            _fail("block_table", f"shape {tuple(block_table.shape)} with page size {page_size}", "at least one page")
+        sk = block_table.shape[1] * page_size
+        bt_ptr = block_table.data_ptr()
+        lib.pack("paged", loc, pages, page_size, block_table.shape[1], *block_table.stride(), 0)
+    full = (batch, hq, sq, sk)
+    if mask is not None:
+        if varlen or paged:
+            _fail("mask", "a mask with varlen or paged inputs", "no mask (sequences are already separated)")
+        lib.pack("mask", loc, *_bcast4("mask", mask, full, (torch.bool,)))
+        mask_ptr = mask.data_ptr()
+    if bias is not None:
+        if varlen or paged:
+            _fail("bias", "a bias with varlen or paged inputs", "no bias")
+        lib.pack("bias", loc, *_bcast4("bias", bias, full, _DTYPES), _DTYPES[bias.dtype])
+        bias_ptr = bias.data_ptr()
+    if alibi_slopes is not None:
+        sl = alibi_slopes
+        if not isinstance(sl, torch.Tensor) or sl.dtype is not _F32 or tuple(sl.shape) not in ((hq,), (batch, hq)):
+            _fail("alibi_slopes", getattr(sl, "shape", type(sl).__name__), f"fp32 ({hq},) or ({batch}, {hq})")
+        lib.pack("alibi", loc, *((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()), 0)
+        alibi_ptr = sl.data_ptr()
+    lib.pack("core", loc, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+             0, 0, 0, 0, 0, 0, cu_q, cu_k, used, bt_ptr, alibi_ptr, mask_ptr, bias_ptr,
+             0 if cancel is None else cancel.address, loc.err_addr,
+             batch, hq, hkv, sq, sk, d, dv, tq, tk, *q_st, *k_st, *v_st, *o_st, *l_st,
+             code, _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
+             int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
+             torch.get_num_threads() if num_threads is None else num_threads,
+             1 if varlen else 0, 1 if paged else 0, options, scale, softcap, dropout_p)
+    return full, varlen
 
 
-def _call(lib, fn, vals, cancel):
-    loc = lib.buffers()
-    vals[lib.abi.index["err"]] = loc.err_addr
-    lib.abi.struct.pack_into(loc.args, 0, *vals)
+def _run(lib, fn, loc):
     status = fn(loc.args_addr)
     if status == OK:
         return
@@ -430,68 +426,54 @@ def _call(lib, fn, vals, cancel):
     raise ValueError("tileattn native: " + loc.err.value.decode(errors="replace"))
 
 
-_DEFAULTS = dict(left=-1, right=-1, bottom_right=True, shift=0, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None, bias=None,
-                 dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None, options=0)
-
-
-def forward(q, k, v, out, lse, *, scale, **kwargs) -> None:
+def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0, cu_seqlens_q=None,
+            cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
+            bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
+            options=0) -> None:
     """Attention forward into ``out`` and ``lse`` (see the module docstring)."""
-    kw = _merge(kwargs, "forward")
-    kw["scale"] = scale
-    lib = _library()
-    vals = _fill(lib, q, k, v, out, lse, kw, backward=False)
-    _call(lib, lib.lib.ta_forward, vals, kw["cancel"])
+    lib = _state.get("lib") or _library()
+    loc = lib.buffers()
+    _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
+          num_threads, cancel, options, False)
+    _run(lib, lib.forward_fn, loc)
 
 
-def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, dbias=None, **kwargs) -> None:
+def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
+             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0,
+             alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0,
+             num_threads=None, cancel=None, options=0, dbias=None) -> None:
     """Gradients into ``dq``, ``dk``, ``dv`` (overwritten) and ``dbias`` (added to)."""
-    kw = _merge(kwargs, "backward")
-    kw["scale"] = scale
-    lib = _library()
-    idx = lib.abi.index
+    lib = _state.get("lib") or _library()
+    loc = lib.buffers()
+    # dout takes out's place in the forward-shaped checks (same shape and dtype rules)
+    full, varlen = _pack(lib, loc, q, k, v, dout, lse, scale, left, right, bottom_right, shift, cu_seqlens_q,
+                         cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed,
+                         block_m, block_n, num_threads, cancel, options, True)
     dtype = q.dtype
-    vals = _fill(lib, q, k, v, dout, lse, kw, backward=True)
-    # _fill checked dout in the place of out (same shape rules); delta is lse-shaped and typed
-    _tensor("delta", delta, lse.dim(), _acc_dtypes(dtype))
-    _shape("delta", delta, lse.shape)
-    if delta.stride() != lse.stride():
-        _fail("delta", f"strides {delta.stride()}", f"the strides of lse, {lse.stride()}")
+    ds, dst = _check("delta", delta, lse.dim(), _acc(dtype))
+    _same("delta", ds, lse.shape)
+    if dst != lse.stride():
+        _fail("delta", f"strides {dst}", f"the strides of lse, {lse.stride()}")
+    strides = []
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        _tensor(name, grad, like.dim(), _out_dtypes(dtype))
-        _shape(name, grad, like.shape)
-    if dk.dtype != dv.dtype:
+        gs, gst = _check(name, grad, like.dim(), dtype, _out2(dtype))
+        _same(name, gs, like.shape)
+        strides.append((0, gst[1], gst[0]) if varlen else gst[:3])
+    if dk.dtype is not dv.dtype:
         _fail("dv", f"dtype {dv.dtype}", f"the dtype of dk, {dk.dtype}", TypeError)
-    varlen = kw["cu_seqlens_q"] is not None
-
-    def st3(t):
-        return (0, t.stride(1), t.stride(0)) if varlen else t.stride()[:3]
-
-    for name, t in (("do_st", dout), ("dq_st", dq), ("dk_st", dk), ("dv_st", dv)):
-        i = idx[name]
-        vals[i:i + 3] = st3(t)
-    vals[idx["dout"]], vals[idx["delta"]] = dout.data_ptr(), delta.data_ptr()
-    vals[idx["dq"]], vals[idx["dk"]], vals[idx["dv"]] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-    vals[idx["out"]], vals[idx["out_dtype"]] = 0, 0
-    vals[idx["dout_dtype"]], vals[idx["dq_dtype"]] = _DTYPES[dout.dtype], _DTYPES[dq.dtype]
-    vals[idx["dkv_dtype"]] = _DTYPES[dk.dtype]
+    do_st = dout.stride()
+    lib.pack("bwd", loc, *((0, do_st[1], do_st[0]) if varlen else do_st[:3]), *strides[0], *strides[1],
+             *strides[2], _DTYPES[dout.dtype], _DTYPES[dq.dtype], _DTYPES[dk.dtype])
+    dbias_ptr = 0
     if dbias is not None:
-        if kw["bias"] is None:
+        if bias is None:
             _fail("dbias", "a buffer", "None when there is no bias")
-        full = q.shape[:3] + k.shape[2:3]  # bias is padded-only, so q and k are (B, H, S, D)
-        i = idx["dbias_st"]
-        vals[i:i + 4] = _bcast4("dbias", dbias, full, _acc_dtypes(dtype))  # size-1 dims: reduced
-        vals[idx["dbias"]] = dbias.data_ptr()
-    _call(lib, lib.lib.ta_backward, vals, kw["cancel"])
-
-
-_KEYWORDS = frozenset(_DEFAULTS)
-
-
-def _merge(kwargs, kind):
-    unknown = set(kwargs) - _KEYWORDS
-    if unknown:
-        raise TypeError(f"tileattn native {kind}(): unexpected keyword argument(s) {sorted(unknown)}")
-    kw = dict(_DEFAULTS)
-    kw.update(kwargs)
-    return kw
+        lib.pack("dbias", loc, *_bcast4("dbias", dbias, full, (_acc(dtype),)))  # size-1 dims: reduced
+        dbias_ptr = dbias.data_ptr()
+    off = lib.sections["core"][0]
+    # the backward's pointers in the core section: out (not read) and, after lse, dout .. dbias
+    struct.pack_into("<Q", loc.args, off + 3 * 8, 0)
+    struct.pack_into("<6Q", loc.args, off + 5 * 8, dout.data_ptr(), delta.data_ptr(), dq.data_ptr(),
+                     dk.data_ptr(), dv.data_ptr(), dbias_ptr)
+    _run(lib, lib.backward_fn, loc)

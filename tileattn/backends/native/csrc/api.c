@@ -19,7 +19,7 @@
 
 /* ----------------------------------------------------------------------------- interface description */
 
-#define TA_DESCRIBE(kind, name) #name ":" #kind ","
+#define TA_DESCRIBE(section, kind, name) #section ":" #name ":" #kind ","
 const char *ta_abi(void) { return TA_FIELDS(TA_DESCRIBE); }
 
 const char *ta_build_info(void) {

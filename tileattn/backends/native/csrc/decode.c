@@ -82,23 +82,44 @@ static void dec_rows(const ta_args *a, const ta_seq *s, const void *base, const 
     }
 }
 
-/* Steps 1 and 2 for one row: base-2 logits of keys [j0, j0 + n) into srow (scores past n: -inf). */
+/* Dot products of q with VW keys: a vector of partial sums per key, then one transposing
+ * reduction. The query stays in registers (up to DEC_QREG vectors, D <= 128 with AVX-512) and
+ * DEC_G keys advance together, so DEC_G independent FMA chains hide the FMA latency. */
+#define DEC_QREG 8
+#define DEC_G (VW < 8 ? VW : 8)
+TA_INLINE vr dec_dots(const vr *qreg, const real *q, const real *const *kr, int64_t Dp) {
+    vr acc[VW];
+    for (int t0 = 0; t0 < VW; t0 += DEC_G) {
+        vr x[DEC_G];
+        const real *p[DEC_G];
+        for (int u = 0; u < DEC_G; u++) {
+            p[u] = kr[t0 + u];
+            x[u] = vzero();
+        }
+        if (Dp <= DEC_QREG * VW) {
+            for (int64_t c = 0; c < Dp / VW; c++)
+                for (int u = 0; u < DEC_G; u++) x[u] = vfma(qreg[c], vload(p[u] + c * VW), x[u]);
+        } else {
+            for (int64_t d = 0; d < Dp; d += VW)
+                for (int u = 0; u < DEC_G; u++) x[u] = vfma(vload(q + d), vload(p[u] + d), x[u]);
+        }
+        for (int u = 0; u < DEC_G; u++) acc[t0 + u] = x[u];
+    }
+    return dec_hsum(acc);
+}
+
+/* Steps 1 and 2 for one row: base-2 logits of keys [j0, j0 + n) into srow; -inf for hidden keys
+ * and for the padding up to a multiple of VW. */
 static void dec_scores(const ta_args *a, const ta_seq *s, const real *q, const real *const *krows, int64_t n,
                        int64_t j0, int64_t Dp, int64_t h, int64_t i, real *srow, const real *zero) {
     const int plain = !(a->softcap > 0 || a->alibi || a->bias);
     const real alpha = (real)(plain ? a->scale * TA_LOG2E : a->scale);
+    vr qreg[DEC_QREG];
+    for (int c = 0; c < DEC_QREG; c++) qreg[c] = c * VW < Dp ? vload(q + c * VW) : vzero();
     for (int64_t t0 = 0; t0 < n; t0 += VW) {
-        vr acc[VW];
         const real *kr[VW];
-        for (int t = 0; t < VW; t++) {
-            acc[t] = vzero();
-            kr[t] = t0 + t < n ? krows[t0 + t] : zero;
-        }
-        for (int64_t d = 0; d < Dp; d += VW) {
-            vr qv = vload(q + d);
-            for (int t = 0; t < VW; t++) acc[t] = vfma(qv, vload(kr[t] + d), acc[t]);
-        }
-        vstore(srow + t0, dec_hsum(acc) * alpha);
+        for (int t = 0; t < VW; t++) kr[t] = t0 + t < n ? krows[t0 + t] : zero;
+        vstore(srow + t0, dec_dots(qreg, q, kr, Dp) * alpha);
     }
     if (!plain) {
         const real cap = (real)a->softcap;
@@ -114,14 +135,42 @@ static void dec_scores(const ta_args *a, const ta_seq *s, const real *q, const r
             srow[j] = x * (real)TA_LOG2E;
         }
     }
-    int64_t lo = ta_band_lo(a, s, i), hi = ta_band_hi(a, s, i);
-    const uint8_t *mask = a->mask ? (const uint8_t *)a->mask + s->b * a->mask_st[0] + h * a->mask_st[1] +
-                                        i * a->mask_st[2]
-                                  : NULL;
-    for (int64_t j = 0; j < ta_round_up(n, VW); j++) {
-        int64_t jj = j0 + j;
-        if (j >= n || jj < lo || jj > hi || (mask && !mask[jj * a->mask_st[3]])) srow[j] = -INFINITY;
+    /* the band hides keys before lo and after hi; the padding past n is hidden too */
+    int64_t lo = ta_band_lo(a, s, i) - j0, hi = ta_band_hi(a, s, i) - j0 + 1, np = ta_round_up(n, VW);
+    lo = lo < 0 ? 0 : lo > np ? np : lo;
+    hi = hi > n ? n : hi < lo ? lo : hi;
+    for (int64_t j = 0; j < lo; j++) srow[j] = -INFINITY;
+    for (int64_t j = hi; j < np; j++) srow[j] = -INFINITY;
+    if (a->mask) {
+        const uint8_t *mask = (const uint8_t *)a->mask + s->b * a->mask_st[0] + h * a->mask_st[1] + i * a->mask_st[2];
+        for (int64_t j = lo; j < hi; j++)
+            if (!mask[(j0 + j) * a->mask_st[3]]) srow[j] = -INFINITY;
     }
+}
+
+/* acc[0:nv*VW) += sum_j p[j] * V[j][c0 : c0 + nv*VW) over keys [jb, je), nv <= 4 vectors. Even
+ * and odd keys go to separate accumulators: twice the independent FMA chains. */
+TA_INLINE void dec_pv(const int nv, real *acc, const real *p, const real *const *vrows, int64_t c0, int64_t jb,
+                      int64_t je) {
+    vr x[4], y[4];
+    for (int k = 0; k < nv; k++) {
+        x[k] = vload(acc + k * VW);
+        y[k] = vzero();
+    }
+    int64_t j = jb;
+    for (; j + 1 < je; j += 2) {
+        vr p0 = vset1(p[j]), p1 = vset1(p[j + 1]);
+        const real *v0 = vrows[j] + c0, *v1 = vrows[j + 1] + c0;
+        for (int k = 0; k < nv; k++) {
+            x[k] = vfma(p0, vload(v0 + k * VW), x[k]);
+            y[k] = vfma(p1, vload(v1 + k * VW), y[k]);
+        }
+    }
+    if (j < je) {
+        vr p0 = vset1(p[j]);
+        for (int k = 0; k < nv; k++) x[k] = vfma(p0, vload(vrows[j] + c0 + k * VW), x[k]);
+    }
+    for (int k = 0; k < nv; k++) vstore(acc + k * VW, x[k] + y[k]);
 }
 
 static int dec_block(const ta_args *a, const void *plan, const void *task) {
@@ -182,18 +231,9 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     for (int64_t jb = 0; jb < n; jb += 64) {
         int64_t je = jb + 64 < n ? jb + 64 : n;
         for (int64_t r = 0; r < M; r++) {
-            const real *prow = S + r * np;
-            real *ar = acc + r * Dvp;
-            for (int64_t c = 0; c < Dvp; c += 4 * VW) {
-                int nv = (int)((Dvp - c) / VW < 4 ? (Dvp - c) / VW : 4);
-                vr x[4] = {vzero(), vzero(), vzero(), vzero()};
-                for (int k = 0; k < nv; k++) x[k] = vload(ar + c + k * VW);
-                for (int64_t j = jb; j < je; j++) {
-                    vr p = vset1(prow[j]);
-                    for (int k = 0; k < nv; k++) x[k] = vfma(p, vload(vrows[j] + c + k * VW), x[k]);
-                }
-                for (int k = 0; k < nv; k++) vstore(ar + c + k * VW, x[k]);
-            }
+            int64_t c = 0;
+            for (; c + 4 * VW <= Dvp; c += 4 * VW) dec_pv(4, acc + r * Dvp + c, S + r * np, vrows, c, jb, je);
+            for (; c < Dvp; c += VW) dec_pv(1, acc + r * Dvp + c, S + r * np, vrows, c, jb, je);
         }
     }
     for (int64_t r = 0; r < M; r++) memcpy(part + r * (Dv + 2), acc + r * Dvp, (size_t)Dv * sizeof(real));

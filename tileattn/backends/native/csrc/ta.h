@@ -33,24 +33,33 @@ enum ta_option {
     TA_OPT_BF16DOT = 32,      /* bf16: vdpbf16ps tiles where the CPU has them */
 };
 
-/* kind: p = pointer, i = int64, d = double, i3/i4 = int64 arrays */
+/* X(section, kind, name); kind: p = pointer, i = int64, d = double, i3/i4 = int64 arrays.
+ * Sections are contiguous and written by Python as units: "core" on every call, the others only
+ * when the call uses them (the kernels read a section only when its pointer is set: block_table,
+ * mask, bias, alibi, dout, dbias), so a decode step packs 61 values, not all of them. */
 #define TA_FIELDS(X)                                                                                \
-    X(p, q) X(p, k) X(p, v) X(p, out) X(p, lse)                                                     \
-    X(p, dout) X(p, delta) X(p, dq) X(p, dk) X(p, dv) X(p, dbias)                                   \
-    X(p, cu_q) X(p, cu_k) X(p, seqused_k) X(p, block_table)                                         \
-    X(p, alibi) X(p, mask) X(p, bias) X(p, cancel) X(p, err)                                        \
-    X(i, B) X(i, Hq) X(i, Hkv) X(i, Sq) X(i, Sk) X(i, D) X(i, Dv) X(i, Tq) X(i, Tk)                 \
-    X(i, num_pages) X(i, page_size) X(i, max_pages)                                                 \
-    X(i3, q_st) X(i3, k_st) X(i3, v_st) X(i3, o_st) X(i3, lse_st)                                   \
-    X(i3, do_st) X(i3, dq_st) X(i3, dk_st) X(i3, dv_st)                                             \
-    X(i4, mask_st) X(i4, bias_st) X(i4, dbias_st) X(i3, alibi_st) X(i3, bt_st)                      \
-    X(i, dtype) X(i, out_dtype) X(i, dout_dtype) X(i, dq_dtype) X(i, dkv_dtype) X(i, bias_dtype)    \
-    X(i, left) X(i, right) X(i, bottom_right) X(i, shift)                                           \
-    X(i, drop_threshold) X(i, seed) X(i, block_m) X(i, block_n) X(i, num_threads)                   \
-    X(i, varlen) X(i, paged) X(i, options)                                                          \
-    X(d, scale) X(d, softcap) X(d, dropout_p)
+    X(core, p, q) X(core, p, k) X(core, p, v) X(core, p, out) X(core, p, lse)                       \
+    X(core, p, dout) X(core, p, delta) X(core, p, dq) X(core, p, dk) X(core, p, dv)                 \
+    X(core, p, dbias) X(core, p, cu_q) X(core, p, cu_k) X(core, p, seqused_k)                       \
+    X(core, p, block_table) X(core, p, alibi) X(core, p, mask) X(core, p, bias)                     \
+    X(core, p, cancel) X(core, p, err)                                                              \
+    X(core, i, B) X(core, i, Hq) X(core, i, Hkv) X(core, i, Sq) X(core, i, Sk) X(core, i, D)        \
+    X(core, i, Dv) X(core, i, Tq) X(core, i, Tk)                                                    \
+    X(core, i3, q_st) X(core, i3, k_st) X(core, i3, v_st) X(core, i3, o_st) X(core, i3, lse_st)     \
+    X(core, i, dtype) X(core, i, out_dtype) X(core, i, left) X(core, i, right)                      \
+    X(core, i, bottom_right) X(core, i, shift) X(core, i, drop_threshold) X(core, i, seed)          \
+    X(core, i, block_m) X(core, i, block_n) X(core, i, num_threads) X(core, i, varlen)              \
+    X(core, i, paged) X(core, i, options)                                                           \
+    X(core, d, scale) X(core, d, softcap) X(core, d, dropout_p)                                     \
+    X(paged, i, num_pages) X(paged, i, page_size) X(paged, i, max_pages) X(paged, i3, bt_st)        \
+    X(mask, i4, mask_st)                                                                            \
+    X(bias, i4, bias_st) X(bias, i, bias_dtype)                                                     \
+    X(alibi, i3, alibi_st)                                                                          \
+    X(bwd, i3, do_st) X(bwd, i3, dq_st) X(bwd, i3, dk_st) X(bwd, i3, dv_st) X(bwd, i, dout_dtype)   \
+    X(bwd, i, dq_dtype) X(bwd, i, dkv_dtype)                                                        \
+    X(dbias, i4, dbias_st)
 
-#define TA_FIELD_DECL(kind, name) TA_FIELD_##kind(name)
+#define TA_FIELD_DECL(section, kind, name) TA_FIELD_##kind(name)
 #define TA_FIELD_p(name) void *name;
 #define TA_FIELD_i(name) int64_t name;
 #define TA_FIELD_d(name) double name;

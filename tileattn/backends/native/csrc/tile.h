@@ -68,8 +68,8 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
         R->slope[r] = a->alibi ? ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]] : 0;
         R->dist0[r] = (real)(i + s->off);
         R->rkey[r] = a->dropout_p > 0 ? ta_drop_row_key(a, s->b, h, i) : 0;
-        R->bias_row[r] = s->b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2];
-        R->mask_row[r] = s->b * a->mask_st[0] + h * a->mask_st[1] + i * a->mask_st[2];
+        R->bias_row[r] = a->bias ? s->b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2] : 0;
+        R->mask_row[r] = a->mask ? s->b * a->mask_st[0] + h * a->mask_st[1] + i * a->mask_st[2] : 0;
         R->lse2[r] = 0;
         R->delta[r] = 0;
     }
