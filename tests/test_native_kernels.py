@@ -104,8 +104,13 @@ def native_attention(q, k, v, *, layout="BNSD", num_heads=None, scale=None, caus
     return (out, lse) if return_lse else out
 
 
-def assert_native_matches(q, k, v, grad=True, **kwargs):
-    verdicts = check_against_reference(native_attention, q, k, v, grad=grad, **kwargs)
+def assert_native_matches(q, k, v, grad=True, native=None, **kwargs):
+    """check_against_reference on native_attention; `native` holds kernel-only keywords."""
+
+    def fn(*tensors, **kw):
+        return native_attention(*tensors, **kw, **(native or {}))
+
+    verdicts = check_against_reference(fn, q, k, v, grad=grad, **kwargs)
     failed = [str(v) for v in verdicts if not v.ok]
     assert not failed, " | ".join(failed)
     expected = 1 + bool(kwargs.get("return_lse")) + (3 + (kwargs.get("bias") is not None and
@@ -595,3 +600,15 @@ def test_active_isa_is_the_requested_one():
     info = nk.build_info()
     assert info["isa"] == os.environ.get("TILEATTN_NATIVE_ISA", info["isa"])
     assert info["openmp"] and os.path.isfile(info["path"])
+
+
+@pytest.mark.skipif(not nk.build_info()["bf16dot"], reason="the CPU/compiler has no AVX512_BF16")
+@pytest.mark.parametrize("shape", [dict(sq=300, sk=300, d=64), dict(sq=70, sk=91, d=33, dv=20)], ids=["tiles", "odd"])
+def test_bf16_dot_product_tiles(shape):
+    """vdpbf16ps tiles (P rounded to bf16 for P.V, as GPU FlashAttention) where the probe or the
+    caller turns them on; bitwise different from the fp32 tiles, both within the rule."""
+    q, k, v = qkv(b=2, hq=8, hkv=2, dtype=torch.bfloat16, seed=24, **shape)
+    assert_native_matches(q, k, v, causal=True, return_lse=True, native=dict(options=nk.BF16DOT))
+    assert_native_matches(q, k, v, grad=False, window=(40, 7), native=dict(options=nk.BF16DOT))
+    dot = raw_forward(q, k, v, options=nk.BF16DOT)[0]
+    assert not torch.equal(dot, raw_forward(q, k, v, options=nk.NO_BF16DOT)[0])

@@ -14,12 +14,14 @@
  * and at the end out = acc / l, lse = (m + log2 l) ln 2. Tasks are independent and each writes its
  * own rows, so the result does not depend on the thread count or on which thread ran what.
  */
+#include "gemm_bf16.h"
 #include "kernels.h"
 #include "tile.h"
 
 typedef struct {
     int64_t bmq, bn; /* query rows (per head) and keys per tile */
     int mods;        /* softcap / ALiBi / bias: every tile takes the score pipeline */
+    int bf16dot;     /* bf16 inputs multiplied by vdpbf16ps (P rounded to bf16 for P.V) */
 } fwd_plan;
 
 typedef struct {
@@ -92,6 +94,53 @@ static void fwd_finish(const ta_args *a, const ta_seq *s, const ta_rows *R, cons
     }
 }
 
+/* The bf16 pair buffers of a task (vdpbf16ps path): Q^T, K rows, P and V as pairs. */
+typedef struct {
+    uint16_t *qt, *k, *p, *v;
+} fwd_pairs;
+
+static size_t fwd_pairs_bytes(const ta_args *a, const fwd_plan *P, int64_t lanes) {
+    int64_t D2 = (a->D + 1) / 2, n2 = (P->bn + 1) / 2;
+    return P->bf16dot ? (size_t)(lanes * D2 * 2 + P->bn * D2 * 2 + lanes * n2 * 2 + n2 * a->Dv * 2) * 2 : 0;
+}
+
+/* Step 1: S = alpha * K Q^T over the npan panels, and the column max when cmax is not NULL. */
+static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0, int64_t n,
+                       int64_t npan, const real *Qt, const fwd_pairs *pr, real *kbuf, real *S, real alpha,
+                       real *cmax) {
+    int64_t ld;
+#ifdef TA_HAVE_BF16DOT
+    if (P->bf16dot) {
+        const uint32_t *K2 = ta_k_pairs(a, s, hk, j0, n, pr->k, &ld);
+        int64_t D2 = (a->D + 1) / 2;
+        ta_gemm_bf16(n, npan, D2, TA_A_ROWS, K2, ld, pr->qt, D2 * PW * 2, S, P->bn * PW, 0, alpha, cmax);
+        return;
+    }
+#endif
+    (void)pr;
+    const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, hk, j0, n, a->D, kbuf, &ld);
+    ta_gemm(n, npan, a->D, ta_opa_rows(K, ld), Qt, a->D * PW, S, P->bn * PW, 0, alpha, cmax);
+}
+
+/* Step 4: acc += V^T P over the npan panels (P in S). */
+static void fwd_accumulate(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0,
+                           int64_t n, int64_t npan, const fwd_pairs *pr, real *vbuf, const real *S, real *acc) {
+    int64_t ld;
+#ifdef TA_HAVE_BF16DOT
+    if (P->bf16dot) {
+        int64_t n2 = (n + 1) / 2, tp = (P->bn + 1) / 2 * PW * 2;
+        for (int64_t p = 0; p < npan; p++) ta_pack_p_pairs(pr->p + p * tp, S + p * P->bn * PW, n);
+        ta_pack_v_pairs(pr->v, a, s, hk, j0, n);
+        ta_gemm_bf16(a->Dv, npan, n2, TA_A_COLS, (const uint32_t *)pr->v, a->Dv, pr->p, tp, acc, a->Dv * PW, 1, 1,
+                     NULL);
+        return;
+    }
+#endif
+    (void)pr;
+    const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, hk, j0, n, a->Dv, vbuf, &ld);
+    ta_gemm(a->Dv, npan, n, ta_opa_cols(V, ld), S, P->bn * PW, acc, a->Dv * PW, 1, 1, NULL);
+}
+
 static int fwd_block(const ta_args *a, const void *plan, const void *task) {
     const fwd_plan *P = (const fwd_plan *)plan;
     const fwd_task *t = (const fwd_task *)task;
@@ -103,14 +152,24 @@ static int fwd_block(const ta_args *a, const void *plan, const void *task) {
     int64_t wmax = D > Dv ? D : Dv;
     size_t rows_bytes = ta_round_up((int64_t)ta_rows_bytes(npan), 64);
     size_t nreal = (size_t)(lanes * (D + bn + Dv + 3) + bn * (D + Dv) + wmax);
-    char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real));
+    char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + fwd_pairs_bytes(a, P, lanes) + 64);
     if (!mem) return TA_ENOMEM;
     ta_rows R;
     ta_rows_init(&R, mem, a, &s, t->hk, t->i0, nq);
     real *Qt = (real *)(mem + rows_bytes), *S = Qt + lanes * D, *acc = S + lanes * bn, *m = acc + lanes * Dv;
     real *l = m + lanes, *cmax = l + lanes, *kbuf = cmax + lanes, *vbuf = kbuf + bn * D, *tmp = vbuf + bn * Dv;
+    fwd_pairs pr;
+    pr.qt = (uint16_t *)(mem + ta_round_up((int64_t)(rows_bytes + nreal * sizeof(real)), 64));
+    pr.k = pr.qt + lanes * ((D + 1) / 2) * 2;
+    pr.p = pr.k + bn * ((D + 1) / 2) * 2;
+    pr.v = pr.p + lanes * ((bn + 1) / 2) * 2;
 
-    ta_pack_rows(Qt, 1, a->q, a->dtype, a->q_st, s.q0, &R, D, tmp);
+#ifdef TA_HAVE_BF16DOT
+    if (P->bf16dot)
+        ta_pack_q_pairs(pr.qt, a, &s, &R);
+    else
+#endif
+        ta_pack_rows(Qt, 1, a->q, a->dtype, a->q_st, s.q0, &R, D, tmp);
     for (int64_t r = 0; r < lanes; r++) m[r] = -INFINITY, l[r] = 0;
     memset(acc, 0, (size_t)(lanes * Dv) * sizeof(real));
 
@@ -124,18 +183,15 @@ static int fwd_block(const ta_args *a, const void *plan, const void *task) {
             if (census == 2) continue; /* every score hidden: the tile changes nothing */
             if (census == 1) flags |= TA_TILE_MASK;
         }
-        int64_t ldk, ldv;
-        const real *K = ta_kv_rows(a, &s, a->k, a->k_st, s.k0, t->hk, j0, n, D, kbuf, &ldk);
         for (int64_t r = 0; r < lanes; r++) cmax[r] = -INFINITY;
         real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
-        ta_gemm(n, npan, D, ta_opa_rows(K, ldk), Qt, D * PW, S, bn * PW, 0, alpha, flags ? NULL : cmax);
+        fwd_scores(a, P, &s, t->hk, j0, n, npan, Qt, &pr, kbuf, S, alpha, flags ? NULL : cmax);
         if (flags)
             for (int64_t p = 0; p < npan; p++)
                 ta_score_mods(a, &R, p, S + p * bn * PW, n, j0, flags, cmax + p * PW, NULL);
         for (int64_t p = 0; p < npan; p++)
             fwd_softmax(a, &R, p, S + p * bn * PW, n, j0, m, l, cmax, acc + p * Dv * PW, Dv);
-        const real *V = ta_kv_rows(a, &s, a->v, a->v_st, s.v0, t->hk, j0, n, Dv, vbuf, &ldv);
-        ta_gemm(Dv, npan, n, ta_opa_cols(V, ldv), S, bn * PW, acc, Dv * PW, 1, 1, NULL);
+        fwd_accumulate(a, P, &s, t->hk, j0, n, npan, &pr, vbuf, S, acc);
     }
     fwd_finish(a, &s, &R, acc, m, l, tmp);
     return TA_OK;
@@ -156,6 +212,11 @@ static int prefill(const ta_args *a) {
     P.bmq = lanes / G > 0 ? lanes / G : 1;
     P.bn = a->block_n > 0 ? a->block_n : 256;
     P.mods = a->softcap > 0 || a->alibi || a->bias;
+#ifdef TA_HAVE_BF16DOT
+    P.bf16dot = a->dtype == TA_BF16 && (a->options & TA_OPT_BF16DOT) && !(a->options & TA_OPT_NO_BF16DOT);
+#else
+    P.bf16dot = 0;
+#endif
 
     int64_t ntasks = 0;
     for (int64_t b = 0; b < a->B; b++) ntasks += (ta_seq_q_rows(a, b) + P.bmq - 1) / P.bmq * a->Hkv;
