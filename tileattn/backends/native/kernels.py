@@ -152,6 +152,8 @@ class _Library:
             getattr(lib, name).restype = ctypes.c_int
         lib.ta_sigint_disarm.restype = ctypes.c_int
         lib.ta_probe_bf16dot.restype = ctypes.c_double
+        lib.ta_probe_fma_gflops.restype = ctypes.c_double
+        lib.ta_probe_fma_gflops.argtypes = [ctypes.c_int64]
         self.lib = lib
         self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
@@ -250,6 +252,11 @@ def build_info() -> dict:
                 flags=" ".join(info.flags), path=info.path, build_seconds=info.build_seconds, cached=info.cached,
                 openmp=fields.get("openmp") == "1", bf16dot=fields.get("bf16dot") == "1",
                 bf16dot_speedup=round(lib.bf16dot_speedup, 2), bf16dot_default=bool(lib.default_options & BF16DOT))
+
+
+def fma_peak_gflops(threads=1) -> float:
+    """Measured fp32 FMA peak of `threads` cores (GFLOP/s), the yardstick of the benchmarks."""
+    return _library().lib.ta_probe_fma_gflops(int(threads))
 
 
 def supports(*, dtype, backward=False, features=()):

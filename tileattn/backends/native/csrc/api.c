@@ -85,6 +85,35 @@ double ta_probe_bf16dot(void) {
 #endif
 }
 
+/* fp32 FMA peak of `threads` cores in GFLOP/s (wall clock, best of three): what the benchmarks
+ * report efficiency against. As many independent accumulators as the micro-GEMM uses. */
+double ta_probe_fma_gflops(int64_t threads) {
+    enum { ACC = 2 * TA_MR, ITERS = 200000 };
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+#pragma omp parallel num_threads((int)threads)
+        {
+            vr acc[ACC];
+            const vr x = vset1(0.999f), y = vset1(1e-3f);
+#pragma GCC unroll 24
+            for (int i = 0; i < ACC; i++) acc[i] = vset1((float)i);
+            for (int it = 0; it < ITERS; it++)
+#pragma GCC unroll 24
+                for (int i = 0; i < ACC; i++) acc[i] = vfma(acc[i], x, y);
+            float sink = 0;
+            for (int i = 0; i < ACC; i++) sink += vsum(acc[i]);
+            __asm__ volatile("" : : "r"(&sink) : "memory");
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double gflops = (double)threads * ITERS * ACC * VW * 2 / t * 1e-9;
+        best = gflops > best ? gflops : best;
+    }
+    return best;
+}
+
 /* ------------------------------------------------------------------------------- scratch, tasks */
 
 static __thread void *tls_buf[TA_SCRATCH_SLOTS];
