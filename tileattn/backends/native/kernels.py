@@ -168,6 +168,9 @@ class _Library:
         if tuple(names["core"]) != CORE:
             raise _build.BuildError("the library's argument layout does not match kernels.py")
         self.sections = {s: (offset[s], struct.Struct(fmt[s])) for s in fmt}
+        if offset["core"] != 0:
+            raise _build.BuildError("the library's argument layout does not start with its core section")
+        self.core = self.sections["core"][1]
         self.local = threading.local()
         self.bf16dot_speedup = self._probe()
         #: vdpbf16ps tiles for bf16 where they beat fp32 tiles by a clear margin on this machine
@@ -296,7 +299,7 @@ def _check(name, t, dim, dtype=None, dtype2=None):
 
 
 def _same(name, shape, expected):
-    if tuple(shape) != tuple(expected):
+    if shape != expected:  # torch.Size is a tuple
         _fail(name, f"shape {tuple(shape)}", f"shape {tuple(expected)}")
 
 
@@ -436,7 +439,7 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
             _fail("alibi_slopes", getattr(sl, "shape", type(sl).__name__), f"fp32 ({hq},) or ({batch}, {hq})")
         lib.pack("alibi", loc, *((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()), 0)
         alibi_ptr = sl.data_ptr()
-    lib.pack("core", loc, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
              0, 0, 0, 0, 0, 0, cu_q, cu_k, used, bt_ptr, alibi_ptr, mask_ptr, bias_ptr,
              0 if cancel is None else cancel.address, loc.err_addr,
              batch, hq, hkv, sq, sk, d, dv, tq, tk, *q_st, *k_st, *v_st, *o_st, *l_st,

@@ -69,6 +69,11 @@ TA_INLINE vr dec_hsum(const vr *v) {
 static void dec_rows(const ta_args *a, const ta_seq *s, const void *base, const int64_t st[3], int64_t seq_off,
                      int64_t hk, int64_t j0, int64_t n, int64_t width, int64_t wpad, real *buf, const real **rows) {
     int native = (TA_REAL_BITS == 64) ? a->dtype == TA_F64 : a->dtype == TA_F32;
+    if (native && width == wpad && !a->paged) {
+        const real *r0 = (const real *)base + seq_off + hk * st[1] + j0 * st[2];
+        for (int64_t j = 0; j < n; j++) rows[j] = r0 + j * st[2];
+        return;
+    }
     for (int64_t j = 0; j < n; j++) {
         const void *src = ta_at(base, ta_key_off(a, s, st, seq_off, hk, j0 + j), a->dtype);
         if (native && width == wpad) {
@@ -82,45 +87,50 @@ static void dec_rows(const ta_args *a, const ta_seq *s, const void *base, const 
     }
 }
 
-/* Dot products of q with VW keys: a vector of partial sums per key, then one transposing
- * reduction. The query stays in registers (up to DEC_QREG vectors, D <= 128 with AVX-512) and
- * DEC_G keys advance together, so DEC_G independent FMA chains hide the FMA latency. */
-#define DEC_QREG 8
+/* Dot products of nr (1 or 2) query rows with VW keys: a vector of partial sums per (row, key),
+ * then one transposing reduction per row. DEC_G keys advance together (DEC_G * nr independent FMA
+ * chains hide the FMA latency) and two rows share every load of K. */
 #define DEC_G (VW < 8 ? VW : 8)
-TA_INLINE vr dec_dots(const vr *qreg, const real *q, const real *const *kr, int64_t Dp) {
-    vr acc[VW];
+TA_INLINE void dec_dots(const int nr, const real *q, int64_t Dp, const real *const *kr, real alpha, real *out,
+                        int64_t out_ld) {
+    vr acc[2][VW];
     for (int t0 = 0; t0 < VW; t0 += DEC_G) {
-        vr x[DEC_G];
+        vr x[2][DEC_G];
         const real *p[DEC_G];
         for (int u = 0; u < DEC_G; u++) {
             p[u] = kr[t0 + u];
-            x[u] = vzero();
+            for (int r = 0; r < nr; r++) x[r][u] = vzero();
         }
-        if (Dp <= DEC_QREG * VW) {
-            for (int64_t c = 0; c < Dp / VW; c++)
-                for (int u = 0; u < DEC_G; u++) x[u] = vfma(qreg[c], vload(p[u] + c * VW), x[u]);
-        } else {
-            for (int64_t d = 0; d < Dp; d += VW)
-                for (int u = 0; u < DEC_G; u++) x[u] = vfma(vload(q + d), vload(p[u] + d), x[u]);
+        for (int64_t d = 0; d < Dp; d += VW) {
+            vr q0 = vload(q + d), q1 = nr > 1 ? vload(q + Dp + d) : q0;
+            for (int u = 0; u < DEC_G; u++) {
+                vr k = vload(p[u] + d);
+                x[0][u] = vfma(q0, k, x[0][u]);
+                if (nr > 1) x[1][u] = vfma(q1, k, x[1][u]);
+            }
         }
-        for (int u = 0; u < DEC_G; u++) acc[t0 + u] = x[u];
+        for (int r = 0; r < nr; r++)
+            for (int u = 0; u < DEC_G; u++) acc[r][t0 + u] = x[r][u];
     }
-    return dec_hsum(acc);
+    for (int r = 0; r < nr; r++) vstore(out + r * out_ld, dec_hsum(acc[r]) * alpha);
 }
 
-/* Steps 1 and 2 for one row: base-2 logits of keys [j0, j0 + n) into srow; -inf for hidden keys
- * and for the padding up to a multiple of VW. */
-static void dec_scores(const ta_args *a, const ta_seq *s, const real *q, const real *const *krows, int64_t n,
-                       int64_t j0, int64_t Dp, int64_t h, int64_t i, real *srow, const real *zero) {
-    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
-    const real alpha = (real)(plain ? a->scale * TA_LOG2E : a->scale);
-    vr qreg[DEC_QREG];
-    for (int c = 0; c < DEC_QREG; c++) qreg[c] = c * VW < Dp ? vload(q + c * VW) : vzero();
+/* Step 1 for rows [0, M) (q: M rows of Dp values): alpha * q.k of keys [0, n) into S (np per row). */
+static void dec_raw_scores(const real *q, int64_t M, int64_t Dp, const real *const *krows, int64_t n, real alpha,
+                           real *S, int64_t np, const real *zero) {
     for (int64_t t0 = 0; t0 < n; t0 += VW) {
         const real *kr[VW];
         for (int t = 0; t < VW; t++) kr[t] = t0 + t < n ? krows[t0 + t] : zero;
-        vstore(srow + t0, dec_dots(qreg, q, kr, Dp) * alpha);
+        int64_t r = 0;
+        for (; r + 1 < M; r += 2) dec_dots(2, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
+        if (r < M) dec_dots(1, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
     }
+}
+
+/* Step 2 for one row: raw scores in srow to base-2 logits through the score pipeline; -inf for
+ * hidden keys and for the padding up to a multiple of VW. */
+static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0, int64_t h, int64_t i, real *srow) {
+    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
     if (!plain) {
         const real cap = (real)a->softcap;
         real slope = a->alibi ? ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]] : 0;
@@ -148,29 +158,44 @@ static void dec_scores(const ta_args *a, const ta_seq *s, const real *q, const r
     }
 }
 
-/* acc[0:nv*VW) += sum_j p[j] * V[j][c0 : c0 + nv*VW) over keys [jb, je), nv <= 4 vectors. Even
- * and odd keys go to separate accumulators: twice the independent FMA chains. */
-TA_INLINE void dec_pv(const int nv, real *acc, const real *p, const real *const *vrows, int64_t c0, int64_t jb,
-                      int64_t je) {
-    vr x[4], y[4];
-    for (int k = 0; k < nv; k++) {
-        x[k] = vload(acc + k * VW);
-        y[k] = vzero();
-    }
-    int64_t j = jb;
-    for (; j + 1 < je; j += 2) {
-        vr p0 = vset1(p[j]), p1 = vset1(p[j + 1]);
-        const real *v0 = vrows[j] + c0, *v1 = vrows[j + 1] + c0;
-        for (int k = 0; k < nv; k++) {
-            x[k] = vfma(p0, vload(v0 + k * VW), x[k]);
-            y[k] = vfma(p1, vload(v1 + k * VW), y[k]);
+/* acc[r][c0 : c0 + nv*VW) += sum_j P[r][j] * V[j][c0 : ...) for the rows r < nr (<= 4) over keys
+ * [jb, je): each V vector is loaded once for all rows, with nr * nv (<= 16) accumulators. */
+TA_INLINE void dec_pv(const int nr, const int nv, real *acc, int64_t acc_ld, const real *P, int64_t p_ld,
+                      const real *const *vrows, int64_t c0, int64_t jb, int64_t je) {
+    vr x[4][4];
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nv; k++) x[r][k] = vload(acc + r * acc_ld + k * VW);
+    for (int64_t j = jb; j < je; j++) {
+        const real *vj = vrows[j] + c0;
+        vr vv[4];
+        for (int k = 0; k < nv; k++) vv[k] = vload(vj + k * VW);
+        for (int r = 0; r < nr; r++) {
+            vr p = vset1(P[r * p_ld + j]);
+            for (int k = 0; k < nv; k++) x[r][k] = vfma(p, vv[k], x[r][k]);
         }
     }
-    if (j < je) {
-        vr p0 = vset1(p[j]);
-        for (int k = 0; k < nv; k++) x[k] = vfma(p0, vload(vrows[j] + c0 + k * VW), x[k]);
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nv; k++) vstore(acc + r * acc_ld + k * VW, x[r][k]);
+}
+
+/* Step 3 for rows [0, M): blocks of 4 rows x 4 vectors of Dv, then the leftovers. */
+static void dec_pv_rows(real *acc, int64_t Dvp, const real *P, int64_t np, const real *const *vrows, int64_t M,
+                        int64_t n) {
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        int nr = M - r0 >= 4 ? 4 : (int)(M - r0);
+        real *a = acc + r0 * Dvp;
+        const real *p = P + r0 * np;
+        for (int64_t c = 0; c < Dvp;) {
+            int nv = Dvp - c >= 4 * VW ? 4 : 1;
+            if (nr == 4 && nv == 4)
+                dec_pv(4, 4, a + c, Dvp, p, np, vrows, c, 0, n);
+            else if (nv == 4)
+                for (int r = 0; r < nr; r++) dec_pv(1, 4, a + r * Dvp + c, Dvp, p + r * np, np, vrows, c, 0, n);
+            else
+                for (int r = 0; r < nr; r++) dec_pv(1, 1, a + r * Dvp + c, Dvp, p + r * np, np, vrows, c, 0, n);
+            c += nv * VW;
+        }
     }
-    for (int k = 0; k < nv; k++) vstore(acc + k * VW, x[k] + y[k]);
 }
 
 static int dec_block(const ta_args *a, const void *plan, const void *task) {
@@ -200,10 +225,15 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     dec_rows(a, &s, a->v, a->v_st, s.v0, t->hk, j0, n, Dv, Dvp, vbuf, vrows);
     for (int64_t r = 0; r < M; r++) {
         int64_t i = r / G, h = t->hk * G + r % G;
-        real *qr = q + r * Dp, *srow = S + r * np;
-        ta_load_row(qr, ta_at(a->q, s.q0 + h * a->q_st[1] + i * a->q_st[2], a->dtype), D, a->dtype);
-        memset(qr + D, 0, (size_t)(Dp - D) * sizeof(real));
-        dec_scores(a, &s, qr, krows, n, j0, Dp, h, i, srow, zero);
+        ta_load_row(q + r * Dp, ta_at(a->q, s.q0 + h * a->q_st[1] + i * a->q_st[2], a->dtype), D, a->dtype);
+        memset(q + r * Dp + D, 0, (size_t)(Dp - D) * sizeof(real));
+    }
+    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
+    dec_raw_scores(q, M, Dp, krows, n, (real)(plain ? a->scale * TA_LOG2E : a->scale), S, np, zero);
+    for (int64_t r = 0; r < M; r++) {
+        int64_t i = r / G, h = t->hk * G + r % G;
+        real *srow = S + r * np;
+        dec_logits(a, &s, n, j0, h, i, srow);
 
         vr mv = vset1(-INFINITY);
         for (int64_t j = 0; j < np; j += VW) mv = vmax_(mv, vload(srow + j));
@@ -227,15 +257,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
         pr[Dv] = m;
         pr[Dv + 1] = vsum(lsum);
     }
-    /* step 3 in blocks of 64 keys, so a block of V stays in L1 while every row uses it */
-    for (int64_t jb = 0; jb < n; jb += 64) {
-        int64_t je = jb + 64 < n ? jb + 64 : n;
-        for (int64_t r = 0; r < M; r++) {
-            int64_t c = 0;
-            for (; c + 4 * VW <= Dvp; c += 4 * VW) dec_pv(4, acc + r * Dvp + c, S + r * np, vrows, c, jb, je);
-            for (; c < Dvp; c += VW) dec_pv(1, acc + r * Dvp + c, S + r * np, vrows, c, jb, je);
-        }
-    }
+    dec_pv_rows(acc, Dvp, S, np, vrows, M, n);
     for (int64_t r = 0; r < M; r++) memcpy(part + r * (Dv + 2), acc + r * Dvp, (size_t)Dv * sizeof(real));
     return TA_OK;
 }
