@@ -232,17 +232,22 @@ def section_cache(args, rows, info):
 
 
 def section_memory(args, rows, info):
+    """Peak memory of one forward+backward at S=16384, D=64 beyond its outputs and gradients, for one
+    head (split backward schedule) and four heads (fused schedule: per-thread dK/dV accumulators)."""
     s = 2048 if args.quick else 16384
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, s, 64, generator=g) for _ in range(3))
-    run = native_provider(q, k, v, False, "fwd+bwd")
-    run()  # warm: the library and its per-thread scratch exist before the measurement
-    peak = measure_peak_memory(run, "cpu")
-    outputs = 4 * q.numel() * 4 + 2 * s * 4  # out, dq, dk, dv, lse, delta (allocated by the call)
-    extra = None if peak is None else (peak - outputs) / 2**20
-    info["memory_s"], info["memory_extra_mib"] = s, extra
-    print(f"memory: forward+backward at S={s}, D=64: peak {peak / 2**20 if peak else float('nan'):.1f} MiB, "
-          f"{extra if extra is not None else float('nan'):.1f} MiB beyond outputs and gradients", flush=True)
+    for heads in (1, 4):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, heads, s, 64, generator=g) for _ in range(3))
+        tiny = [t[:, :, :64] for t in (q, k, v)]
+        native_provider(*tiny, False, "fwd+bwd")()  # the library is loaded; its tile buffers are not grown
+        peak = measure_peak_memory(native_provider(q, k, v, False, "fwd+bwd"), "cpu")
+        outputs = 4 * q.numel() * 4 + 2 * heads * s * 4  # out, dq, dk, dv, lse, delta (allocated by the call)
+        extra = None if peak is None else (peak - outputs) / 2**20
+        info[f"memory_extra_mib_h{heads}"] = extra
+        print(f"memory: forward+backward at S={s}, H={heads}, D=64: peak "
+              f"{peak / 2**20 if peak else float('nan'):.1f} MiB, "
+              f"{extra if extra is not None else float('nan'):.1f} MiB beyond outputs and gradients", flush=True)
+        del q, k, v
 
 
 def _print(r):
