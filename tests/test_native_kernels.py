@@ -612,3 +612,14 @@ def test_bf16_dot_product_tiles(shape):
     assert_native_matches(q, k, v, grad=False, window=(40, 7), native=dict(options=nk.BF16DOT))
     dot = raw_forward(q, k, v, options=nk.BF16DOT)[0]
     assert not torch.equal(dot, raw_forward(q, k, v, options=nk.NO_BF16DOT)[0])
+
+
+@pytest.mark.parametrize("b,sq,sk", [(0, 4, 4), (1, 0, 4), (1, 4, 0), (2, 1, 0)])
+def test_empty_problems(b, sq, sk):
+    q, k, v = torch.randn(b, 4, sq, 16), torch.randn(b, 2, sk, 16), torch.randn(b, 2, sk, 16)
+    out, lse = torch.full((b, 4, sq, 16), 7.0), torch.empty(b, 4, sq)
+    nk.forward(q, k, v, out, lse, scale=0.25)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    dq, dk, dv = torch.full_like(q, 5.0), torch.full_like(k, 5.0), torch.full_like(v, 5.0)
+    nk.backward(q, k, v, out, torch.randn_like(out), lse, torch.zeros_like(lse), dq, dk, dv, scale=0.25)
+    assert not dq.any() and not dk.any() and not dv.any()

@@ -312,6 +312,7 @@ int FN(decode)(const ta_args *a) {
         int64_t ch = dec_chunk(s.k_len);
         ntasks += a->Hkv * (s.k_len > 0 ? (s.k_len + ch - 1) / ch : 1);
     }
+    if (ntasks == 0) return TA_OK;
     dec_task *tasks = (dec_task *)malloc((size_t)ntasks * sizeof(dec_task));
     P.part = (real *)malloc((size_t)(ntasks * P.rows * (a->Dv + 2) + a->Dv) * sizeof(real));
     if (!tasks || !P.part) {
