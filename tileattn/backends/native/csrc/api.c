@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "gemm.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
 
@@ -44,10 +45,10 @@ const char *ta_build_info(void) {
  * AVX512_BF16): kernels.py turns the bf16 dot-product tiles on where they are faster. Measured, not
  * assumed: on Zen 4 vdpbf16ps does twice the fp32 rate, on the Sapphire Rapids this was written on
  * half of it. */
+#ifdef TA_HAVE_BF16DOT
 static double probe_seconds(int bf16) {
     struct timespec t0, t1;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
-#ifdef TA_HAVE_BF16DOT
     __m512 acc[24];
     for (int i = 0; i < 24; i++) acc[i] = _mm512_set1_ps((float)i);
     const __m512 x = _mm512_set1_ps(1e-3f);
@@ -63,12 +64,10 @@ static double probe_seconds(int bf16) {
     float sink = 0;
     for (int i = 0; i < 24; i++) sink += _mm512_reduce_add_ps(acc[i]);
     __asm__ volatile("" : : "x"(sink));
-#else
-    (void)bf16;
-#endif
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
     return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 }
+#endif
 
 double ta_probe_bf16dot(void) {
 #ifdef TA_HAVE_BF16DOT

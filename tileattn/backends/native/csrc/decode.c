@@ -246,8 +246,10 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
             vr p = vexp2(vload(srow + j) - msub);
             lsum += p;
             if (a->dropout_p > 0) {
+                uint32_t first[VW];
+                for (int k = 0; k < VW; k++) first[k] = (uint32_t)(j0 + j + k);
                 vu32 cols;
-                for (int k = 0; k < VW; k++) cols[k] = (uint32_t)(j0 + j + k);
+                memcpy(&cols, first, sizeof cols);
                 vu32 x = ta_vmix32(rk ^ (cols * TA_GOLDEN));
                 p = vselect(vmask32((vs32)((x >> 8) >= (uint32_t)a->drop_threshold)), p, vzero());
             }
