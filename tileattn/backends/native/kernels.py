@@ -336,11 +336,54 @@ def _out2(dtype):
 # --------------------------------------------------------------------------------------------- calls
 
 
+def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                 dropout_p, seed, block_m, block_n, num_threads, options):
+    """The common call (padded q/k/v, no mask, bias, ALiBi or cancel flag) checked and packed with as
+    few Python operations as possible (a decode step is a few microseconds of C). Returns the full
+    (B, Hq, Sq, Sk) shape, or None when a check fails or the call is not this common one: then
+    _pack checks everything again and raises the precise error."""
+    try:
+        dtype = q.dtype
+        code = _DTYPES[dtype]
+        qs, ks, vs, os_, ls = q.shape, k.shape, v.shape, out.shape, lse.shape
+        qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
+        batch, hq, sq, d = qs
+        _, hkv, sk, dk = ks
+        dv = vs[3]
+        if not (q.is_cpu and k.is_cpu and v.is_cpu and out.is_cpu and lse.is_cpu) or \
+                k.dtype is not dtype or v.dtype is not dtype or \
+                (out.dtype is not dtype and (out.dtype is not _F32 or dtype is _F64)) or \
+                lse.dtype is not (_F64 if dtype is _F64 else _F32) or \
+                ks != (batch, hkv, sk, d) or vs != (batch, hkv, sk, dv) or os_ != (batch, hq, sq, dv) or \
+                ls != (batch, hq, sq) or not hkv or hq % hkv or not d or not dv or max(sq, sk) >= 2**31 - 1 or \
+                (qst[3] != 1 and d != 1) or (kst[3] != 1 and d != 1) or (vst[3] != 1 and dv != 1) or \
+                (ost[3] != 1 and dv != 1) or not 0.0 <= dropout_p < 1.0 or softcap < 0:
+            return None
+        used = 0 if seqused_k is None else _index("seqused_k", seqused_k, batch)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                       0, 0, 0, 0, 0, 0, 0, 0, used, 0, 0, 0, 0, 0, loc.err_addr,
+                       batch, hq, hkv, sq, sk, d, dv, 0, 0, qst[0], qst[1], qst[2], kst[0], kst[1], kst[2],
+                       vst[0], vst[1], vst[2], ost[0], ost[1], ost[2], lst[0], lst[1], lst[2],
+                       code, _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
+                       int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
+                       torch.get_num_threads() if num_threads is None else num_threads, 0, 0,
+                       options | lib.default_options, scale, softcap, dropout_p)
+    return batch, hq, sq, sk
+
+
 def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
           seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
           cancel, options, backward):
     """Validate the forward-shaped arguments and pack every section but the backward ones. Returns
-    (q shape, k shape, whether varlen) for the backward wrapper."""
+    the full (B, Hq, Sq, Sk) shape and whether the call is varlen, for the backward wrapper."""
+    if cu_seqlens_q is None and cu_seqlens_k is None and block_table is None and mask is None \
+            and bias is None and alibi_slopes is None and cancel is None:
+        full = _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                            dropout_p, seed, block_m, block_n, num_threads, options)
+        if full is not None:
+            return full, False
     dtype = q.dtype if isinstance(q, torch.Tensor) else None
     code = _DTYPES.get(dtype)
     if code is None:
@@ -450,10 +493,7 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
     return full, varlen
 
 
-def _run(lib, fn, loc):
-    status = fn(loc.args_addr)
-    if status == OK:
-        return
+def _raise(loc, status):
     if status == CANCELLED:
         raise Cancelled("tileattn native: the call was cancelled (its CancelFlag was set)")
     if status == ENOMEM:
@@ -468,10 +508,16 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
     """Attention forward into ``out`` and ``lse`` (see the module docstring)."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
-    _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
-          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
-          num_threads, cancel, options, False)
-    _run(lib, lib.forward_fn, loc)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
+            bias is not None or alibi_slopes is not None or cancel is not None or \
+            _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                         dropout_p, seed, block_m, block_n, num_threads, options) is None:
+        _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+              seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
+              num_threads, cancel, options, False)
+    status = lib.forward_fn(loc.args_addr)
+    if status != OK:
+        _raise(loc, status)
 
 
 def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
@@ -511,4 +557,6 @@ def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, righ
     struct.pack_into("<Q", loc.args, off + 3 * 8, 0)
     struct.pack_into("<6Q", loc.args, off + 5 * 8, dout.data_ptr(), delta.data_ptr(), dq.data_ptr(),
                      dk.data_ptr(), dv.data_ptr(), dbias_ptr)
-    _run(lib, lib.backward_fn, loc)
+    status = lib.backward_fn(loc.args_addr)
+    if status != OK:
+        _raise(loc, status)
