@@ -77,7 +77,7 @@ _ERR_LEN = 512
 OK, CANCELLED, EINVAL, ENOMEM = 0, 1, -1, -2
 
 #: options (bit flags) for tests and tuning; see csrc/ta.h
-FORCE_PREFILL, FORCE_DECODE, FORCE_SPLIT, FORCE_FUSED, NO_BF16DOT, BF16DOT = 1, 2, 4, 8, 16, 32
+FORCE_PREFILL, FORCE_DECODE, FORCE_SPLIT, FORCE_FUSED, NO_BF16DOT, BF16DOT, NO_AMX = 1, 2, 4, 8, 16, 32, 64
 
 #: What the kernels do natively. A call outside this is for another engine.
 CAPABILITIES = {
@@ -154,6 +154,10 @@ class _Library:
         lib.ta_probe_bf16dot.restype = ctypes.c_double
         lib.ta_probe_fma_gflops.restype = ctypes.c_double
         lib.ta_probe_fma_gflops.argtypes = [ctypes.c_int64]
+        if "amx=1" in lib.ta_build_info().decode():
+            lib.ta_amx_available.restype = ctypes.c_int
+        else:
+            lib.ta_amx_available = lambda: 0
         self.lib = lib
         self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
@@ -253,7 +257,8 @@ def build_info() -> dict:
     info = lib.info
     return dict(compiler=info.compiler, compiler_version=info.compiler_version, isa=info.isa,
                 flags=" ".join(info.flags), path=info.path, build_seconds=info.build_seconds, cached=info.cached,
-                openmp=fields.get("openmp") == "1", bf16dot=fields.get("bf16dot") == "1",
+                openmp=fields.get("openmp") == "1", amx=fields.get("amx") == "1" and bool(lib.lib.ta_amx_available()),
+                bf16dot=fields.get("bf16dot") == "1",
                 bf16dot_speedup=round(lib.bf16dot_speedup, 2), bf16dot_default=bool(lib.default_options & BF16DOT))
 
 

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "amx.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
@@ -26,7 +27,13 @@
 const char *ta_abi(void) { return TA_FIELDS(TA_DESCRIBE); }
 
 const char *ta_build_info(void) {
-    return "isa=" TA_ISA_NAME ";bf16dot="
+    return "isa=" TA_ISA_NAME ";amx="
+#ifdef TA_HAVE_AMX
+           "1"
+#else
+           "0"
+#endif
+           ";bf16dot="
 #if defined(TA_ISA_AVX512) && defined(__AVX512BF16__)
            "1"
 #else
@@ -112,6 +119,26 @@ double ta_probe_fma_gflops(int64_t threads) {
     }
     return best;
 }
+
+#ifdef TA_HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TA_ARCH_REQ_XCOMP_PERM 0x1023
+#define TA_XFEATURE_XTILEDATA 18
+
+/* Linux (5.16+) hands out the AMX tile state only to processes that ask; asking again is harmless
+ * (PyTorch's oneDNN asks too). -1 = not asked yet. */
+static int amx_state = -1;
+
+int ta_amx_available(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state < 0) {
+        state = syscall(SYS_arch_prctl, TA_ARCH_REQ_XCOMP_PERM, TA_XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state;
+}
+#endif
 
 /* ------------------------------------------------------------------------------- scratch, tasks */
 

@@ -14,6 +14,7 @@
  * and at the end out = acc / l, lse = (m + log2 l) ln 2. Tasks are independent and each writes its
  * own rows, so the result does not depend on the thread count or on which thread ran what.
  */
+#include "amx.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
 #include "tile.h"
@@ -21,11 +22,11 @@
 typedef struct {
     int64_t bmq, bn; /* query rows (per head) and keys per tile */
     int mods;        /* softcap / ALiBi / bias: every tile takes the score pipeline */
-    int bf16dot;     /* bf16 inputs multiplied by vdpbf16ps (P rounded to bf16 for P.V) */
+    int engine;      /* FWD_F32, FWD_BF16DOT or FWD_AMX (bf16: P rounded to bf16 for P.V) */
 } fwd_plan;
 
 typedef struct {
-    int64_t b, hk, i0, cost;
+    int64_t b, hk, i0, nqb, cost; /* query blocks [i0, i0 + nqb * bmq) of kv head hk of sequence b */
 } fwd_task;
 
 /* Step 3: online softmax of one panel of a tile; S holds base-2 logits and receives P. */
@@ -68,12 +69,12 @@ static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, 
 }
 
 /* out = acc / l (scaled by 1/(1-p) under dropout), lse = (m + log2 l) ln 2; rows that saw no key: 0, -inf. */
-static void fwd_finish(const ta_args *a, const ta_seq *s, const ta_rows *R, const real *acc, const real *m,
-                       const real *l, real *tmp) {
+static void fwd_finish(const ta_args *a, const ta_seq *s, const ta_rows *R, const real *acc, int64_t accr,
+                       const real *m, const real *l, real *tmp) {
     const int64_t Dv = a->Dv;
     const double keep_scale = 1.0 / (1.0 - a->dropout_p);
     for (int64_t r = 0; r < R->M; r++) {
-        const real *col = acc + (r / PW) * Dv * PW + r % PW;
+        const real *col = acc + (r / PW) * accr * PW + r % PW;
         double lr = l[r], lse;
         if (lr == 0) {
             memset(tmp, 0, (size_t)Dv * sizeof(real));
@@ -94,107 +95,196 @@ static void fwd_finish(const ta_args *a, const ta_seq *s, const ta_rows *R, cons
     }
 }
 
-/* The bf16 pair buffers of a task (vdpbf16ps path): Q^T, K rows, P and V as pairs. */
-typedef struct {
-    uint16_t *qt, *k, *p, *v;
-} fwd_pairs;
+/* How a task multiplies: fp32 tiles (any input), vdpbf16ps tiles or AMX tiles (bf16 inputs). */
+enum { FWD_F32, FWD_BF16DOT, FWD_AMX };
 
-static size_t fwd_pairs_bytes(const ta_args *a, const fwd_plan *P, int64_t lanes) {
-    int64_t D2 = (a->D + 1) / 2, n2 = (P->bn + 1) / 2;
-    return P->bf16dot ? (size_t)(lanes * D2 * 2 + P->bn * D2 * 2 + lanes * n2 * 2 + n2 * a->Dv * 2) * 2 : 0;
+/* A task's buffers. The bf16 operands (dot-product and AMX engines) are Q^T and P as pair panels,
+ * K rows and V (as pairs for vdpbf16ps, transposed for AMX). */
+typedef struct {
+    real *Qt, *S, *acc, *m, *l, *cmax, *kbuf, *vbuf, *tmp;
+    uint16_t *qt2, *k2, *p2, *v2;
+    int64_t kbase, kld; /* AMX: k2 and v2 hold the task's keys from kbase on, v2 rows kld keys long */
+    int64_t sp;   /* rows of an S panel: keys per tile rounded up to 32 */
+    int64_t accr; /* rows of an accumulator panel: Dv (rounded up to 32 for AMX) */
+    int64_t q2;   /* pair rows of a Q^T panel */
+} fwd_bufs;
+
+static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void **rows_mem, fwd_bufs *W) {
+    const int64_t D = a->D, Dv = a->Dv, lanes = npan * PW, amx = P->engine == FWD_AMX;
+    W->sp = ta_round_up(P->bn, 32);
+    W->kbase = W->kld = 0;
+    W->accr = amx ? ta_round_up(Dv, 32) : Dv;
+    W->q2 = amx ? ta_round_up(D, 32) / 2 : (D + 1) / 2;
+    const int64_t sp = W->sp, wmax = D > Dv ? D : Dv;
+    size_t rows_bytes = ta_round_up((int64_t)ta_rows_bytes(npan), 64);
+    size_t nreal = (size_t)(lanes * (D + sp + W->accr + 3) + sp * (D + Dv) + wmax);
+    size_t nhalf = P->engine == FWD_F32 ? 0 : (size_t)(lanes * W->q2 * 2 + sp * W->q2 * 2 + lanes * sp + sp * W->accr);
+    char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + nhalf * 2 + 128);
+    if (!mem) return TA_ENOMEM;
+    *rows_mem = mem;
+    W->Qt = (real *)(mem + rows_bytes);
+    W->S = W->Qt + lanes * D;
+    W->acc = W->S + lanes * sp;
+    W->m = W->acc + lanes * W->accr;
+    W->l = W->m + lanes;
+    W->cmax = W->l + lanes;
+    W->kbuf = W->cmax + lanes;
+    W->vbuf = W->kbuf + sp * D;
+    W->tmp = W->vbuf + sp * Dv;
+    W->qt2 = (uint16_t *)(mem + ta_round_up((int64_t)(rows_bytes + nreal * sizeof(real)), 64));
+    W->k2 = W->qt2 + lanes * W->q2 * 2;
+    W->p2 = W->k2 + sp * W->q2 * 2;
+    W->v2 = W->p2 + lanes * sp;
+    return TA_OK;
 }
 
 /* Step 1: S = alpha * K Q^T over the npan panels, and the column max when cmax is not NULL. */
 static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0, int64_t n,
-                       int64_t npan, const real *Qt, const fwd_pairs *pr, real *kbuf, real *S, real alpha,
-                       real *cmax) {
+                       int64_t npan, const fwd_bufs *W, real alpha, real *cmax) {
     int64_t ld;
-#ifdef TA_HAVE_BF16DOT
-    if (P->bf16dot) {
-        const uint32_t *K2 = ta_k_pairs(a, s, hk, j0, n, pr->k, &ld);
-        int64_t D2 = (a->D + 1) / 2;
-        ta_gemm_bf16(n, npan, D2, TA_A_ROWS, K2, ld, pr->qt, D2 * PW * 2, S, P->bn * PW, 0, alpha, cmax);
+#ifdef TA_HAVE_AMX
+    if (P->engine == FWD_AMX) {
+        int64_t np = ta_round_up(n, 32), dpad = 2 * W->q2;
+        ta_amx_gemm(np, npan, dpad, W->k2 + (j0 - W->kbase) * dpad, dpad, W->qt2, W->q2 * PW * 2, W->S, W->sp * PW, 0);
+        /* the matrix unit has no epilogue: scale (and take the column max) in one sweep */
+        for (int64_t p = 0; p < npan; p++) {
+            real *Sp = W->S + p * W->sp * PW;
+            for (int v = 0; v < TA_NV; v++) {
+                vr mx = vset1(-INFINITY);
+                for (int64_t j = 0; j < n; j++) {
+                    vr x = vload(Sp + j * PW + v * VW) * alpha;
+                    vstore(Sp + j * PW + v * VW, x);
+                    mx = vmax_(mx, x);
+                }
+                if (cmax) vstore(cmax + p * PW + v * VW, mx);
+            }
+        }
         return;
     }
 #endif
-    (void)pr;
-    const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, hk, j0, n, a->D, kbuf, &ld);
-    ta_gemm(n, npan, a->D, ta_opa_rows(K, ld), Qt, a->D * PW, S, P->bn * PW, 0, alpha, cmax);
+#ifdef TA_HAVE_BF16DOT
+    if (P->engine == FWD_BF16DOT) {
+        const uint32_t *K2 = ta_k_pairs(a, s, hk, j0, n, W->k2, &ld);
+        ta_gemm_bf16(n, npan, W->q2, TA_A_ROWS, K2, ld, W->qt2, W->q2 * PW * 2, W->S, W->sp * PW, 0, alpha, cmax);
+        return;
+    }
+#endif
+    const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, hk, j0, n, a->D, W->kbuf, &ld);
+    ta_gemm(n, npan, a->D, ta_opa_rows(K, ld), W->Qt, a->D * PW, W->S, W->sp * PW, 0, alpha, cmax);
 }
 
 /* Step 4: acc += V^T P over the npan panels (P in S). */
 static void fwd_accumulate(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0,
-                           int64_t n, int64_t npan, const fwd_pairs *pr, real *vbuf, const real *S, real *acc) {
-    int64_t ld;
+                           int64_t n, int64_t npan, const fwd_bufs *W) {
+    int64_t ld, tp = W->sp * PW;
+#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
+    if (P->engine != FWD_F32) {
+        int64_t np = P->engine == FWD_AMX ? ta_round_up(n, 32) : n;
+        for (int64_t p = 0; p < npan; p++) {
+            ta_pack_p_pairs(W->p2 + p * tp, W->S + p * tp, n);
+            memset(W->p2 + p * tp + (n + 1) / 2 * PW * 2, 0, (size_t)((np + 1) / 2 - (n + 1) / 2) * PW * 2 * 2);
+        }
+#ifdef TA_HAVE_AMX
+        if (P->engine == FWD_AMX) {
+            ta_amx_gemm(W->accr, npan, np, W->v2 + (j0 - W->kbase), W->kld, W->p2, tp, W->acc, W->accr * PW, 1);
+            return;
+        }
+#endif
 #ifdef TA_HAVE_BF16DOT
-    if (P->bf16dot) {
-        int64_t n2 = (n + 1) / 2, tp = (P->bn + 1) / 2 * PW * 2;
-        for (int64_t p = 0; p < npan; p++) ta_pack_p_pairs(pr->p + p * tp, S + p * P->bn * PW, n);
-        ta_pack_v_pairs(pr->v, a, s, hk, j0, n);
-        ta_gemm_bf16(a->Dv, npan, n2, TA_A_COLS, (const uint32_t *)pr->v, a->Dv, pr->p, tp, acc, a->Dv * PW, 1, 1,
-                     NULL);
+        ta_pack_v_pairs(W->v2, a, s, hk, j0, n);
+        ta_gemm_bf16(a->Dv, npan, (n + 1) / 2, TA_A_COLS, (const uint32_t *)W->v2, a->Dv, W->p2, tp, W->acc,
+                     W->accr * PW, 1, 1, NULL);
         return;
+#endif
     }
 #endif
-    (void)pr;
-    const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, hk, j0, n, a->Dv, vbuf, &ld);
-    ta_gemm(a->Dv, npan, n, ta_opa_cols(V, ld), S, P->bn * PW, acc, a->Dv * PW, 1, 1, NULL);
+    const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, hk, j0, n, a->Dv, W->vbuf, &ld);
+    ta_gemm(a->Dv, npan, n, ta_opa_cols(V, ld), W->S, tp, W->acc, W->accr * PW, 1, 1, NULL);
+}
+
+/* The tiles of one task, from the packed queries to out and lse. */
+static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, const ta_seq *s, const ta_rows *R,
+                     const fwd_bufs *W) {
+    const int64_t npan = R->npan, lanes = npan * PW, tp = W->sp * PW;
+    for (int64_t r = 0; r < lanes; r++) W->m[r] = -INFINITY, W->l[r] = 0;
+    memset(W->acc, 0, (size_t)(lanes * W->accr) * sizeof(real));
+    int64_t jlo = ta_band_lo(a, s, R->i0), jhi = ta_band_hi(a, s, R->i0 + R->nq - 1) + 1;
+    if (P->engine == FWD_AMX) jlo &= ~(int64_t)31; /* AMX tiles start on key pairs of 32-key blocks */
+    for (int64_t j0 = jlo; j0 < jhi; j0 += P->bn) {
+        if (ta_cancelled(a)) return TA_CANCELLED;
+        int64_t j1 = j0 + P->bn < jhi ? j0 + P->bn : jhi, n = j1 - j0;
+        int flags = (P->mods ? TA_TILE_MODS : 0) | (ta_tile_on_edge(R, j0, j1) ? TA_TILE_EDGE : 0);
+        if (a->mask) {
+            int census = ta_mask_census(a, R, j0, j1);
+            if (census == 2) continue; /* every score hidden: the tile changes nothing */
+            if (census == 1) flags |= TA_TILE_MASK;
+        }
+        for (int64_t r = 0; r < lanes; r++) W->cmax[r] = -INFINITY;
+        real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
+        fwd_scores(a, P, s, t->hk, j0, n, npan, W, alpha, flags ? NULL : W->cmax);
+        if (flags)
+            for (int64_t p = 0; p < npan; p++) ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, W->cmax + p * PW, NULL);
+        for (int64_t p = 0; p < npan; p++)
+            fwd_softmax(a, R, p, W->S + p * tp, n, j0, W->m, W->l, W->cmax, W->acc + p * W->accr * PW, a->Dv);
+        fwd_accumulate(a, P, s, t->hk, j0, n, npan, W);
+    }
+    fwd_finish(a, s, R, W->acc, W->accr, W->m, W->l, W->tmp);
+    return TA_OK;
+}
+
+/* AMX: the keys every query block of the task may see, K as padded rows and V^T as key pairs,
+ * packed once per task (task scratch slot 1) and shared by its query blocks. */
+static int fwd_amx_pack(const ta_args *a, const fwd_plan *P, const fwd_task *t, const ta_seq *s, fwd_bufs *W) {
+#ifdef TA_HAVE_AMX
+    int64_t i_last = t->i0 + t->nqb * P->bmq;
+    i_last = (i_last < s->q_len ? i_last : s->q_len) - 1;
+    W->kbase = ta_band_lo(a, s, t->i0) & ~(int64_t)31;
+    int64_t range = ta_band_hi(a, s, i_last) + 1 - W->kbase, dpad = 2 * W->q2;
+    if (range < 0) range = 0;
+    W->kld = ta_round_up(range, 32) + 32;
+    uint16_t *mem = (uint16_t *)ta_scratch(1, (size_t)(W->kld * (dpad + W->accr)) * 2);
+    if (!mem) return TA_ENOMEM;
+    W->k2 = mem;
+    W->v2 = mem + W->kld * dpad;
+    ta_amx_pack_rows(W->k2, a, s, a->k, a->k_st, s->k0, t->hk, W->kbase, range, a->D, W->kld, dpad);
+    ta_amx_pack_vt(W->v2, W->kld, a, s, a->v, a->v_st, s->v0, t->hk, W->kbase, range, a->Dv, W->accr);
+#else
+    (void)a, (void)P, (void)t, (void)s, (void)W;
+#endif
+    return TA_OK;
 }
 
 static int fwd_block(const ta_args *a, const void *plan, const void *task) {
     const fwd_plan *P = (const fwd_plan *)plan;
     const fwd_task *t = (const fwd_task *)task;
-    const int64_t D = a->D, Dv = a->Dv, bn = P->bn;
     ta_seq s;
     ta_seq_init(a, t->b, &s);
-    int64_t nq = s.q_len - t->i0 < P->bmq ? s.q_len - t->i0 : P->bmq;
-    int64_t G = a->Hq / a->Hkv, npan = (nq * G + PW - 1) / PW, lanes = npan * PW;
-    int64_t wmax = D > Dv ? D : Dv;
-    size_t rows_bytes = ta_round_up((int64_t)ta_rows_bytes(npan), 64);
-    size_t nreal = (size_t)(lanes * (D + bn + Dv + 3) + bn * (D + Dv) + wmax);
-    char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + fwd_pairs_bytes(a, P, lanes) + 64);
-    if (!mem) return TA_ENOMEM;
-    ta_rows R;
-    ta_rows_init(&R, mem, a, &s, t->hk, t->i0, nq);
-    real *Qt = (real *)(mem + rows_bytes), *S = Qt + lanes * D, *acc = S + lanes * bn, *m = acc + lanes * Dv;
-    real *l = m + lanes, *cmax = l + lanes, *kbuf = cmax + lanes, *vbuf = kbuf + bn * D, *tmp = vbuf + bn * Dv;
-    fwd_pairs pr;
-    pr.qt = (uint16_t *)(mem + ta_round_up((int64_t)(rows_bytes + nreal * sizeof(real)), 64));
-    pr.k = pr.qt + lanes * ((D + 1) / 2) * 2;
-    pr.p = pr.k + bn * ((D + 1) / 2) * 2;
-    pr.v = pr.p + lanes * ((bn + 1) / 2) * 2;
-
-#ifdef TA_HAVE_BF16DOT
-    if (P->bf16dot)
-        ta_pack_q_pairs(pr.qt, a, &s, &R);
-    else
+    const int64_t G = a->Hq / a->Hkv;
+    fwd_bufs W;
+    void *rows_mem;
+    if (fwd_bufs_get(a, P, (P->bmq * G + PW - 1) / PW, &rows_mem, &W)) return TA_ENOMEM;
+    if (P->engine == FWD_AMX && fwd_amx_pack(a, P, t, &s, &W)) return TA_ENOMEM;
+    int status = TA_OK;
+#ifdef TA_HAVE_AMX
+    if (P->engine == FWD_AMX) ta_amx_begin();
 #endif
-        ta_pack_rows(Qt, 1, a->q, a->dtype, a->q_st, s.q0, &R, D, tmp);
-    for (int64_t r = 0; r < lanes; r++) m[r] = -INFINITY, l[r] = 0;
-    memset(acc, 0, (size_t)(lanes * Dv) * sizeof(real));
-
-    int64_t jlo = ta_band_lo(a, &s, t->i0), jhi = ta_band_hi(a, &s, t->i0 + nq - 1) + 1;
-    for (int64_t j0 = jlo; j0 < jhi; j0 += bn) {
-        if (ta_cancelled(a)) return TA_CANCELLED;
-        int64_t j1 = j0 + bn < jhi ? j0 + bn : jhi, n = j1 - j0;
-        int flags = (P->mods ? TA_TILE_MODS : 0) | (ta_tile_on_edge(&R, j0, j1) ? TA_TILE_EDGE : 0);
-        if (a->mask) {
-            int census = ta_mask_census(a, &R, j0, j1);
-            if (census == 2) continue; /* every score hidden: the tile changes nothing */
-            if (census == 1) flags |= TA_TILE_MASK;
-        }
-        for (int64_t r = 0; r < lanes; r++) cmax[r] = -INFINITY;
-        real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
-        fwd_scores(a, P, &s, t->hk, j0, n, npan, Qt, &pr, kbuf, S, alpha, flags ? NULL : cmax);
-        if (flags)
-            for (int64_t p = 0; p < npan; p++)
-                ta_score_mods(a, &R, p, S + p * bn * PW, n, j0, flags, cmax + p * PW, NULL);
-        for (int64_t p = 0; p < npan; p++)
-            fwd_softmax(a, &R, p, S + p * bn * PW, n, j0, m, l, cmax, acc + p * Dv * PW, Dv);
-        fwd_accumulate(a, P, &s, t->hk, j0, n, npan, &pr, vbuf, S, acc);
+    for (int64_t qb = 0; qb < t->nqb && status == TA_OK; qb++) {
+        int64_t i0 = t->i0 + qb * P->bmq, nq = s.q_len - i0 < P->bmq ? s.q_len - i0 : P->bmq;
+        if (nq <= 0) break;
+        ta_rows R;
+        ta_rows_init(&R, rows_mem, a, &s, t->hk, i0, nq);
+        if (P->engine == FWD_F32)
+            ta_pack_rows(W.Qt, 1, a->q, a->dtype, a->q_st, s.q0, &R, a->D, W.tmp);
+#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
+        else
+            ta_pack_q_pairs(W.qt2, a, &s, &R, W.q2);
+#endif
+        status = fwd_tiles(a, P, t, &s, &R, &W);
     }
-    fwd_finish(a, &s, &R, acc, m, l, tmp);
-    return TA_OK;
+#ifdef TA_HAVE_AMX
+    if (P->engine == FWD_AMX) ta_amx_end();
+#endif
+    return status;
 }
 
 static int fwd_cost_desc(const void *x, const void *y) {
@@ -212,27 +302,38 @@ static int prefill(const ta_args *a) {
     P.bmq = lanes / G > 0 ? lanes / G : 1;
     P.bn = a->block_n > 0 ? a->block_n : 256;
     P.mods = a->softcap > 0 || a->alibi || a->bias;
+    P.engine = FWD_F32;
 #ifdef TA_HAVE_BF16DOT
-    P.bf16dot = a->dtype == TA_BF16 && (a->options & TA_OPT_BF16DOT) && !(a->options & TA_OPT_NO_BF16DOT);
-#else
-    P.bf16dot = 0;
+    if (a->dtype == TA_BF16 && (a->options & TA_OPT_BF16DOT) && !(a->options & TA_OPT_NO_BF16DOT))
+        P.engine = FWD_BF16DOT;
+#endif
+#ifdef TA_HAVE_AMX
+    if (a->dtype == TA_BF16 && !(a->options & TA_OPT_NO_AMX) && ta_amx_available()) P.engine = FWD_AMX;
 #endif
 
-    int64_t ntasks = 0;
-    for (int64_t b = 0; b < a->B; b++) ntasks += (ta_seq_q_rows(a, b) + P.bmq - 1) / P.bmq * a->Hkv;
-    fwd_task *tasks = (fwd_task *)malloc((size_t)(ntasks > 0 ? ntasks : 1) * sizeof(fwd_task));
+    /* AMX tasks take several query blocks of a head, so the packed K and V^T serve them all; enough
+     * tasks remain for every thread. Grouping changes no arithmetic: tiles start at absolute
+     * positions, so the result does not depend on it (nor on the thread count that sets it). */
+    int64_t units = 0, nthreads = a->num_threads > 0 ? a->num_threads : 1;
+    for (int64_t b = 0; b < a->B; b++) units += (ta_seq_q_rows(a, b) + P.bmq - 1) / P.bmq * a->Hkv;
+    int64_t group = P.engine == FWD_AMX && units > 4 * nthreads ? units / (4 * nthreads) : 1;
+    fwd_task *tasks = (fwd_task *)malloc((size_t)(units > 0 ? units : 1) * sizeof(fwd_task));
     if (!tasks) return TA_ENOMEM;
     int64_t nt = 0;
     double work = 0;
     for (int64_t b = 0; b < a->B; b++) {
         ta_seq s;
         ta_seq_init(a, b, &s);
-        for (int64_t i0 = 0; i0 < s.q_len; i0 += P.bmq) {
-            int64_t i1 = i0 + P.bmq < s.q_len ? i0 + P.bmq : s.q_len;
-            int64_t keys = ta_band_hi(a, &s, i1 - 1) + 1 - ta_band_lo(a, &s, i0);
+        for (int64_t i0 = 0; i0 < s.q_len; i0 += P.bmq * group) {
+            int64_t i1 = i0 + P.bmq * group < s.q_len ? i0 + P.bmq * group : s.q_len, cost = 0;
+            for (int64_t i = i0; i < i1; i += P.bmq) {
+                int64_t e = i + P.bmq < i1 ? i + P.bmq : i1;
+                int64_t keys = ta_band_hi(a, &s, e - 1) + 1 - ta_band_lo(a, &s, i);
+                cost += (keys > 0 ? keys : 0) * (e - i);
+            }
             for (int64_t hk = 0; hk < a->Hkv; hk++) {
-                tasks[nt++] = (fwd_task){b, hk, i0, keys > 0 ? keys : 0};
-                work += (double)(keys > 0 ? keys : 0) * (i1 - i0) * G * (a->D + a->Dv);
+                tasks[nt++] = (fwd_task){b, hk, i0, (i1 - i0 + P.bmq - 1) / P.bmq, cost};
+                work += (double)cost * G * (a->D + a->Dv);
             }
         }
     }

@@ -111,9 +111,10 @@ static inline __m512i ta_bf16_pairs(__m512 x0, __m512 x1) {
 
 /* ------------------------------------------------------------------------------- packing to pairs */
 
-/* The lanes of R from q (bf16) into Qt2[p][d/2][PW][2], the B operand of S = K Q^T (zero padded). */
-static void ta_pack_q_pairs(uint16_t *dst, const ta_args *a, const ta_seq *s, const ta_rows *R) {
-    const int64_t D = a->D, D2 = (D + 1) / 2;
+/* The lanes of R from q (bf16) into Qt2[p][d/2][PW][2], the B operand of S = K Q^T, with D2 >= D/2
+ * pair rows per panel (zero padded). */
+static void ta_pack_q_pairs(uint16_t *dst, const ta_args *a, const ta_seq *s, const ta_rows *R, int64_t D2) {
+    const int64_t D = a->D;
     memset(dst, 0, (size_t)(R->npan * D2 * PW * 2) * sizeof(uint16_t));
     for (int64_t r = 0; r < R->M; r++) {
         const uint16_t *src = (const uint16_t *)a->q + s->q0 + R->head[r] * a->q_st[1] + R->row[r] * a->q_st[2];

@@ -31,6 +31,7 @@ enum ta_option {
     TA_OPT_FORCE_FUSED = 8,   /* backward: one pass per head even with few heads */
     TA_OPT_NO_BF16DOT = 16,   /* bf16: fp32 tiles even where the CPU has vdpbf16ps */
     TA_OPT_BF16DOT = 32,      /* bf16: vdpbf16ps tiles where the CPU has them */
+    TA_OPT_NO_AMX = 64,       /* bf16: no AMX tiles even where the CPU and the OS allow them */
 };
 
 /* X(section, kind, name); kind: p = pointer, i = int64, d = double, i3/i4 = int64 arrays.
