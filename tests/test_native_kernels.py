@@ -433,7 +433,8 @@ def test_dropout(dtype):
     a = native_attention(q, k, v, dropout_p=0.3, seed=99)
     b = native_attention(q, k, v, dropout_p=0.3, seed=99, num_threads=1, block_n=64)
     c = native_attention(q, k, v, dropout_p=0.3, seed=98)
-    assert (a - b).abs().max() < 1e-5 and not torch.allclose(a, c)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # another tiling rounds P (bf16) differently
+    assert (a.float() - b.float()).abs().max() < tol and not torch.allclose(a, c)
 
 
 def test_dropout_decode_path():
