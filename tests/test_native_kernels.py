@@ -609,10 +609,26 @@ def test_bf16_dot_product_tiles(shape):
     """vdpbf16ps tiles (P rounded to bf16 for P.V, as GPU FlashAttention) where the probe or the
     caller turns them on; bitwise different from the fp32 tiles, both within the rule."""
     q, k, v = qkv(b=2, hq=8, hkv=2, dtype=torch.bfloat16, seed=24, **shape)
-    assert_native_matches(q, k, v, causal=True, return_lse=True, native=dict(options=nk.BF16DOT))
-    assert_native_matches(q, k, v, grad=False, window=(40, 7), native=dict(options=nk.BF16DOT))
-    dot = raw_forward(q, k, v, options=nk.BF16DOT)[0]
-    assert not torch.equal(dot, raw_forward(q, k, v, options=nk.NO_BF16DOT)[0])
+    dot = dict(options=nk.BF16DOT | nk.NO_AMX)
+    assert_native_matches(q, k, v, causal=True, return_lse=True, native=dot)
+    assert_native_matches(q, k, v, grad=False, window=(40, 7), native=dot)
+    fp32_tiles = raw_forward(q, k, v, options=nk.NO_BF16DOT | nk.NO_AMX)[0]
+    assert not torch.equal(raw_forward(q, k, v, **dot)[0], fp32_tiles)
+
+
+@pytest.mark.skipif(not nk.build_info()["amx"], reason="no AMX on this CPU/OS")
+@pytest.mark.parametrize("shape", [dict(sq=300, sk=300, d=64), dict(sq=70, sk=91, d=33, dv=20),
+                                   dict(sq=257, sk=1000, d=128, hq=4)], ids=["tiles", "odd", "d128"])
+def test_amx_tiles(shape):
+    """AMX tiles are the bf16 default where the CPU and the OS allow them; NO_AMX falls back."""
+    shape = dict(dict(b=2, hq=8, hkv=2), **shape)
+    q, k, v = qkv(dtype=torch.bfloat16, seed=25, **shape)
+    assert_native_matches(q, k, v, causal=True, return_lse=True)
+    assert_native_matches(q, k, v, grad=False, window=(40, 7), return_lse=True)
+    amx = raw_forward(q, k, v, right=0)[0]
+    assert not torch.equal(amx, raw_forward(q, k, v, right=0, options=nk.NO_AMX)[0])
+    for n in (2, 3):  # AMX tasks group query blocks by the thread count: no bit may change
+        assert torch.equal(amx, raw_forward(q, k, v, right=0, num_threads=n)[0])
 
 
 @pytest.mark.parametrize("b,sq,sk", [(0, 4, 4), (1, 0, 4), (1, 4, 0), (2, 1, 0)])
