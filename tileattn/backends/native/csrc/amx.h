@@ -21,8 +21,8 @@
 #ifndef TA_AMX_H
 #define TA_AMX_H
 
-#if defined(TA_ISA_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
-    TA_REAL_BITS == 32
+#if defined(TA_ISA_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__) && TA_REAL_BITS == 32
 #define TA_HAVE_AMX 1
 
 #include "tile.h"

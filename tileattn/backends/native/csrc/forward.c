@@ -29,10 +29,13 @@ typedef struct {
     int64_t b, hk, i0, nqb, cost; /* query blocks [i0, i0 + nqb * bmq) of kv head hk of sequence b */
 } fwd_task;
 
-/* Step 3: online softmax of one panel of a tile; S holds base-2 logits and receives P. */
-static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, int64_t j0, real *m,
-                        real *l, const real *cmax, real *acc, int64_t Dv) {
+/* Step 3: online softmax of one panel of a tile. S holds base-2 logits divided by `scale` (the
+ * AMX engine leaves plain tiles unscaled and the exp pass applies it) and receives P, or, when
+ * `pairs` is not NULL, P goes to `pairs` as bf16 key pairs (the B operand of the bf16 P.V GEMMs). */
+static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, real scale, uint16_t *pairs, int64_t n,
+                        int64_t j0, real *m, real *l, const real *cmax, real *acc, int64_t Dv) {
     const int64_t base = p * PW;
+    const int drop = a->dropout_p > 0;
     vr msub[TA_NV], lsum[TA_NV];
     for (int v = 0; v < TA_NV; v++) {
         vr mo = vload(m + base + v * VW), tm = vload(cmax + base + v * VW);
@@ -50,21 +53,26 @@ static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, 
         msub[v] = vselect(mn == -INFINITY, vzero(), mn);
         lsum[v] = vzero();
     }
-    if (a->dropout_p > 0) {
-        for (int64_t j = 0; j < n; j++)
-            for (int v = 0; v < TA_NV; v++) {
-                vr pr = vexp2(vload(S + j * PW + v * VW) - msub[v]);
-                lsum[v] += pr;
-                vstore(S + j * PW + v * VW, vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), pr, vzero()));
-            }
-    } else {
-        for (int64_t j = 0; j < n; j++)
-            for (int v = 0; v < TA_NV; v++) {
-                vr pr = vexp2(vload(S + j * PW + v * VW) - msub[v]);
-                lsum[v] += pr;
-                vstore(S + j * PW + v * VW, pr);
-            }
-    }
+    const vr sc = vset1(scale);
+    for (int64_t j = 0; j < n; j++)
+        for (int v = 0; v < TA_NV; v++) {
+            vr pr = vexp2(vfma(vload(S + j * PW + v * VW), sc, -msub[v]));
+            lsum[v] += pr;
+            if (drop) pr = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), pr, vzero());
+            vstore(S + j * PW + v * VW, pr);
+#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
+            if (pairs && (j & 1)) /* keys j-1 and j are done: round the pair to bf16 */
+                _mm512_storeu_si512(pairs + ((j / 2) * PW + v * VW) * 2,
+                                    ta_bf16_pairs(vload(S + (j - 1) * PW + v * VW), pr));
+#endif
+        }
+#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
+    if (pairs && (n & 1))
+        for (int v = 0; v < TA_NV; v++)
+            _mm512_storeu_si512(pairs + ((n / 2) * PW + v * VW) * 2, ta_bf16_pairs(vload(S + (n - 1) * PW + v * VW), vzero()));
+#else
+    (void)pairs;
+#endif
     for (int v = 0; v < TA_NV; v++) vstore(l + base + v * VW, vload(l + base + v * VW) + lsum[v]);
 }
 
@@ -138,6 +146,9 @@ static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void 
     return TA_OK;
 }
 
+/* AMX leaves a plain tile's scores unscaled (its max times alpha > 0 is the max of the scaled scores). */
+static inline int fwd_amx_unscaled(const real *cmax, real alpha) { return cmax && alpha > 0; }
+
 /* Step 1: S = alpha * K Q^T over the npan panels, and the column max when cmax is not NULL. */
 static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0, int64_t n,
                        int64_t npan, const fwd_bufs *W, real alpha, real *cmax) {
@@ -146,17 +157,21 @@ static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int
     if (P->engine == FWD_AMX) {
         int64_t np = ta_round_up(n, 32), dpad = 2 * W->q2;
         ta_amx_gemm(np, npan, dpad, W->k2 + (j0 - W->kbase) * dpad, dpad, W->qt2, W->q2 * PW * 2, W->S, W->sp * PW, 0);
-        /* the matrix unit has no epilogue: scale (and take the column max) in one sweep */
+        /* the matrix unit has no epilogue: a plain tile only needs its column max (the exp pass
+         * applies alpha > 0); other tiles are scaled here for the score pipeline */
         for (int64_t p = 0; p < npan; p++) {
             real *Sp = W->S + p * W->sp * PW;
             for (int v = 0; v < TA_NV; v++) {
                 vr mx = vset1(-INFINITY);
-                for (int64_t j = 0; j < n; j++) {
-                    vr x = vload(Sp + j * PW + v * VW) * alpha;
-                    vstore(Sp + j * PW + v * VW, x);
-                    mx = vmax_(mx, x);
-                }
-                if (cmax) vstore(cmax + p * PW + v * VW, mx);
+                if (fwd_amx_unscaled(cmax, alpha))
+                    for (int64_t j = 0; j < n; j++) mx = vmax_(mx, vload(Sp + j * PW + v * VW));
+                else
+                    for (int64_t j = 0; j < n; j++) {
+                        vr x = vload(Sp + j * PW + v * VW) * alpha;
+                        vstore(Sp + j * PW + v * VW, x);
+                        mx = vmax_(mx, x);
+                    }
+                if (cmax) vstore(cmax + p * PW + v * VW, fwd_amx_unscaled(cmax, alpha) ? mx * alpha : mx);
             }
         }
         return;
@@ -179,11 +194,10 @@ static void fwd_accumulate(const ta_args *a, const fwd_plan *P, const ta_seq *s,
     int64_t ld, tp = W->sp * PW;
 #if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
     if (P->engine != FWD_F32) {
+        /* the softmax wrote P as pairs; AMX reads whole 32-key blocks, so zero the pairs past n */
         int64_t np = P->engine == FWD_AMX ? ta_round_up(n, 32) : n;
-        for (int64_t p = 0; p < npan; p++) {
-            ta_pack_p_pairs(W->p2 + p * tp, W->S + p * tp, n);
+        for (int64_t p = 0; p < npan; p++)
             memset(W->p2 + p * tp + (n + 1) / 2 * PW * 2, 0, (size_t)((np + 1) / 2 - (n + 1) / 2) * PW * 2 * 2);
-        }
 #ifdef TA_HAVE_AMX
         if (P->engine == FWD_AMX) {
             ta_amx_gemm(W->accr, npan, np, W->v2 + (j0 - W->kbase), W->kld, W->p2, tp, W->acc, W->accr * PW, 1);
@@ -224,8 +238,11 @@ static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, con
         fwd_scores(a, P, s, t->hk, j0, n, npan, W, alpha, flags ? NULL : W->cmax);
         if (flags)
             for (int64_t p = 0; p < npan; p++) ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, W->cmax + p * PW, NULL);
+        real scale = P->engine == FWD_AMX && !flags && fwd_amx_unscaled(W->cmax, alpha) ? alpha : 1;
+        uint16_t *pairs = P->engine == FWD_F32 ? NULL : W->p2;
         for (int64_t p = 0; p < npan; p++)
-            fwd_softmax(a, R, p, W->S + p * tp, n, j0, W->m, W->l, W->cmax, W->acc + p * W->accr * PW, a->Dv);
+            fwd_softmax(a, R, p, W->S + p * tp, scale, pairs ? pairs + p * tp : NULL, n, j0, W->m, W->l, W->cmax,
+                        W->acc + p * W->accr * PW, a->Dv);
         fwd_accumulate(a, P, s, t->hk, j0, n, npan, W);
     }
     fwd_finish(a, s, R, W->acc, W->accr, W->m, W->l, W->tmp);

@@ -158,15 +158,5 @@ static void ta_pack_v_pairs(uint16_t *dst, const ta_args *a, const ta_seq *s, in
     }
 }
 
-/* One panel of probabilities (fp32, n keys x PW lanes) into bf16 key pairs Pb[kp][PW][2]. */
-static void ta_pack_p_pairs(uint16_t *dst, const float *S, int64_t n) {
-    for (int64_t kp = 0; kp < (n + 1) / 2; kp++)
-        for (int v = 0; v < TA_NV; v++) {
-            __m512 x0 = _mm512_loadu_ps(S + 2 * kp * PW + v * 16);
-            __m512 x1 = 2 * kp + 1 < n ? _mm512_loadu_ps(S + (2 * kp + 1) * PW + v * 16) : _mm512_setzero_ps();
-            _mm512_storeu_si512(dst + (kp * PW + v * 16) * 2, ta_bf16_pairs(x0, x1));
-        }
-}
-
 #endif
 #endif
