@@ -631,6 +631,23 @@ def test_amx_tiles(shape):
         assert torch.equal(amx, raw_forward(q, k, v, right=0, num_threads=n)[0])
 
 
+@pytest.mark.skipif(not nk.build_info()["amx"], reason="no AMX on this CPU/OS")
+def test_amx_modifiers_and_schedules():
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=150, sk=333, d=48, dtype=torch.bfloat16, seed=26)
+    bias = torch.randn(2, 1, 150, 333, generator=torch.Generator().manual_seed(6)).requires_grad_()
+    mask = torch.rand(150, 333, generator=torch.Generator().manual_seed(7)) > 0.2
+    slopes = torch.rand(4, generator=torch.Generator().manual_seed(8))
+    assert_native_matches(q, k, v, bias=bias, mask=mask, softcap=4.0, alibi_slopes=slopes, causal=True,
+                          dropout_p=0.1, seed=3, return_lse=True)
+    grads = []
+    for n, opt in ((1, 0), (2, nk.FORCE_SPLIT), (3, nk.FORCE_FUSED)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = native_attention(*leaves, causal=True, num_threads=n, options=opt)
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
+
+
 @pytest.mark.parametrize("b,sq,sk", [(0, 4, 4), (1, 0, 4), (1, 4, 0), (2, 1, 0)])
 def test_empty_problems(b, sq, sk):
     q, k, v = torch.randn(b, 4, sq, 16), torch.randn(b, 2, sk, 16), torch.randn(b, 2, sk, 16)

@@ -169,5 +169,35 @@ static void ta_amx_pack_vt(uint16_t *dst, int64_t ldt, const ta_args *a, const t
     }
 }
 
+/* The lanes of R from a q-like bf16 tensor (q, dout) as lane pairs in panels of channels,
+ * T[c/PW][r/2][c%PW][r%2], the B operand of dK += dS^T Q and dV += Z^T dO (zero padded lanes). */
+static void ta_amx_pack_lane_pairs(uint16_t *dst, const void *base, const int64_t st[3], int64_t seq_off,
+                                   const ta_rows *R, int64_t width) {
+    const int64_t lanes = R->npan * PW, wpan = (width + PW - 1) / PW;
+    memset(dst, 0, (size_t)(wpan * lanes * PW) * 2);
+    for (int64_t r = 0; r < R->M; r++) {
+        const uint16_t *src = (const uint16_t *)base + seq_off + R->head[r] * st[1] + R->row[r] * st[2];
+        uint16_t *d = dst + (r / 2) * PW * 2 + r % 2;
+        for (int64_t c = 0; c < width; c++) d[(c / PW) * lanes * PW + (c % PW) * 2] = src[c];
+    }
+}
+
+/* fp32 panels (npan x [keys][PW], panel stride tp) to bf16 rows [np][npan * PW]: the A operand of
+ * the GEMMs that sum over query lanes. Keys past n and lanes past M become zeros. */
+static void ta_amx_rows_bf16(uint16_t *dst, const float *src, int64_t tp, int64_t npan, int64_t n, int64_t np,
+                             int64_t M) {
+    const int64_t lanes = npan * PW;
+    memset(dst + n * lanes, 0, (size_t)((np - n) * lanes) * 2);
+    for (int64_t p = 0; p < npan; p++)
+        for (int h = 0; h < PW; h += 16) {
+            int64_t live = M - p * PW - h;
+            __mmask16 keep = live >= 16 ? (__mmask16)0xffff : live <= 0 ? 0 : (__mmask16)((1u << live) - 1);
+            for (int64_t j = 0; j < n; j++) {
+                __m256bh x = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, src + p * tp + j * PW + h));
+                _mm256_storeu_si256((__m256i *)(dst + j * lanes + p * PW + h), (__m256i)x);
+            }
+        }
+}
+
 #endif
 #endif

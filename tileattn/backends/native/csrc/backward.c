@@ -21,6 +21,8 @@
  * tiles in the same order (dK/dV of a key block over query blocks in order, dQ of a query block over
  * key blocks in order), so they produce identical bits, and so does any thread count.
  */
+#include "amx.h"
+#include "gemm_bf16.h"
 #include "kernels.h"
 #include "tile.h"
 
@@ -28,6 +30,8 @@ typedef struct {
     int64_t bmq, bn, nkb_max; /* query rows (per head) and keys per tile; key blocks per sequence */
     int64_t bgroup, hgroup;   /* batch items / kv heads one task covers (dbias reduced over them) */
     int mods;
+    int amx;                  /* bf16 on AMX tiles (P, Z and dS rounded to bf16 for their GEMMs) */
+    int64_t dq_rows;          /* rows of a dQ^T panel: D (rounded up to 32 for AMX) */
 } bwd_plan;
 
 enum { BWD_FUSED, BWD_KV, BWD_Q };
@@ -39,6 +43,9 @@ typedef struct {
 
 typedef struct {
     real *Qt, *Qn, *dOt, *dOn, *S, *dP, *Z, *T, *kbuf, *vbuf, *tmp;
+    /* AMX operands (bf16): Q^T and dO^T as pairs panels, Q and dO as lane pairs, K and V rows, K^T
+     * pairs, Z and dS as rows over lanes, dS^T as key pairs */
+    uint16_t *qt2, *dot2, *qn2, *don2, *k2, *v2, *kt2, *zb, *dsb, *dsp;
     void *rows_mem;
 } bwd_bufs;
 
@@ -51,8 +58,20 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
     int64_t qside = lanes * (D + Dv) + lanes * PW * (dpanels(D) + dpanels(Dv));
     int64_t tiles = 4 * lanes * bn;
     size_t nreal = (size_t)(qside + tiles + bn * (D + Dv) + wmax);
-    char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real));
+    const int64_t dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
+    size_t nhalf = P->amx ? (size_t)(2 * lanes * (dpad + dvpad) + bn * (2 * dpad + dvpad) + 3 * bn * lanes) : 0;
+    char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + nhalf * 2 + 64);
     if (!mem) return TA_ENOMEM;
+    W->qt2 = (uint16_t *)(mem + ta_round_up((int64_t)(rows_bytes + nreal * sizeof(real)), 64));
+    W->dot2 = W->qt2 + lanes * dpad;
+    W->qn2 = W->dot2 + lanes * dvpad;
+    W->don2 = W->qn2 + lanes * dpad;
+    W->k2 = W->don2 + lanes * dvpad;
+    W->v2 = W->k2 + bn * dpad;
+    W->kt2 = W->v2 + bn * dvpad;
+    W->zb = W->kt2 + bn * dpad;
+    W->dsb = W->zb + bn * lanes;
+    W->dsp = W->dsb + bn * lanes;
     W->rows_mem = mem;
     W->Qt = (real *)(mem + rows_bytes);
     W->dOt = W->Qt + lanes * D;
@@ -73,10 +92,20 @@ static void bwd_pack_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, int
                        bwd_bufs *W) {
     int64_t i0 = qb * P->bmq, nq = s->q_len - i0 < P->bmq ? s->q_len - i0 : P->bmq;
     ta_rows_init(R, W->rows_mem, a, s, hk, i0, nq);
-    ta_pack_rows(W->Qt, 1, a->q, a->dtype, a->q_st, s->q0, R, a->D, W->tmp);
-    ta_pack_rows(W->Qn, 0, a->q, a->dtype, a->q_st, s->q0, R, a->D, W->tmp);
-    ta_pack_rows(W->dOt, 1, a->dout, a->dout_dtype, a->do_st, s->do0, R, a->Dv, W->tmp);
-    ta_pack_rows(W->dOn, 0, a->dout, a->dout_dtype, a->do_st, s->do0, R, a->Dv, W->tmp);
+#ifdef TA_HAVE_AMX
+    if (P->amx) {
+        ta_pack_pairs_T(W->qt2, a->q, a->q_st, s->q0, R, a->D, ta_round_up(a->D, 32) / 2);
+        ta_pack_pairs_T(W->dot2, a->dout, a->do_st, s->do0, R, a->Dv, ta_round_up(a->Dv, 32) / 2);
+        ta_amx_pack_lane_pairs(W->qn2, a->q, a->q_st, s->q0, R, a->D);
+        ta_amx_pack_lane_pairs(W->don2, a->dout, a->do_st, s->do0, R, a->Dv);
+    } else
+#endif
+    {
+        ta_pack_rows(W->Qt, 1, a->q, a->dtype, a->q_st, s->q0, R, a->D, W->tmp);
+        ta_pack_rows(W->Qn, 0, a->q, a->dtype, a->q_st, s->q0, R, a->D, W->tmp);
+        ta_pack_rows(W->dOt, 1, a->dout, a->dout_dtype, a->do_st, s->do0, R, a->Dv, W->tmp);
+        ta_pack_rows(W->dOn, 0, a->dout, a->dout_dtype, a->do_st, s->do0, R, a->Dv, W->tmp);
+    }
     for (int64_t r = 0; r < R->M; r++) {
         int64_t off = s->l0 + R->head[r] * a->lse_st[1] + R->row[r] * a->lse_st[2];
         double lse = TA_REAL_BITS == 64 ? ((const double *)a->lse)[off] : ((const float *)a->lse)[off];
@@ -98,60 +127,134 @@ static void bwd_dbias(const ta_args *a, const ta_seq *s, const ta_rows *R, int64
     }
 }
 
+/* The elementwise middle of a tile, for panel p: S (scores times sc) -> P, Z and dP -> dS. */
+static void bwd_probs(const ta_args *a, const ta_seq *s, const ta_rows *R, int64_t p, real *S, real *dP, real *Z,
+                      const real *T, int64_t n, int64_t j0, real sc, int dk_side) {
+    const int drop = a->dropout_p > 0;
+    const real keep_scale = (real)(1.0 / (1.0 - a->dropout_p));
+    const vr scv = vset1(sc);
+    for (int v = 0; v < TA_NV; v++) {
+        const int64_t l0 = p * PW + v * VW;
+        vr lse2 = vload(R->lse2 + l0), delta = vload(R->delta + l0);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t e = j * PW + v * VW;
+            vr pr = vexp2(vmin_keepnan(vfma(vload(S + e), scv, -lse2), vzero()));
+            vr dp = vload(dP + e);
+            if (drop) {
+                vi keep = ta_drop_keep(a, R, l0, j0 + j);
+                vstore(Z + e, vselect(keep, pr * keep_scale, vzero()));
+                dp = vselect(keep, dp * keep_scale, vzero());
+            }
+            vstore(S + e, pr);
+            vstore(dP + e, pr * (dp - delta));
+        }
+    }
+    if (a->dbias && dk_side) bwd_dbias(a, s, R, p, dP, n, j0);
+    if (T)
+        for (int64_t e = 0; e < n * PW; e += VW) vstore(dP + e, vload(dP + e) * vload(T + e));
+}
+/* Which parts of a tile need the score pipeline (0: plain interior), or -1 when a mask hides it all. */
+static int bwd_flags(const ta_args *a, const bwd_plan *P, const ta_rows *R, int64_t j0, int64_t j1) {
+    int flags = (P->mods ? TA_TILE_MODS : 0) | (ta_tile_on_edge(R, j0, j1) ? TA_TILE_EDGE : 0);
+    if (a->mask) {
+        int census = ta_mask_census(a, R, j0, j1);
+        if (census == 2) return -1;
+        if (census == 1) flags |= TA_TILE_MASK;
+    }
+    return flags;
+}
+
+/* Scores through the pipeline for the panels of a non-plain tile (S already times alpha). */
+static void bwd_mods(const ta_args *a, const ta_rows *R, bwd_bufs *W, int64_t tp, int64_t n, int64_t j0, int flags) {
+    for (int64_t p = 0; p < R->npan; p++) {
+        real cmax[PW];
+        for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
+        ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, cmax, a->softcap > 0 ? W->T + p * tp : NULL);
+    }
+}
+
 /* One tile: query block R against keys [j0, j1). Accumulates dK/dV (when dK is not NULL) and
  * dQ^T (when dQt is not NULL). */
 static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
                      int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
-    const int64_t D = a->D, Dv = a->Dv, bn = P->bn, n = j1 - j0, npan = R->npan, tp = bn * PW;
-    int flags = (P->mods ? TA_TILE_MODS : 0) | (ta_tile_on_edge(R, j0, j1) ? TA_TILE_EDGE : 0);
-    if (a->mask) {
-        int census = ta_mask_census(a, R, j0, j1);
-        if (census == 2) return;
-        if (census == 1) flags |= TA_TILE_MASK;
-    }
+    const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW;
+    int flags = bwd_flags(a, P, R, j0, j1);
+    if (flags < 0) return;
     int64_t ldk, ldv;
     const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, W->kbuf, &ldk);
     const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, W->vbuf, &ldv);
-    const int drop = a->dropout_p > 0, cap = a->softcap > 0;
-    const real keep_scale = (real)(1.0 / (1.0 - a->dropout_p));
-
     real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
     ta_gemm(n, npan, D, ta_opa_rows(K, ldk), W->Qt, D * PW, W->S, tp, 0, alpha, NULL);
     ta_gemm(n, npan, Dv, ta_opa_rows(V, ldv), W->dOt, Dv * PW, W->dP, tp, 0, 1, NULL);
-    for (int64_t p = 0; p < npan; p++) {
-        real *S = W->S + p * tp, *dP = W->dP + p * tp, *Z = W->Z + p * tp, *T = W->T + p * tp;
-        if (flags) {
-            real cmax[PW];
-            for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
-            ta_score_mods(a, R, p, S, n, j0, flags, cmax, cap ? T : NULL);
-        }
-        for (int v = 0; v < TA_NV; v++) {
-            const int64_t l0 = p * PW + v * VW;
-            vr lse2 = vload(R->lse2 + l0), delta = vload(R->delta + l0);
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t e = j * PW + v * VW;
-                vr pr = vexp2(vmin_keepnan(vload(S + e) - lse2, vzero()));
-                vr dp = vload(dP + e);
-                if (drop) {
-                    vi keep = ta_drop_keep(a, R, l0, j0 + j);
-                    vstore(Z + e, vselect(keep, pr * keep_scale, vzero()));
-                    dp = vselect(keep, dp * keep_scale, vzero());
-                }
-                vstore(S + e, pr);
-                vstore(dP + e, pr * (dp - delta));
-            }
-        }
-        if (a->dbias && dK) bwd_dbias(a, s, R, p, dP, n, j0);
-        if (cap)
-            for (int64_t e = 0; e < n * PW; e += VW) vstore(dP + e, vload(dP + e) * vload(T + e));
-    }
+    if (flags) bwd_mods(a, R, W, tp, n, j0, flags);
+    for (int64_t p = 0; p < npan; p++)
+        bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
+                  n, j0, 1, dK != NULL);
     /* now S holds P and dP holds dS */
     if (dK) {
-        ta_gemm(n, dpanels(Dv), R->M, ta_opa_panels(drop ? W->Z : W->S, tp), W->dOn, npan * PW * PW, dV, tp, 1,
-                1, NULL);
+        ta_gemm(n, dpanels(Dv), R->M, ta_opa_panels(a->dropout_p > 0 ? W->Z : W->S, tp), W->dOn, npan * PW * PW, dV,
+                tp, 1, 1, NULL);
         ta_gemm(n, dpanels(D), R->M, ta_opa_panels(W->dP, tp), W->Qn, npan * PW * PW, dK, tp, 1, 1, NULL);
     }
-    if (dQt) ta_gemm(D, npan, n, ta_opa_cols(K, ldk), W->dP, tp, dQt, D * PW, 1, 1, NULL);
+    if (dQt) ta_gemm(D, npan, n, ta_opa_cols(K, ldk), W->dP, tp, dQt, P->dq_rows * PW, 1, 1, NULL);
+}
+
+#ifdef TA_HAVE_AMX
+/* bwd_tile on AMX tiles: the five products are tdpbf16ps GEMMs with bf16 operands (K, V and K^T
+ * packed per tile; P, Z and dS rounded to bf16 as GPU FlashAttention does), the elementwise
+ * middle is the fp32 code of bwd_tile. Keys are padded to a multiple of 32 with zeros. */
+static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
+                         int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
+    const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW, lanes = npan * PW;
+    const int64_t np = ta_round_up(n, 32), dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
+    int flags = bwd_flags(a, P, R, j0, j1);
+    if (flags < 0) return;
+    ta_amx_pack_rows(W->k2, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, np, dpad);
+    ta_amx_pack_rows(W->v2, a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, np, dvpad);
+    ta_amx_gemm(np, npan, dpad, W->k2, dpad, W->qt2, dpad * PW, W->S, tp, 0);
+    ta_amx_gemm(np, npan, dvpad, W->v2, dvpad, W->dot2, dvpad * PW, W->dP, tp, 0);
+    real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E), sc = alpha;
+    if (flags) {
+        for (int64_t p = 0; p < npan; p++)
+            for (int64_t e = 0; e < n * PW; e += VW) vstore(W->S + p * tp + e, vload(W->S + p * tp + e) * alpha);
+        bwd_mods(a, R, W, tp, n, j0, flags);
+        sc = 1;
+    }
+    for (int64_t p = 0; p < npan; p++)
+        bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
+                  n, j0, sc, dK != NULL);
+    if (dK) {
+        ta_amx_rows_bf16(W->zb, a->dropout_p > 0 ? W->Z : W->S, tp, npan, n, np, R->M);
+        ta_amx_rows_bf16(W->dsb, W->dP, tp, npan, n, np, R->M);
+        ta_amx_gemm(np, dpanels(Dv), lanes, W->zb, lanes, W->don2, lanes * PW, dV, tp, 1);
+        ta_amx_gemm(np, dpanels(D), lanes, W->dsb, lanes, W->qn2, lanes * PW, dK, tp, 1);
+    }
+    if (dQt) {
+        for (int64_t p = 0; p < npan; p++) {
+            uint16_t *d = W->dsp + p * tp;
+            const real *dS = W->dP + p * tp;
+            for (int64_t kp = 0; kp < np / 2; kp++)
+                for (int v = 0; v < TA_NV; v++) {
+                    vr x0 = 2 * kp < n ? vload(dS + 2 * kp * PW + v * VW) : vzero();
+                    vr x1 = 2 * kp + 1 < n ? vload(dS + (2 * kp + 1) * PW + v * VW) : vzero();
+                    _mm512_storeu_si512(d + (kp * PW + v * VW) * 2, ta_bf16_pairs(x0, x1));
+                }
+        }
+        ta_amx_pack_vt(W->kt2, np, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, dpad);
+        ta_amx_gemm(dpad, npan, np, W->kt2, np, W->dsp, tp, dQt, P->dq_rows * PW, 1);
+    }
+}
+#endif
+
+static void bwd_tile_any(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
+                         int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
+#ifdef TA_HAVE_AMX
+    if (P->amx) {
+        bwd_tile_amx(a, P, s, R, W, j0, j1, dK, dV, dQt);
+        return;
+    }
+#endif
+    bwd_tile(a, P, s, R, W, j0, j1, dK, dV, dQt);
 }
 
 /* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to `rows`. */
@@ -170,10 +273,11 @@ static void bwd_store_kv(const ta_args *a, const ta_seq *s, int64_t hk, int64_t 
     }
 }
 
-static void bwd_store_q(const ta_args *a, const ta_seq *s, const ta_rows *R, const real *dQt, real *tmp) {
+static void bwd_store_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, const real *dQt,
+                        real *tmp) {
     const real scale = (real)a->scale;
     for (int64_t r = 0; r < R->M; r++) {
-        const real *col = dQt + (r / PW) * a->D * PW + r % PW;
+        const real *col = dQt + (r / PW) * P->dq_rows * PW + r % PW;
         for (int64_t d = 0; d < a->D; d++) tmp[d] = col[d * PW] * scale;
         int64_t off = s->dq0 + R->head[r] * a->dq_st[1] + R->row[r] * a->dq_st[2];
         ta_store_row((char *)a->dq + off * ta_elsize(a->dq_dtype), tmp, a->D, a->dq_dtype);
@@ -206,7 +310,7 @@ static int bwd_fused(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
     bwd_bufs W;
     if (bwd_bufs_get(a, P, &W)) return TA_ENOMEM;
     int64_t G = a->Hq / a->Hkv, lanes = (P->bmq * G + PW - 1) / PW * PW;
-    size_t acc_len = (size_t)(P->nkb_max * tp * (Dpad + Dvpad) / PW + lanes * a->D);
+    size_t acc_len = (size_t)(P->nkb_max * tp * (Dpad + Dvpad) / PW + lanes * P->dq_rows);
     real *acc = (real *)ta_scratch(1, acc_len * sizeof(real));
     if (!acc) return TA_ENOMEM;
     for (int64_t b = t->b; b < t->b + P->bgroup; b++)
@@ -220,13 +324,13 @@ static int bwd_fused(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
                 if (ta_cancelled(a)) return TA_CANCELLED;
                 ta_rows R;
                 bwd_pack_q(a, P, &s, hk, qb, &R, &W);
-                memset(dQt, 0, (size_t)(R.npan * PW * a->D) * sizeof(real));
+                memset(dQt, 0, (size_t)(R.npan * PW * P->dq_rows) * sizeof(real));
                 int64_t kb0, kb1;
                 bwd_kb_range(a, P, &s, qb, &kb0, &kb1);
                 for (int64_t kb = kb0; kb < kb1; kb++)
-                    bwd_tile(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb),
-                             dKall + kb * tp * Dpad / PW, dVall + kb * tp * Dvpad / PW, dQt);
-                bwd_store_q(a, &s, &R, dQt, W.tmp);
+                    bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb),
+                                 dKall + kb * tp * Dpad / PW, dVall + kb * tp * Dvpad / PW, dQt);
+                bwd_store_q(a, P, &s, &R, dQt, W.tmp);
             }
             for (int64_t kb = 0; kb < nkb; kb++)
                 bwd_store_kv(a, &s, hk, kb * P->bn, bwd_kb_size(P, &s, kb), bwd_kb_size(P, &s, kb),
@@ -256,7 +360,7 @@ static int bwd_kv(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
                 if (ta_cancelled(a)) return TA_CANCELLED;
                 ta_rows R;
                 bwd_pack_q(a, P, &s, hk, qb, &R, &W);
-                bwd_tile(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + n, dK, dV, NULL);
+                bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + n, dK, dV, NULL);
             }
             bwd_store_kv(a, &s, hk, kb * P->bn, n, n, dK, dV, tp, W.tmp);
         }
@@ -271,23 +375,30 @@ static int bwd_q(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
     ta_seq_init(a, t->b, &s);
     ta_rows R;
     bwd_pack_q(a, P, &s, t->hk, t->blk, &R, &W);
-    real *dQt = (real *)ta_scratch(1, (size_t)(R.npan * PW * a->D) * sizeof(real));
+    real *dQt = (real *)ta_scratch(1, (size_t)(R.npan * PW * P->dq_rows) * sizeof(real));
     if (!dQt) return TA_ENOMEM;
-    memset(dQt, 0, (size_t)(R.npan * PW * a->D) * sizeof(real));
+    memset(dQt, 0, (size_t)(R.npan * PW * P->dq_rows) * sizeof(real));
     int64_t kb0, kb1;
     bwd_kb_range(a, P, &s, t->blk, &kb0, &kb1);
     for (int64_t kb = kb0; kb < kb1; kb++) {
         if (ta_cancelled(a)) return TA_CANCELLED;
-        bwd_tile(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb), NULL, NULL, dQt);
+        bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb), NULL, NULL, dQt);
     }
-    bwd_store_q(a, &s, &R, dQt, W.tmp);
+    bwd_store_q(a, P, &s, &R, dQt, W.tmp);
     return TA_OK;
 }
 
 static int bwd_run(const ta_args *a, const void *plan, const void *task) {
     const bwd_task *t = (const bwd_task *)task;
     const bwd_plan *P = (const bwd_plan *)plan;
-    return t->kind == BWD_FUSED ? bwd_fused(a, P, t) : t->kind == BWD_KV ? bwd_kv(a, P, t) : bwd_q(a, P, t);
+#ifdef TA_HAVE_AMX
+    if (P->amx) ta_amx_begin();
+#endif
+    int status = t->kind == BWD_FUSED ? bwd_fused(a, P, t) : t->kind == BWD_KV ? bwd_kv(a, P, t) : bwd_q(a, P, t);
+#ifdef TA_HAVE_AMX
+    if (P->amx) ta_amx_end();
+#endif
+    return status;
 }
 
 static int bwd_cost_desc(const void *x, const void *y) {
@@ -319,6 +430,11 @@ int FN(backward)(const ta_args *a) {
     P.bgroup = (a->dbias && a->dbias_st[0] == 0) ? a->B : 1;
     P.hgroup = (a->dbias && a->dbias_st[1] == 0) ? a->Hkv : 1;
     P.nkb_max = (a->Sk + P.bn - 1) / P.bn;
+    P.amx = 0;
+#ifdef TA_HAVE_AMX
+    P.amx = a->dtype == TA_BF16 && !(a->options & TA_OPT_NO_AMX) && ta_amx_available();
+#endif
+    P.dq_rows = P.amx ? ta_round_up(a->D, 32) : a->D;
 
     int64_t groups = (a->B / P.bgroup) * (a->Hkv / P.hgroup), nthreads = a->num_threads > 0 ? a->num_threads : 1;
     /* dbias reduced over keys gathers contributions from several key blocks: only the fused order

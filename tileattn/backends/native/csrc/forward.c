@@ -294,7 +294,7 @@ static int fwd_block(const ta_args *a, const void *plan, const void *task) {
             ta_pack_rows(W.Qt, 1, a->q, a->dtype, a->q_st, s.q0, &R, a->D, W.tmp);
 #if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
         else
-            ta_pack_q_pairs(W.qt2, a, &s, &R, W.q2);
+            ta_pack_pairs_T(W.qt2, a->q, a->q_st, s.q0, &R, a->D, W.q2);
 #endif
         status = fwd_tiles(a, P, t, &s, &R, &W);
     }

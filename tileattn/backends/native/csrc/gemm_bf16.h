@@ -111,15 +111,15 @@ static inline __m512i ta_bf16_pairs(__m512 x0, __m512 x1) {
 
 /* ------------------------------------------------------------------------------- packing to pairs */
 
-/* The lanes of R from q (bf16) into Qt2[p][d/2][PW][2], the B operand of S = K Q^T, with D2 >= D/2
- * pair rows per panel (zero padded). */
-static void ta_pack_q_pairs(uint16_t *dst, const ta_args *a, const ta_seq *s, const ta_rows *R, int64_t D2) {
-    const int64_t D = a->D;
-    memset(dst, 0, (size_t)(R->npan * D2 * PW * 2) * sizeof(uint16_t));
+/* The lanes of R from a q-like bf16 tensor (q, dout) into T2[p][c/2][PW][2], the B operand of
+ * S = K Q^T and dP = V dO^T, with `pairs` >= width/2 pair rows per panel (zero padded). */
+static void ta_pack_pairs_T(uint16_t *dst, const void *base, const int64_t st[3], int64_t seq_off, const ta_rows *R,
+                            int64_t width, int64_t pairs) {
+    memset(dst, 0, (size_t)(R->npan * pairs * PW * 2) * sizeof(uint16_t));
     for (int64_t r = 0; r < R->M; r++) {
-        const uint16_t *src = (const uint16_t *)a->q + s->q0 + R->head[r] * a->q_st[1] + R->row[r] * a->q_st[2];
-        uint16_t *d = dst + (r / PW) * D2 * PW * 2 + (r % PW) * 2;
-        for (int64_t c = 0; c < D; c++) d[(c / 2) * PW * 2 + c % 2] = src[c];
+        const uint16_t *src = (const uint16_t *)base + seq_off + R->head[r] * st[1] + R->row[r] * st[2];
+        uint16_t *d = dst + (r / PW) * pairs * PW * 2 + (r % PW) * 2;
+        for (int64_t c = 0; c < width; c++) d[(c / 2) * PW * 2 + c % 2] = src[c];
     }
 }
 
