@@ -23,6 +23,7 @@ typedef struct {
     int64_t bmq, bn; /* query rows (per head) and keys per tile */
     int mods;        /* softcap / ALiBi / bias: every tile takes the score pipeline */
     int engine;      /* FWD_F32, FWD_BF16DOT or FWD_AMX (bf16: P rounded to bf16 for P.V) */
+    int convert;     /* fp32 tiles of inputs that are not fp32 rows in place: convert K/V once per task */
 } fwd_plan;
 
 typedef struct {
@@ -112,6 +113,7 @@ typedef struct {
     real *Qt, *S, *acc, *m, *l, *cmax, *kbuf, *vbuf, *tmp;
     uint16_t *qt2, *k2, *p2, *v2;
     int64_t kbase, kld; /* AMX: k2 and v2 hold the task's keys from kbase on, v2 rows kld keys long */
+    real *kconv, *vconv; /* fp32 tiles of fp16/bf16 inputs: the task's K and V rows from kbase on, in fp32 */
     int64_t sp;   /* rows of an S panel: keys per tile rounded up to 32 */
     int64_t accr; /* rows of an accumulator panel: Dv (rounded up to 32 for AMX) */
     int64_t q2;   /* pair rows of a Q^T panel */
@@ -121,6 +123,7 @@ static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void 
     const int64_t D = a->D, Dv = a->Dv, lanes = npan * PW, amx = P->engine == FWD_AMX;
     W->sp = ta_round_up(P->bn, 32);
     W->kbase = W->kld = 0;
+    W->kconv = W->vconv = NULL;
     W->accr = amx ? ta_round_up(Dv, 32) : Dv;
     W->q2 = amx ? ta_round_up(D, 32) / 2 : (D + 1) / 2;
     const int64_t sp = W->sp, wmax = D > Dv ? D : Dv;
@@ -184,7 +187,9 @@ static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int
         return;
     }
 #endif
-    const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, hk, j0, n, a->D, W->kbuf, &ld);
+    const real *K = W->kconv ? W->kconv + (j0 - W->kbase) * a->D : ta_kv_rows(a, s, a->k, a->k_st, s->k0, hk, j0,
+                                                                            n, a->D, W->kbuf, &ld);
+    if (W->kconv) ld = a->D;
     ta_gemm(n, npan, a->D, ta_opa_rows(K, ld), W->Qt, a->D * PW, W->S, W->sp * PW, 0, alpha, cmax);
 }
 
@@ -212,7 +217,9 @@ static void fwd_accumulate(const ta_args *a, const fwd_plan *P, const ta_seq *s,
 #endif
     }
 #endif
-    const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, hk, j0, n, a->Dv, W->vbuf, &ld);
+    const real *V = W->vconv ? W->vconv + (j0 - W->kbase) * a->Dv : ta_kv_rows(a, s, a->v, a->v_st, s->v0, hk, j0,
+                                                                              n, a->Dv, W->vbuf, &ld);
+    if (W->vconv) ld = a->Dv;
     ta_gemm(a->Dv, npan, n, ta_opa_cols(V, ld), W->S, tp, W->acc, W->accr * PW, 1, 1, NULL);
 }
 
@@ -271,6 +278,26 @@ static int fwd_amx_pack(const ta_args *a, const fwd_plan *P, const fwd_task *t, 
     return TA_OK;
 }
 
+/* fp32 tiles of fp16/bf16 (or paged) inputs: the task's keys converted to fp32 rows once, shared by
+ * its query blocks, instead of once per tile. */
+static int fwd_convert(const ta_args *a, const fwd_plan *P, const fwd_task *t, const ta_seq *s, fwd_bufs *W) {
+    int64_t i_last = t->i0 + t->nqb * P->bmq;
+    i_last = (i_last < s->q_len ? i_last : s->q_len) - 1;
+    W->kbase = ta_band_lo(a, s, t->i0);
+    int64_t range = ta_band_hi(a, s, i_last) + 1 - W->kbase;
+    if (range <= 0) return TA_OK;
+    real *mem = (real *)ta_scratch(1, (size_t)(range * (a->D + a->Dv)) * sizeof(real));
+    if (!mem) return TA_ENOMEM;
+    int64_t ld;
+    W->kconv = mem;
+    W->vconv = mem + range * a->D;
+    for (int64_t j = 0; j < range; j++) {
+        ta_kv_rows(a, s, a->k, a->k_st, s->k0, t->hk, W->kbase + j, 1, a->D, W->kconv + j * a->D, &ld);
+        ta_kv_rows(a, s, a->v, a->v_st, s->v0, t->hk, W->kbase + j, 1, a->Dv, W->vconv + j * a->Dv, &ld);
+    }
+    return TA_OK;
+}
+
 static int fwd_block(const ta_args *a, const void *plan, const void *task) {
     const fwd_plan *P = (const fwd_plan *)plan;
     const fwd_task *t = (const fwd_task *)task;
@@ -281,6 +308,7 @@ static int fwd_block(const ta_args *a, const void *plan, const void *task) {
     void *rows_mem;
     if (fwd_bufs_get(a, P, (P->bmq * G + PW - 1) / PW, &rows_mem, &W)) return TA_ENOMEM;
     if (P->engine == FWD_AMX && fwd_amx_pack(a, P, t, &s, &W)) return TA_ENOMEM;
+    if (P->engine == FWD_F32 && P->convert && fwd_convert(a, P, t, &s, &W)) return TA_ENOMEM;
     int status = TA_OK;
 #ifdef TA_HAVE_AMX
     if (P->engine == FWD_AMX) ta_amx_begin();
@@ -328,12 +356,15 @@ static int prefill(const ta_args *a) {
     if (a->dtype == TA_BF16 && !(a->options & TA_OPT_NO_AMX) && ta_amx_available()) P.engine = FWD_AMX;
 #endif
 
-    /* AMX tasks take several query blocks of a head, so the packed K and V^T serve them all; enough
-     * tasks remain for every thread. Grouping changes no arithmetic: tiles start at absolute
-     * positions, so the result does not depend on it (nor on the thread count that sets it). */
+    /* AMX tasks and converting fp32 tasks take several query blocks of a head, so the packed or
+     * converted K and V serve them all; enough tasks remain for every thread. Grouping changes no
+     * arithmetic: tiles start at fixed positions, so the result does not depend on it (nor on the
+     * thread count that sets it). */
     int64_t units = 0, nthreads = a->num_threads > 0 ? a->num_threads : 1;
     for (int64_t b = 0; b < a->B; b++) units += (ta_seq_q_rows(a, b) + P.bmq - 1) / P.bmq * a->Hkv;
-    int64_t group = P.engine == FWD_AMX && units > 4 * nthreads ? units / (4 * nthreads) : 1;
+    int native = TA_REAL_BITS == 64 ? a->dtype == TA_F64 : a->dtype == TA_F32;
+    P.convert = P.engine == FWD_F32 && (!native || a->paged);
+    int64_t group = (P.engine == FWD_AMX || P.convert) && units > 4 * nthreads ? units / (4 * nthreads) : 1;
     fwd_task *tasks = (fwd_task *)malloc((size_t)(units > 0 ? units : 1) * sizeof(fwd_task));
     if (!tasks) return TA_ENOMEM;
     int64_t nt = 0;
