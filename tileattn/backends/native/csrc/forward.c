@@ -30,11 +30,9 @@ typedef struct {
     int64_t b, hk, i0, nqb, cost; /* query blocks [i0, i0 + nqb * bmq) of kv head hk of sequence b */
 } fwd_task;
 
-/* Step 3: online softmax of one panel of a tile. S holds base-2 logits divided by `scale` (the
- * AMX engine leaves plain tiles unscaled and the exp pass applies it) and receives P, or, when
- * `pairs` is not NULL, P goes to `pairs` as bf16 key pairs (the B operand of the bf16 P.V GEMMs). */
-static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, real scale, uint16_t *pairs, int64_t n,
-                        int64_t j0, real *m, real *l, const real *cmax, real *acc, int64_t Dv) {
+/* Step 3: online softmax of one panel of a tile; S holds base-2 logits and receives P. */
+static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, int64_t j0, real *m,
+                        real *l, const real *cmax, real *acc, int64_t Dv) {
     const int64_t base = p * PW;
     const int drop = a->dropout_p > 0;
     vr msub[TA_NV], lsum[TA_NV];
@@ -54,28 +52,92 @@ static void fwd_softmax(const ta_args *a, const ta_rows *R, int64_t p, real *S, 
         msub[v] = vselect(mn == -INFINITY, vzero(), mn);
         lsum[v] = vzero();
     }
-    const vr sc = vset1(scale);
     for (int64_t j = 0; j < n; j++)
         for (int v = 0; v < TA_NV; v++) {
-            vr pr = vexp2(vfma(vload(S + j * PW + v * VW), sc, -msub[v]));
+            vr pr = vexp2(vload(S + j * PW + v * VW) - msub[v]);
             lsum[v] += pr;
             if (drop) pr = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), pr, vzero());
             vstore(S + j * PW + v * VW, pr);
-#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
-            if (pairs && (j & 1)) /* keys j-1 and j are done: round the pair to bf16 */
-                _mm512_storeu_si512(pairs + ((j / 2) * PW + v * VW) * 2,
-                                    ta_bf16_pairs(vload(S + (j - 1) * PW + v * VW), pr));
-#endif
         }
-#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
-    if (pairs && (n & 1))
-        for (int v = 0; v < TA_NV; v++)
-            _mm512_storeu_si512(pairs + ((n / 2) * PW + v * VW) * 2, ta_bf16_pairs(vload(S + (n - 1) * PW + v * VW), vzero()));
-#else
-    (void)pairs;
-#endif
     for (int v = 0; v < TA_NV; v++) vstore(l + base + v * VW, vload(l + base + v * VW) + lsum[v]);
 }
+
+#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
+/* Step 3 for the bf16 engines: P goes straight to bf16 key pairs (the B operand of their P.V
+ * GEMMs; no fp32 P is stored), through a degree-4 exp2 (P is rounded to bf16 next).
+ *
+ * With `speculate` (AMX, plain tile: S is unscaled, `scale` multiplies it, and no column max was
+ * taken) a half-panel whose lanes all have a running max computes P against it and takes the tile
+ * max in the same sweep; only if some lane's max grew past the threshold is the sweep redone the
+ * usual way. After the first tiles of a block that is rare, and one pass over S is saved. */
+static void fwd_softmax_pairs(const ta_args *a, const ta_rows *R, int64_t p, const real *S, real scale, int speculate,
+                              uint16_t *pairs, int64_t n, int64_t j0, real *m, real *l, const real *cmax, real *acc,
+                              int64_t Dv) {
+    const int64_t base = p * PW;
+    const int drop = a->dropout_p > 0;
+    const vr sc = vset1(scale), thr = vset1((real)TA_RESCALE_THRESHOLD);
+    const __m512i order = ta_bf16_order();
+    for (int v = 0; v < TA_NV; v++) {
+        const real *Sv = S + v * VW;
+        uint16_t *Pv = pairs + v * VW * 2;
+        vr mo = vload(m + base + v * VW), tm;
+        int pass = 0;
+        if (speculate) {
+            int ready = 1;
+            for (int i = 0; i < VW; i++) ready &= mo[i] != -INFINITY;
+            vr mx = vset1(-INFINITY);
+            if (ready) {
+                vr ls = vzero();
+                for (int64_t j = 0; j < n; j += 2) {
+                    vr x0 = vload(Sv + j * PW) * sc, x1 = j + 1 < n ? vload(Sv + (j + 1) * PW) * sc : vset1(-INFINITY);
+                    mx = vmax_(mx, vmax_(x0, x1));
+                    vr p0 = vexp2_p(x0 - mo, 1), p1 = vexp2_p(x1 - mo, 1);
+                    ls += p0 + p1;
+                    if (drop) {
+                        p0 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), p0, vzero());
+                        p1 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j + 1), p1, vzero());
+                    }
+                    _mm512_storeu_si512(Pv + (j / 2) * PW * 2, ta_bf16_pairs(p0, p1, order));
+                }
+                vi grow = mx > mo + thr;
+                int any = 0;
+                for (int i = 0; i < VW; i++) any |= grow[i] != 0;
+                if (!any) {
+                    vstore(l + base + v * VW, vload(l + base + v * VW) + ls);
+                    continue;
+                }
+            } else {
+                for (int64_t j = 0; j < n; j++) mx = vmax_(mx, vload(Sv + j * PW) * sc);
+            }
+            tm = mx;
+        } else {
+            tm = vload(cmax + base + v * VW);
+        }
+        /* the usual step: rescale the lanes whose max grew, then P against the new max */
+        vi grow = tm > mo + thr;
+        vr mn = vselect(grow, tm, mo);
+        for (int i = 0; i < VW; i++) pass |= grow[i] != 0;
+        if (pass) {
+            vr f = vselect(grow, vexp2(mo - mn), vset1(1));
+            vstore(l + base + v * VW, vload(l + base + v * VW) * f);
+            for (int64_t c = 0; c < Dv; c++) vstore(acc + c * PW + v * VW, vload(acc + c * PW + v * VW) * f);
+        }
+        vstore(m + base + v * VW, mn);
+        vr msub = vselect(mn == -INFINITY, vzero(), mn), ls = vzero();
+        for (int64_t j = 0; j < n; j += 2) {
+            vr p0 = vexp2_p(vfma(vload(Sv + j * PW), sc, -msub), 1);
+            vr p1 = j + 1 < n ? vexp2_p(vfma(vload(Sv + (j + 1) * PW), sc, -msub), 1) : vzero();
+            ls += p0 + p1;
+            if (drop) {
+                p0 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), p0, vzero());
+                p1 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j + 1), p1, vzero());
+            }
+            _mm512_storeu_si512(Pv + (j / 2) * PW * 2, ta_bf16_pairs(p0, p1, order));
+        }
+        vstore(l + base + v * VW, vload(l + base + v * VW) + ls);
+    }
+}
+#endif
 
 /* out = acc / l (scaled by 1/(1-p) under dropout), lse = (m + log2 l) ln 2; rows that saw no key: 0, -inf. */
 static void fwd_finish(const ta_args *a, const ta_seq *s, const ta_rows *R, const real *acc, int64_t accr,
@@ -149,10 +211,8 @@ static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void 
     return TA_OK;
 }
 
-/* AMX leaves a plain tile's scores unscaled (its max times alpha > 0 is the max of the scaled scores). */
-static inline int fwd_amx_unscaled(const real *cmax, real alpha) { return cmax && alpha > 0; }
-
-/* Step 1: S = alpha * K Q^T over the npan panels, and the column max when cmax is not NULL. */
+/* Step 1: S = alpha * K Q^T over the npan panels, and the column max when cmax is not NULL; the
+ * AMX engine leaves plain tiles (cmax not NULL) unscaled for fwd_softmax_pairs. */
 static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0, int64_t n,
                        int64_t npan, const fwd_bufs *W, real alpha, real *cmax) {
     int64_t ld;
@@ -160,23 +220,11 @@ static void fwd_scores(const ta_args *a, const fwd_plan *P, const ta_seq *s, int
     if (P->engine == FWD_AMX) {
         int64_t np = ta_round_up(n, 32), dpad = 2 * W->q2;
         ta_amx_gemm(np, npan, dpad, W->k2 + (j0 - W->kbase) * dpad, dpad, W->qt2, W->q2 * PW * 2, W->S, W->sp * PW, 0);
-        /* the matrix unit has no epilogue: a plain tile only needs its column max (the exp pass
-         * applies alpha > 0); other tiles are scaled here for the score pipeline */
-        for (int64_t p = 0; p < npan; p++) {
-            real *Sp = W->S + p * W->sp * PW;
-            for (int v = 0; v < TA_NV; v++) {
-                vr mx = vset1(-INFINITY);
-                if (fwd_amx_unscaled(cmax, alpha))
-                    for (int64_t j = 0; j < n; j++) mx = vmax_(mx, vload(Sp + j * PW + v * VW));
-                else
-                    for (int64_t j = 0; j < n; j++) {
-                        vr x = vload(Sp + j * PW + v * VW) * alpha;
-                        vstore(Sp + j * PW + v * VW, x);
-                        mx = vmax_(mx, x);
-                    }
-                if (cmax) vstore(cmax + p * PW + v * VW, fwd_amx_unscaled(cmax, alpha) ? mx * alpha : mx);
-            }
-        }
+        /* the matrix unit has no epilogue: a plain tile is left unscaled (the softmax applies alpha
+         * and takes the max in its own sweep); other tiles are scaled here for the score pipeline */
+        if (!cmax)
+            for (int64_t p = 0; p < npan; p++)
+                for (int64_t e = 0; e < n * PW; e += VW) vstore(W->S + p * W->sp * PW + e, vload(W->S + p * W->sp * PW + e) * alpha);
         return;
     }
 #endif
@@ -245,11 +293,18 @@ static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, con
         fwd_scores(a, P, s, t->hk, j0, n, npan, W, alpha, flags ? NULL : W->cmax);
         if (flags)
             for (int64_t p = 0; p < npan; p++) ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, W->cmax + p * PW, NULL);
-        real scale = P->engine == FWD_AMX && !flags && fwd_amx_unscaled(W->cmax, alpha) ? alpha : 1;
-        uint16_t *pairs = P->engine == FWD_F32 ? NULL : W->p2;
-        for (int64_t p = 0; p < npan; p++)
-            fwd_softmax(a, R, p, W->S + p * tp, scale, pairs ? pairs + p * tp : NULL, n, j0, W->m, W->l, W->cmax,
-                        W->acc + p * W->accr * PW, a->Dv);
+        if (P->engine == FWD_F32) {
+            for (int64_t p = 0; p < npan; p++)
+                fwd_softmax(a, R, p, W->S + p * tp, n, j0, W->m, W->l, W->cmax, W->acc + p * W->accr * PW, a->Dv);
+        }
+#if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
+        else {
+            int speculate = P->engine == FWD_AMX && !flags;
+            for (int64_t p = 0; p < npan; p++)
+                fwd_softmax_pairs(a, R, p, W->S + p * tp, speculate ? alpha : 1, speculate, W->p2 + p * tp, n, j0, W->m,
+                                  W->l, W->cmax, W->acc + p * W->accr * PW, a->Dv);
+        }
+#endif
         fwd_accumulate(a, P, s, t->hk, j0, n, npan, W);
     }
     fwd_finish(a, s, R, W->acc, W->accr, W->m, W->l, W->tmp);

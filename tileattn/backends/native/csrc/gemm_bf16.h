@@ -102,10 +102,13 @@ static void ta_gemm_bf16(int64_t M, int64_t npan, int64_t K2, int kind, const ui
 }
 
 /* Round two fp32 vectors (keys 2kp and 2kp+1, 16 lanes each) to bf16 and interleave them into the
- * pair layout of a B panel: (x0[0], x1[0], x0[1], x1[1], ...). */
-static inline __m512i ta_bf16_pairs(__m512 x0, __m512 x1) {
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+ * pair layout of a B panel: (x0[0], x1[0], x0[1], x1[1], ...). `order` = ta_bf16_order(), hoisted. */
+static inline __m512i ta_bf16_order(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                            19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+static inline __m512i ta_bf16_pairs(__m512 x0, __m512 x1, __m512i order) {
     return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
 }
 

@@ -154,8 +154,9 @@ TA_INLINE real vsum(vr x) {
  * AVX-512 the rounding uses the 1.5*2^mant trick: after t = x + magic the low mantissa bits of t
  * hold n, so shifting t's bits left by the mantissa width yields 2^n's exponent bits directly.
  */
-TA_INLINE vr vexp2_poly(vr f) {
+TA_INLINE vr vexp2_poly(vr f, const int lowp) {
 #if TA_REAL_BITS == 64
+    (void)lowp;
     static const double c[14] = {1.3691488853904124e-12, 2.5678435993488196e-11, 4.44553827187081e-10,
                                  7.054911620801121e-09,  1.0178086009239696e-07, 1.3215486790144305e-06,
                                  1.5252733804059838e-05, 0.00015403530393381606, 0.0013333558146428441,
@@ -164,6 +165,13 @@ TA_INLINE vr vexp2_poly(vr f) {
     vr p = vset1(c[0]);
     for (int k = 1; k < 14; k++) p = vfma(p, f, vset1(c[k]));
 #else
+    if (lowp) { /* degree 4, relative error 2.6e-6: for probabilities that are rounded to bf16 next */
+        vr q = vset1(0.009570102207362652f);
+        q = vfma(q, f, vset1(0.05591785907745361f));
+        q = vfma(q, f, vset1(0.240247443318367f));
+        q = vfma(q, f, vset1(0.6931217908859253f));
+        return vfma(q, f, vset1(0.9999992847442627f));
+    }
     vr p = vset1(0.00015350866257614953f);
     p = vfma(p, f, vset1(0.0013399974174552543f));
     p = vfma(p, f, vset1(0.009618470186087573f));
@@ -175,7 +183,7 @@ TA_INLINE vr vexp2_poly(vr f) {
     return p;
 }
 
-TA_INLINE vr vexp2(vr x) {
+TA_INLINE vr vexp2_p(vr x, const int lowp) {
 #if defined(TA_ISA_AVX512)
     /* AVX-512 rounds and scales by 2^n in one instruction each (vrndscale, vscalef; vscalef gives
      * inf above the range and NaN for NaN or +inf inputs, like exp). Lanes below 2^-(bias-1),
@@ -185,11 +193,11 @@ TA_INLINE vr vexp2(vr x) {
 #if TA_REAL_BITS == 64
     __mmask8 normal = _mm512_cmp_pd_mask(x, vset1((real)(1 - REAL_BIAS)), _CMP_NLT_UQ);
     vr n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_maskz_scalef_pd(normal, vexp2_poly(x - n), n);
+    return _mm512_maskz_scalef_pd(normal, vexp2_poly(x - n, lowp), n);
 #else
     __mmask16 normal = _mm512_cmp_ps_mask(x, vset1((real)(1 - REAL_BIAS)), _CMP_NLT_UQ);
     vr n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_maskz_scalef_ps(normal, vexp2_poly(x - n), n);
+    return _mm512_maskz_scalef_ps(normal, vexp2_poly(x - n, lowp), n);
 #endif
 #else
     x = vmax_keepnan(x, vset1((real)-REAL_BIAS));
@@ -198,9 +206,11 @@ TA_INLINE vr vexp2(vr x) {
     vr n = t - REAL_ROUND_MAGIC;
     /* unsigned lanes: the shift discards the magic's exponent bits (signed overflow would be UB) */
     vui e = ((vui)vibits(t) << REAL_MANT) + ((uireal)REAL_BIAS << REAL_MANT);
-    return vexp2_poly(x - n) * vbits((vi)e);
+    return vexp2_poly(x - n, lowp) * vbits((vi)e);
 #endif
 }
+
+TA_INLINE vr vexp2(vr x) { return vexp2_p(x, 0); }
 
 /* tanh for the softcap. fp32: (1 - e)/(1 + e) with e = 2^(-2|x| log2 e), and the odd Taylor series
  * below |x| = 0.4 where that quotient cancels (first omitted term < 3e-10 relative). fp64: libm per
