@@ -39,7 +39,7 @@ by the counter-based hash of :mod:`tileattn.scores` (row and column within the s
 split depends only on the problem, so the results are bitwise identical for any thread count and a
 row's result does not depend on the other batch items. ``block_m`` (query lanes per tile, default
 128) and ``block_n`` (keys per tile, default 256) change the tiling and therefore the rounding.
-``options`` takes the FORCE_* / *BF16DOT flags below (tests and tuning).
+``options`` takes the FORCE_* / *BF16DOT / NO_AMX flags below (tests and tuning).
 
 Cancellation: ``cancel`` is a :class:`CancelFlag` (or None). The kernels poll it between tiles;
 once set, every thread stops at its next tile, the call returns and the wrapper raises
