@@ -156,8 +156,9 @@ class _Library:
         lib.ta_probe_fma_gflops.argtypes = [ctypes.c_int64]
         if "amx=1" in lib.ta_build_info().decode():
             lib.ta_amx_available.restype = ctypes.c_int
+            self.amx_available = lambda: bool(lib.ta_amx_available())
         else:
-            lib.ta_amx_available = lambda: 0
+            self.amx_available = lambda: False
         self.lib = lib
         self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
@@ -257,7 +258,7 @@ def build_info() -> dict:
     info = lib.info
     return dict(compiler=info.compiler, compiler_version=info.compiler_version, isa=info.isa,
                 flags=" ".join(info.flags), path=info.path, build_seconds=info.build_seconds, cached=info.cached,
-                openmp=fields.get("openmp") == "1", amx=fields.get("amx") == "1" and bool(lib.lib.ta_amx_available()),
+                openmp=fields.get("openmp") == "1", amx=lib.amx_available(),
                 bf16dot=fields.get("bf16dot") == "1",
                 bf16dot_speedup=round(lib.bf16dot_speedup, 2), bf16dot_default=bool(lib.default_options & BF16DOT))
 
