@@ -3,6 +3,7 @@
     python benchmarks/bench_native.py                    # every section (several minutes)
     python benchmarks/bench_native.py --only grid,decode # some sections
     python benchmarks/bench_native.py --reps 9 --out benchmarks/results/native_full   # also CSV + JSON
+    python benchmarks/bench_native.py --threads 1 --cpu-time   # one core, CPU time: robust to other jobs
 
 Sections:
 
@@ -98,9 +99,15 @@ PROVIDERS = {"native": native_provider, "sdpa": sdpa_provider}
 # ------------------------------------------------------------------------------------------ timing
 
 
+#: wall-clock time by default; --cpu-time (with --threads 1) times the calling thread's CPU time,
+#: which other jobs on a shared machine do not inflate
+CLOCK = {"fn": time.perf_counter}
+
+
 def interleaved(fns: dict, reps: int, min_seconds: float = 0.0) -> dict:
     """Per provider, the list of times (s): warm-up, then `reps` round-robin repetitions; calls that
     take less than `min_seconds` are repeated inside one timing and averaged (decode steps)."""
+    clock = CLOCK["fn"]
     inner = {}
     for name, fn in fns.items():
         fn()
@@ -112,10 +119,10 @@ def interleaved(fns: dict, reps: int, min_seconds: float = 0.0) -> dict:
     for _ in range(reps):
         for name, fn in fns.items():
             n = inner[name]
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 fn()
-            times[name].append((time.perf_counter() - t0) / n)
+            times[name].append((clock() - t0) / n)
     return times
 
 
@@ -283,13 +290,21 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--out", help="write <out>.csv and <out>.json")
+    parser.add_argument("--threads", type=int, help="torch and native threads (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time (needs --threads 1)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time measures the calling thread only: use it with --threads 1")
+        CLOCK["fn"] = time.thread_time
     info = dict(nk.build_info(), python=platform.python_version(), torch=torch.__version__,
                 cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                load_before=os.getloadavg()[0])
+                clock="thread CPU time" if args.cpu_time else "wall clock", load_before=os.getloadavg()[0])
     print(f"native kernels: {info['isa']} ({info['compiler_version']}), bf16 dot tiles "
           f"{'on' if info['bf16dot_default'] else 'off'} (vdpbf16ps/FMA rate {info['bf16dot_speedup']}); "
-          f"{info['threads']} threads, load {info['load_before']:.2f}", flush=True)
+          f"{info['threads']} threads, {info['clock']}, load {info['load_before']:.2f}", flush=True)
     rows = []
     for name in args.only.split(","):
         if name not in SECTIONS:
