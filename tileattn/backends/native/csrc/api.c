@@ -1,0 +1,308 @@
+/* The library's exported functions: the interface description, validation of the index data that
+ * Python does not read (cu_seqlens, seqused_k, block tables), dispatch by dtype, the task runner,
+ * per-thread scratch and the SIGINT hook for cancellation.
+ */
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "amx.h"
+#include "gemm.h"
+#include "gemm_bf16.h"
+#include "kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Below this many multiply-adds a call runs on the calling thread: an OpenMP fork/join costs a few
+ * microseconds, more than a small decode step's compute. */
+#define TA_PARALLEL_MIN_WORK (1 << 19)
+
+/* ----------------------------------------------------------------------------- interface description */
+
+#define TA_DESCRIBE(section, kind, name) #section ":" #name ":" #kind ","
+const char *ta_abi(void) { return TA_FIELDS(TA_DESCRIBE); }
+
+const char *ta_build_info(void) {
+    return "isa=" TA_ISA_NAME ";amx="
+#ifdef TA_HAVE_AMX
+           "1"
+#else
+           "0"
+#endif
+           ";bf16dot="
+#if defined(TA_ISA_AVX512) && defined(__AVX512BF16__)
+           "1"
+#else
+           "0"
+#endif
+           ";openmp="
+#ifdef _OPENMP
+           "1"
+#else
+           "0"
+#endif
+           ";compiler=" __VERSION__;
+}
+
+/* Multiply-adds per second of vdpbf16ps over those of fp32 FMAs on this core (0 without
+ * AVX512_BF16): kernels.py turns the bf16 dot-product tiles on where they are faster. Measured, not
+ * assumed: on Zen 4 vdpbf16ps does twice the fp32 rate, on the Sapphire Rapids this was written on
+ * half of it. */
+#ifdef TA_HAVE_BF16DOT
+static double probe_seconds(int bf16) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+    __m512 acc[24];
+    for (int i = 0; i < 24; i++) acc[i] = _mm512_set1_ps((float)i);
+    const __m512 x = _mm512_set1_ps(1e-3f);
+    const __m512bh xb = (__m512bh)_mm512_set1_epi16(0x3a83); /* ~1e-3 in bf16 */
+    if (bf16)
+        for (int it = 0; it < 20000; it++)
+#pragma GCC unroll 24
+            for (int i = 0; i < 24; i++) acc[i] = _mm512_dpbf16_ps(acc[i], xb, xb);
+    else
+        for (int it = 0; it < 20000; it++)
+#pragma GCC unroll 24
+            for (int i = 0; i < 24; i++) acc[i] = _mm512_fmadd_ps(acc[i], x, x);
+    float sink = 0;
+    for (int i = 0; i < 24; i++) sink += _mm512_reduce_add_ps(acc[i]);
+    __asm__ volatile("" : : "x"(sink));
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+#endif
+
+double ta_probe_bf16dot(void) {
+#ifdef TA_HAVE_BF16DOT
+    double f32 = INFINITY, bf16 = INFINITY; /* the fastest of five runs each: preemption only slows */
+    for (int rep = 0; rep < 5; rep++) {
+        double t = probe_seconds(0);
+        f32 = t < f32 ? t : f32;
+        t = probe_seconds(1);
+        bf16 = t < bf16 ? t : bf16;
+    }
+    return bf16 > 0 ? 2.0 * f32 / bf16 : 0; /* a vdpbf16ps does twice an FMA's multiply-adds */
+#else
+    return 0;
+#endif
+}
+
+/* fp32 FMA peak of `threads` cores in GFLOP/s (wall clock, best of three): what the benchmarks
+ * report efficiency against. As many independent accumulators as the micro-GEMM uses. */
+double ta_probe_fma_gflops(int64_t threads) {
+    enum { ACC = 2 * TA_MR, ITERS = 200000 };
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+#pragma omp parallel num_threads((int)threads)
+        {
+            vr acc[ACC];
+            const vr x = vset1(0.999f), y = vset1(1e-3f);
+#pragma GCC unroll 24
+            for (int i = 0; i < ACC; i++) acc[i] = vset1((float)i);
+            for (int it = 0; it < ITERS; it++)
+#pragma GCC unroll 24
+                for (int i = 0; i < ACC; i++) acc[i] = vfma(acc[i], x, y);
+            float sink = 0;
+            for (int i = 0; i < ACC; i++) sink += vsum(acc[i]);
+            __asm__ volatile("" : : "r"(&sink) : "memory");
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double gflops = (double)threads * ITERS * ACC * VW * 2 / t * 1e-9;
+        best = gflops > best ? gflops : best;
+    }
+    return best;
+}
+
+#ifdef TA_HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TA_ARCH_REQ_XCOMP_PERM 0x1023
+#define TA_XFEATURE_XTILEDATA 18
+
+/* Linux (5.16+) hands out the AMX tile state only to processes that ask; asking again is harmless
+ * (PyTorch's oneDNN asks too). -1 = not asked yet. */
+static int amx_state = -1;
+
+int ta_amx_available(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state < 0) {
+        state = syscall(SYS_arch_prctl, TA_ARCH_REQ_XCOMP_PERM, TA_XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state;
+}
+#endif
+
+/* ------------------------------------------------------------------------------- scratch, tasks */
+
+static __thread void *tls_buf[TA_SCRATCH_SLOTS];
+static __thread size_t tls_cap[TA_SCRATCH_SLOTS];
+
+/* Buffers above this size are released at the end of a call instead of kept for the next one. */
+#define TA_SCRATCH_KEEP (8u << 20)
+
+void *ta_scratch(int slot, size_t bytes) {
+    if (bytes <= tls_cap[slot]) return tls_buf[slot];
+    free(tls_buf[slot]);
+    size_t cap = (bytes + 4095) & ~(size_t)4095;
+    if (posix_memalign(&tls_buf[slot], 64, cap)) {
+        tls_buf[slot] = NULL;
+        tls_cap[slot] = 0;
+        return NULL;
+    }
+    tls_cap[slot] = cap;
+    return tls_buf[slot];
+}
+
+void ta_scratch_trim(void) {
+    for (int s = 0; s < TA_SCRATCH_SLOTS; s++)
+        if (tls_cap[s] > TA_SCRATCH_KEEP) {
+            free(tls_buf[s]);
+            tls_buf[s] = NULL;
+            tls_cap[s] = 0;
+        }
+}
+
+static void record_status(int *status, int st) {
+    int expected = TA_OK;
+    if (st != TA_OK) __atomic_compare_exchange_n(status, &expected, st, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
+
+int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *tasks, size_t task_size, ta_task_fn fn,
+                 const void *plan) {
+    int64_t nt = a->num_threads > 0 ? a->num_threads : 1;
+    if (nt > ntasks) nt = ntasks;
+    if (work < TA_PARALLEL_MIN_WORK) nt = 1;
+    int status = TA_OK;
+    if (nt <= 1) {
+        for (int64_t t = 0; t < ntasks && status == TA_OK; t++)
+            status = fn(a, plan, (const char *)tasks + (size_t)t * task_size);
+        ta_scratch_trim();
+        return status;
+    }
+    /* num_threads clause: the caller's OpenMP settings are left untouched */
+#pragma omp parallel num_threads((int)nt)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntasks; t++) {
+            if (__atomic_load_n(&status, __ATOMIC_RELAXED) != TA_OK) continue;
+            record_status(&status, fn(a, plan, (const char *)tasks + (size_t)t * task_size));
+        }
+        ta_scratch_trim();
+    }
+    return status;
+}
+
+/* ---------------------------------------------------------------------------------- validation */
+
+static int fail(ta_args *a, const char *fmt, ...) {
+    if (a->err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf((char *)a->err, TA_ERR_LEN, fmt, ap);
+        va_end(ap);
+    }
+    return TA_EINVAL;
+}
+
+/* Cumulative offsets: start at 0, never decrease, end at the token count. Returns the longest. */
+static int check_cu(ta_args *a, const char *name, const int32_t *cu, int64_t total, int64_t *longest) {
+    if (cu[0] != 0) return fail(a, "%s[0] = %d; expected 0", name, cu[0]);
+    *longest = 0;
+    for (int64_t b = 0; b < a->B; b++) {
+        int64_t len = (int64_t)cu[b + 1] - cu[b];
+        if (len < 0) return fail(a, "%s decreases at index %lld (%d -> %d)", name, (long long)b, cu[b], cu[b + 1]);
+        if (len > *longest) *longest = len;
+    }
+    if (cu[a->B] != total)
+        return fail(a, "%s[-1] = %d; expected the token count %lld", name, cu[a->B], (long long)total);
+    return TA_OK;
+}
+
+static int validate(ta_args *a) {
+    const int32_t *used = (const int32_t *)a->seqused_k;
+    int64_t longest;
+    if (a->varlen) {
+        if (check_cu(a, "cu_seqlens_q", (const int32_t *)a->cu_q, a->Tq, &longest)) return TA_EINVAL;
+        a->Sq = longest;
+        if (!a->paged) {
+            if (check_cu(a, "cu_seqlens_k", (const int32_t *)a->cu_k, a->Tk, &longest)) return TA_EINVAL;
+            a->Sk = longest;
+        }
+    }
+    for (int64_t b = 0; b < a->B; b++) {
+        int64_t cap = a->paged    ? a->max_pages * a->page_size
+                      : a->varlen ? (int64_t)((const int32_t *)a->cu_k)[b + 1] - ((const int32_t *)a->cu_k)[b]
+                                  : a->Sk;
+        int64_t k_len = used ? used[b] : cap;
+        if (k_len < 0 || k_len > cap)
+            return fail(a, "seqused_k[%lld] = %lld; expected 0 <= seqused_k <= %lld keys", (long long)b,
+                        (long long)k_len, (long long)cap);
+        if (a->paged) {
+            const int32_t *bt = (const int32_t *)a->block_table;
+            for (int64_t p = 0; p * a->page_size < k_len; p++) {
+                int32_t page = bt[b * a->bt_st[0] + p * a->bt_st[1]];
+                if (page < 0 || page >= a->num_pages)
+                    return fail(a, "block_table[%lld, %lld] = %d; expected a page index in [0, %lld)", (long long)b,
+                                (long long)p, page, (long long)a->num_pages);
+            }
+        }
+    }
+    return TA_OK;
+}
+
+int ta_forward(ta_args *a) {
+    int st = validate(a);
+    if (st != TA_OK) return st;
+    return a->dtype == TA_F64 ? ta_forward_f64(a) : ta_forward_f32(a);
+}
+
+int ta_backward(ta_args *a) {
+    int st = validate(a);
+    if (st != TA_OK) return st;
+    return a->dtype == TA_F64 ? ta_backward_f64(a) : ta_backward_f32(a);
+}
+
+/* ------------------------------------------------------------------------------------- SIGINT hook */
+
+/* While armed, SIGINT sets *flag (which the kernels poll between tiles) and then runs the handler
+ * that was installed before (Python's, which schedules KeyboardInterrupt for when the call returns).
+ * Arm and disarm from the main thread, around one call. */
+static struct sigaction prev_sigint;
+static int32_t *volatile sigint_flag;
+
+static void on_sigint(int sig, siginfo_t *info, void *ctx) {
+    int32_t *flag = sigint_flag;
+    if (flag) __atomic_store_n(flag, 1, __ATOMIC_RELAXED);
+    if (prev_sigint.sa_flags & SA_SIGINFO) {
+        if (prev_sigint.sa_sigaction) prev_sigint.sa_sigaction(sig, info, ctx);
+    } else if (prev_sigint.sa_handler == SIG_DFL) {
+        sigaction(SIGINT, &prev_sigint, NULL);
+        raise(sig);
+    } else if (prev_sigint.sa_handler != SIG_IGN) {
+        prev_sigint.sa_handler(sig);
+    }
+}
+
+int ta_sigint_arm(int32_t *flag) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigint;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigint_flag = flag;
+    return sigaction(SIGINT, &sa, &prev_sigint);
+}
+
+int ta_sigint_disarm(void) {
+    int st = sigaction(SIGINT, &prev_sigint, NULL);
+    sigint_flag = NULL;
+    return st;
+}

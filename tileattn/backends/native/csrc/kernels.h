@@ -1,0 +1,28 @@
+/* Entry points of the kernels, once per real type, and the task runner they share. */
+#ifndef TA_KERNELS_H
+#define TA_KERNELS_H
+
+#include <stdlib.h>
+
+#include "common.h"
+
+/* The decode path serves forward calls with at most this many query rows per kv head (Sq * G):
+ * below it a transposed tile would leave most of its lanes empty. */
+#define TA_DECODE_MAX_ROWS 8
+
+int ta_forward_f32(const ta_args *a);
+int ta_forward_f64(const ta_args *a);
+int ta_decode_f32(const ta_args *a);
+int ta_decode_f64(const ta_args *a);
+int ta_backward_f32(const ta_args *a);
+int ta_backward_f64(const ta_args *a);
+
+/* Run fn(a, plan, task) for every task (an array of ntasks records of task_size bytes) on up to
+ * a->num_threads OpenMP threads, dynamically scheduled in array order. A task's result depends only
+ * on the task, so neither the thread count nor the schedule changes any bit. `work` (multiply-adds)
+ * keeps tiny calls on the calling thread. Returns the first nonzero status (cancelled, no memory). */
+typedef int (*ta_task_fn)(const ta_args *a, const void *plan, const void *task);
+int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *tasks, size_t task_size, ta_task_fn fn,
+                 const void *plan);
+
+#endif

@@ -1,0 +1,241 @@
+/* The instruction-set layer: one vector type of `real` lanes and the few operations the kernels use.
+ *
+ * The kernels are written once against this header and compiled twice: with TA_REAL_BITS=32
+ * (fp32 arithmetic, serving fp32, bf16 and fp16 inputs) and TA_REAL_BITS=64 (fp64). build.py
+ * defines exactly one ISA:
+ *
+ *   TA_ISA_AVX512   64-byte vectors (16 fp32 lanes), needs AVX-512 F/BW/VL and FMA
+ *   TA_ISA_AVX2     32-byte vectors (8 fp32 lanes), needs AVX2 and FMA
+ *   TA_ISA_GENERIC  16-byte GCC/clang vector extensions: SSE2, NEON, anything else
+ *
+ * Vectors are GCC vector-extension types, so plain arithmetic (+ - * /, comparisons, shifts) works
+ * on them everywhere and compiles to the ISA's instructions; only the operations without an
+ * operator (broadcast, FMA, max, min) go through intrinsics where the ISA has them.
+ */
+#ifndef TA_SIMD_H
+#define TA_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if (defined(TA_ISA_AVX512) + defined(TA_ISA_AVX2) + defined(TA_ISA_GENERIC)) != 1
+#error "define exactly one of TA_ISA_AVX512, TA_ISA_AVX2, TA_ISA_GENERIC"
+#endif
+
+#if defined(TA_ISA_AVX512)
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__FMA__)
+#error "TA_ISA_AVX512 needs -mavx512f -mavx512bw -mavx512vl -mfma (or -march=native on such a CPU)"
+#endif
+#include <immintrin.h>
+#define TA_VBYTES 64
+#define TA_ISA_NAME "avx512"
+#elif defined(TA_ISA_AVX2)
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "TA_ISA_AVX2 needs -mavx2 -mfma (or -march=native on such a CPU)"
+#endif
+#include <immintrin.h>
+#define TA_VBYTES 32
+#define TA_ISA_NAME "avx2"
+#else
+#define TA_VBYTES 16
+#define TA_ISA_NAME "generic"
+#endif
+
+#ifndef TA_REAL_BITS
+#error "define TA_REAL_BITS (32 or 64)"
+#endif
+
+#if TA_REAL_BITS == 64
+typedef double real;
+typedef int64_t ireal; /* an integer as wide as real: lane masks and exponent bits */
+typedef uint64_t uireal;
+#define REAL_SUFFIX f64
+#define REAL_MANT 52
+#define REAL_BIAS 1023
+#define REAL_ROUND_MAGIC 6755399441055744.0 /* 1.5 * 2^52 */
+#else
+typedef float real;
+typedef int32_t ireal;
+typedef uint32_t uireal;
+#define REAL_SUFFIX f32
+#define REAL_MANT 23
+#define REAL_BIAS 127
+#define REAL_ROUND_MAGIC 12582912.0f /* 1.5 * 2^23 */
+#endif
+
+/* Name a function once per real type: FN(forward) -> ta_forward_f32 / ta_forward_f64. */
+#define TA_CAT3(a, b, c) a##b##c
+#define TA_XCAT3(a, b, c) TA_CAT3(a, b, c)
+#define FN(name) TA_XCAT3(ta_##name, _, REAL_SUFFIX)
+
+#define VW ((int)(TA_VBYTES / sizeof(real)))
+typedef real vr __attribute__((vector_size(TA_VBYTES)));
+typedef ireal vi __attribute__((vector_size(TA_VBYTES)));
+typedef uireal vui __attribute__((vector_size(TA_VBYTES)));
+/* Unaligned, aliasing-safe view for loads and stores through any real pointer. */
+typedef real vr_mem __attribute__((vector_size(TA_VBYTES), aligned(sizeof(real)), may_alias));
+/* 32-bit lanes, one per real lane: band limits and the dropout hash. */
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+typedef int32_t vs32 __attribute__((vector_size(VW * 4)));
+typedef int32_t vs32_mem __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+
+#define TA_INLINE static inline __attribute__((always_inline))
+
+TA_INLINE vr vload(const real *p) { return *(const vr_mem *)p; }
+TA_INLINE void vstore(real *p, vr x) { *(vr_mem *)p = x; }
+TA_INLINE vr vzero(void) { return (vr){0}; }
+TA_INLINE vr vbits(vi x) {
+    vr r;
+    memcpy(&r, &x, sizeof r);
+    return r;
+}
+TA_INLINE vi vibits(vr x) {
+    vi r;
+    memcpy(&r, &x, sizeof r);
+    return r;
+}
+/* mask lanes are all-ones or zero (the result of a vector comparison) */
+TA_INLINE vr vselect(vi mask, vr a, vr b) { return vbits((mask & vibits(a)) | (~mask & vibits(b))); }
+/* a 32-bit lane mask widened (fp64) or reinterpreted (fp32) as a mask of real lanes */
+TA_INLINE vi vmask32(vs32 m) { return __builtin_convertvector(m, vi); }
+
+#if defined(TA_ISA_AVX512) && TA_REAL_BITS == 32
+TA_INLINE vr vset1(real x) { return _mm512_set1_ps(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm512_fmadd_ps(a, b, c); }
+TA_INLINE vr vmax_(vr a, vr b) { return _mm512_max_ps(a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return _mm512_min_ps(a, b); }
+#elif defined(TA_ISA_AVX512)
+TA_INLINE vr vset1(real x) { return _mm512_set1_pd(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm512_fmadd_pd(a, b, c); }
+TA_INLINE vr vmax_(vr a, vr b) { return _mm512_max_pd(a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return _mm512_min_pd(a, b); }
+#elif defined(TA_ISA_AVX2) && TA_REAL_BITS == 32
+TA_INLINE vr vset1(real x) { return _mm256_set1_ps(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm256_fmadd_ps(a, b, c); }
+TA_INLINE vr vmax_(vr a, vr b) { return _mm256_max_ps(a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return _mm256_min_ps(a, b); }
+#elif defined(TA_ISA_AVX2)
+TA_INLINE vr vset1(real x) { return _mm256_set1_pd(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm256_fmadd_pd(a, b, c); }
+TA_INLINE vr vmax_(vr a, vr b) { return _mm256_max_pd(a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return _mm256_min_pd(a, b); }
+#else
+TA_INLINE vr vset1(real x) {
+    vr r;
+    for (int i = 0; i < VW; i++) r[i] = x; /* recognised as a broadcast */
+    return r;
+}
+/* Whether this contracts to one fused instruction depends on the target; the kernels never rely
+ * on it, only on computing the same expression the same way in the forward and backward passes. */
+TA_INLINE vr vfma(vr a, vr b, vr c) { return a * b + c; }
+/* as the x86 instructions: the second operand when either is NaN */
+TA_INLINE vr vmax_(vr a, vr b) { return vselect(a > b, a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return vselect(a < b, a, b); }
+#endif
+
+/* max/min that return x when x is NaN, so a NaN score or input reaches the output as it does in
+ * the reference. */
+TA_INLINE vr vmax_keepnan(vr x, vr bound) { return vmax_(bound, x); }
+TA_INLINE vr vmin_keepnan(vr x, vr bound) { return vmin_(bound, x); }
+
+TA_INLINE vr vabs(vr x) { return vbits(vibits(x) & ~vibits(vset1((real)-0.0))); }
+
+TA_INLINE real vsum(vr x) {
+    real s = 0;
+    for (int i = 0; i < VW; i++) s += x[i];
+    return s;
+}
+
+/* 2^x, accurate to ~1 ulp; NaN -> NaN, -inf -> 0, +inf -> +inf.
+ *
+ * x = n + f with n = round(x), |f| <= 1/2; 2^f by a polynomial (fp32: minimax, relative error
+ * 1.9e-9; fp64: Taylor to degree 13, first omitted term 3e-17), then scaled by 2^n. Without
+ * AVX-512 the rounding uses the 1.5*2^mant trick: after t = x + magic the low mantissa bits of t
+ * hold n, so shifting t's bits left by the mantissa width yields 2^n's exponent bits directly.
+ */
+TA_INLINE vr vexp2_poly(vr f, const int lowp) {
+#if TA_REAL_BITS == 64
+    (void)lowp;
+    static const double c[14] = {1.3691488853904124e-12, 2.5678435993488196e-11, 4.44553827187081e-10,
+                                 7.054911620801121e-09,  1.0178086009239696e-07, 1.3215486790144305e-06,
+                                 1.5252733804059838e-05, 0.00015403530393381606, 0.0013333558146428441,
+                                 0.009618129107628477,   0.055504108664821576,   0.2402265069591007,
+                                 0.6931471805599453,     1.0};
+    vr p = vset1(c[0]);
+    for (int k = 1; k < 14; k++) p = vfma(p, f, vset1(c[k]));
+#else
+    if (lowp) { /* degree 4, relative error 2.6e-6: for probabilities that are rounded to bf16 next */
+        vr q = vset1(0.009570102207362652f);
+        q = vfma(q, f, vset1(0.05591785907745361f));
+        q = vfma(q, f, vset1(0.240247443318367f));
+        q = vfma(q, f, vset1(0.6931217908859253f));
+        return vfma(q, f, vset1(0.9999992847442627f));
+    }
+    vr p = vset1(0.00015350866257614953f);
+    p = vfma(p, f, vset1(0.0013399974174552543f));
+    p = vfma(p, f, vset1(0.009618470186087573f));
+    p = vfma(p, f, vset1(0.05550328643246867f));
+    p = vfma(p, f, vset1(0.24022647063769273f));
+    p = vfma(p, f, vset1(0.6931472058202f));
+    p = vfma(p, f, vset1(1.0000000005308562f));
+#endif
+    return p;
+}
+
+TA_INLINE vr vexp2_p(vr x, const int lowp) {
+#if defined(TA_ISA_AVX512)
+    /* AVX-512 rounds and scales by 2^n in one instruction each (vrndscale, vscalef; vscalef gives
+     * inf above the range and NaN for NaN or +inf inputs, like exp). Lanes below 2^-(bias-1),
+     * -inf included, are set to exactly 0 by the mask rather than computed: an underflowing
+     * vscalef takes a microcode assist on Intel cores, which made masked (causal) tiles twice as
+     * slow, and the mask also makes clamping the input unnecessary. */
+#if TA_REAL_BITS == 64
+    __mmask8 normal = _mm512_cmp_pd_mask(x, vset1((real)(1 - REAL_BIAS)), _CMP_NLT_UQ);
+    vr n = _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_scalef_pd(normal, vexp2_poly(x - n, lowp), n);
+#else
+    __mmask16 normal = _mm512_cmp_ps_mask(x, vset1((real)(1 - REAL_BIAS)), _CMP_NLT_UQ);
+    vr n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_scalef_ps(normal, vexp2_poly(x - n, lowp), n);
+#endif
+#else
+    x = vmax_keepnan(x, vset1((real)-REAL_BIAS));
+    x = vmin_keepnan(x, vset1((real)(REAL_BIAS + 1)));
+    vr t = x + REAL_ROUND_MAGIC;
+    vr n = t - REAL_ROUND_MAGIC;
+    /* unsigned lanes: the shift discards the magic's exponent bits (signed overflow would be UB) */
+    vui e = ((vui)vibits(t) << REAL_MANT) + ((uireal)REAL_BIAS << REAL_MANT);
+    return vexp2_poly(x - n, lowp) * vbits((vi)e);
+#endif
+}
+
+TA_INLINE vr vexp2(vr x) { return vexp2_p(x, 0); }
+
+/* tanh for the softcap. fp32: (1 - e)/(1 + e) with e = 2^(-2|x| log2 e), and the odd Taylor series
+ * below |x| = 0.4 where that quotient cancels (first omitted term < 3e-10 relative). fp64: libm per
+ * lane (the fp64 path is for correctness, not speed). */
+TA_INLINE vr vtanh(vr x) {
+#if TA_REAL_BITS == 64
+    vr r;
+    for (int i = 0; i < VW; i++) r[i] = tanh(x[i]);
+    return r;
+#else
+    vr ax = vabs(x);
+    vr e = vexp2(ax * (real)(-2.0 * 1.4426950408889634));
+    vr far = (vset1(1) - e) / (vset1(1) + e);
+    vr x2 = ax * ax;
+    vr p = vset1(-929569.0f / 638512875.0f);
+    p = vfma(p, x2, vset1(21844.0f / 6081075.0f));
+    p = vfma(p, x2, vset1(-1382.0f / 155925.0f));
+    p = vfma(p, x2, vset1(62.0f / 2835.0f));
+    p = vfma(p, x2, vset1(-17.0f / 315.0f));
+    p = vfma(p, x2, vset1(2.0f / 15.0f));
+    p = vfma(p, x2, vset1(-1.0f / 3.0f));
+    vr near = vfma(ax * x2, p, ax);
+    vr t = vselect(ax < (real)0.4, near, far);
+    return vbits(vibits(t) | (vibits(x) & vibits(vset1((real)-0.0)))); /* the sign of x */
+#endif
+}
+
+#endif

@@ -1,0 +1,74 @@
+/* The call interface between kernels.py (ctypes) and the C kernels: one flat struct of 8-byte
+ * fields, described once by the X-macro TA_FIELDS. The library exports the description as a string
+ * (ta_abi), and kernels.py builds its struct.pack format from it at load time, so the two sides
+ * cannot disagree on the layout.
+ *
+ * Conventions (see kernels.py for the Python view):
+ *  - q/out/dout/dq: canonical (B, Hq, Sq, D) strided views; strides *_st = (batch, head, seq) in
+ *    elements, last-dim stride 1. Varlen: (Tq, Hq, D) with st = (unused, head, token) and
+ *    sequence b starting at token cu_q[b].
+ *  - k/v/dk/dv: (B, Hkv, Sk, D) likewise; paged KV: pools (pages, page_size, Hkv, D) with
+ *    st = (page, head, position) and block_table (B, max_pages).
+ *  - lse/delta: (B, Hq, Sq) with st = (batch, head, seq); varlen (Hq, Tq) with st = (0, head, token).
+ *  - mask/bias/dbias: 4-d broadcast views (B, Hq, Sq, Sk), strides may be 0.
+ */
+#ifndef TA_H
+#define TA_H
+
+#include <stdint.h>
+
+#define TA_ERR_LEN 512
+
+enum ta_dtype { TA_F32 = 0, TA_F64 = 1, TA_BF16 = 2, TA_F16 = 3 };
+
+enum ta_status { TA_OK = 0, TA_CANCELLED = 1, TA_EINVAL = -1, TA_ENOMEM = -2 };
+
+/* options: test and tuning switches; 0 = the shape-based defaults. */
+enum ta_option {
+    TA_OPT_FORCE_PREFILL = 1, /* forward: never the decode path */
+    TA_OPT_FORCE_DECODE = 2,  /* forward: the decode path whatever the row count */
+    TA_OPT_FORCE_SPLIT = 4,   /* backward: separate dK/dV and dQ passes even with many heads */
+    TA_OPT_FORCE_FUSED = 8,   /* backward: one pass per head even with few heads */
+    TA_OPT_NO_BF16DOT = 16,   /* bf16: fp32 tiles even where the CPU has vdpbf16ps */
+    TA_OPT_BF16DOT = 32,      /* bf16: vdpbf16ps tiles where the CPU has them */
+    TA_OPT_NO_AMX = 64,       /* bf16: no AMX tiles even where the CPU and the OS allow them */
+};
+
+/* X(section, kind, name); kind: p = pointer, i = int64, d = double, i3/i4 = int64 arrays.
+ * Sections are contiguous and written by Python as units: "core" on every call, the others only
+ * when the call uses them (the kernels read a section only when its pointer is set: block_table,
+ * mask, bias, alibi, dout, dbias), so a decode step packs 61 values, not all of them. */
+#define TA_FIELDS(X)                                                                                \
+    X(core, p, q) X(core, p, k) X(core, p, v) X(core, p, out) X(core, p, lse)                       \
+    X(core, p, dout) X(core, p, delta) X(core, p, dq) X(core, p, dk) X(core, p, dv)                 \
+    X(core, p, dbias) X(core, p, cu_q) X(core, p, cu_k) X(core, p, seqused_k)                       \
+    X(core, p, block_table) X(core, p, alibi) X(core, p, mask) X(core, p, bias)                     \
+    X(core, p, cancel) X(core, p, err)                                                              \
+    X(core, i, B) X(core, i, Hq) X(core, i, Hkv) X(core, i, Sq) X(core, i, Sk) X(core, i, D)        \
+    X(core, i, Dv) X(core, i, Tq) X(core, i, Tk)                                                    \
+    X(core, i3, q_st) X(core, i3, k_st) X(core, i3, v_st) X(core, i3, o_st) X(core, i3, lse_st)     \
+    X(core, i, dtype) X(core, i, out_dtype) X(core, i, left) X(core, i, right)                      \
+    X(core, i, bottom_right) X(core, i, shift) X(core, i, drop_threshold) X(core, i, seed)          \
+    X(core, i, block_m) X(core, i, block_n) X(core, i, num_threads) X(core, i, varlen)              \
+    X(core, i, paged) X(core, i, options)                                                           \
+    X(core, d, scale) X(core, d, softcap) X(core, d, dropout_p)                                     \
+    X(paged, i, num_pages) X(paged, i, page_size) X(paged, i, max_pages) X(paged, i3, bt_st)        \
+    X(mask, i4, mask_st)                                                                            \
+    X(bias, i4, bias_st) X(bias, i, bias_dtype)                                                     \
+    X(alibi, i3, alibi_st)                                                                          \
+    X(bwd, i3, do_st) X(bwd, i3, dq_st) X(bwd, i3, dk_st) X(bwd, i3, dv_st) X(bwd, i, dout_dtype)   \
+    X(bwd, i, dq_dtype) X(bwd, i, dkv_dtype)                                                        \
+    X(dbias, i4, dbias_st)
+
+#define TA_FIELD_DECL(section, kind, name) TA_FIELD_##kind(name)
+#define TA_FIELD_p(name) void *name;
+#define TA_FIELD_i(name) int64_t name;
+#define TA_FIELD_d(name) double name;
+#define TA_FIELD_i3(name) int64_t name[3];
+#define TA_FIELD_i4(name) int64_t name[4];
+
+typedef struct ta_args {
+    TA_FIELDS(TA_FIELD_DECL)
+} ta_args;
+
+#endif

@@ -1,0 +1,250 @@
+/* Tiles in the transposed layout shared by the forward and backward passes.
+ *
+ * A tile is (n keys) x (M query rows), stored key-major in panels: S[p][j][0:PW] holds the scores
+ * of key j for the PW query rows ("lanes") of panel p. The G query heads that share a kv head are
+ * stacked as rows, lane r = (i - i0) * G + g, so K and V tiles are read once per kv head. In this
+ * layout every per-row quantity of the softmax (running max, sum, LSE, Delta) is a vector of lanes
+ * and the whole softmax is vertical: no horizontal reductions, no shuffles.
+ *
+ * This file holds the per-lane row descriptions, the packing of the query side (q, dout) into
+ * panels, the K/V tile access and the score pipeline for tiles that need more than a scale:
+ *
+ *     s = scale * q.k  ->  softcap  ->  + ALiBi + bias  ->  band and bool mask  ->  * log2(e)
+ */
+#ifndef TA_TILE_H
+#define TA_TILE_H
+
+#include "common.h"
+#include "gemm.h"
+
+/* Per-lane (query row) description of a block of rows. Arrays have npan * PW entries; lanes past
+ * the M real rows are padding that sees no key. */
+typedef struct {
+    int64_t M, npan, i0, nq, G, hk;
+    int64_t *head, *row;        /* query head and row index (within the sequence) of each lane */
+    int32_t *lo, *hi;           /* visible keys lo..hi (inclusive); lo > hi for padding */
+    real *slope, *dist0;        /* ALiBi: slope and i + off of each lane */
+    uint32_t *rkey;             /* dropout row key */
+    int64_t *bias_row, *mask_row; /* offset of (b, h, i, 0) in the bias / mask */
+    real *lse2, *delta;         /* backward: LSE in log2 units and Delta per lane */
+} ta_rows;
+
+static size_t ta_rows_bytes(int64_t npan) {
+    int64_t n = npan * PW;
+    return (size_t)n * (4 * sizeof(int64_t) + 2 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) + 64;
+}
+
+/* Carve the arrays out of `mem` (ta_rows_bytes(npan) bytes) and describe rows [i0, i0 + nq) of the
+ * query heads of kv head hk of sequence s. */
+static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *s, int64_t hk, int64_t i0,
+                         int64_t nq) {
+    int64_t G = a->Hq / a->Hkv;
+    R->G = G;
+    R->hk = hk;
+    R->i0 = i0;
+    R->nq = nq;
+    R->M = nq * G;
+    R->npan = (R->M + PW - 1) / PW;
+    int64_t n = R->npan * PW;
+    char *m = (char *)mem;
+    R->head = (int64_t *)m, m += n * sizeof(int64_t);
+    R->row = (int64_t *)m, m += n * sizeof(int64_t);
+    R->bias_row = (int64_t *)m, m += n * sizeof(int64_t);
+    R->mask_row = (int64_t *)m, m += n * sizeof(int64_t);
+    R->slope = (real *)m, m += n * sizeof(real);
+    R->dist0 = (real *)m, m += n * sizeof(real);
+    R->lse2 = (real *)m, m += n * sizeof(real);
+    R->delta = (real *)m, m += n * sizeof(real);
+    R->lo = (int32_t *)m, m += n * sizeof(int32_t);
+    R->hi = (int32_t *)m, m += n * sizeof(int32_t);
+    R->rkey = (uint32_t *)m;
+    for (int64_t r = 0; r < n; r++) {
+        int real_row = r < R->M;
+        int64_t i = i0 + (real_row ? r / G : 0), h = hk * G + (real_row ? r % G : 0);
+        R->head[r] = h;
+        R->row[r] = i;
+        R->lo[r] = real_row ? (int32_t)ta_band_lo(a, s, i) : 1;
+        R->hi[r] = real_row ? (int32_t)ta_band_hi(a, s, i) : 0;
+        R->slope[r] = a->alibi ? ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]] : 0;
+        R->dist0[r] = (real)(i + s->off);
+        R->rkey[r] = a->dropout_p > 0 ? ta_drop_row_key(a, s->b, h, i) : 0;
+        R->bias_row[r] = a->bias ? s->b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2] : 0;
+        R->mask_row[r] = a->mask ? s->b * a->mask_st[0] + h * a->mask_st[1] + i * a->mask_st[2] : 0;
+        R->lse2[r] = 0;
+        R->delta[r] = 0;
+    }
+}
+
+/* ------------------------------------------------------------------------------------ conversion */
+
+/* n elements of dtype at src -> real. */
+static void ta_load_row(real *dst, const void *src, int64_t n, int64_t dtype) {
+#if TA_REAL_BITS == 64
+    (void)dtype;
+    memcpy(dst, src, (size_t)n * sizeof(real));
+#else
+    if (dtype == TA_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(real));
+    } else if (dtype == TA_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = ta_bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        int64_t i = 0;
+#if defined(TA_ISA_AVX512)
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(s + i))));
+#elif defined(__F16C__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = ta_f16_to_f32(s[i]);
+    }
+#endif
+}
+
+/* n reals -> dtype at dst (round to nearest even). */
+static void ta_store_row(void *dst, const real *src, int64_t n, int64_t dtype) {
+    if (dtype == TA_F64) {
+        double *d = (double *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = src[i];
+    } else if (dtype == TA_F32) {
+        float *d = (float *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = (float)src[i];
+    } else if (dtype == TA_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = ta_f32_to_bf16((float)src[i]);
+    } else {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = ta_f32_to_f16((float)src[i]);
+    }
+}
+
+/* ---------------------------------------------------------------------------- query-side packing */
+
+/* Rows of a q-like tensor (q, dout) for the lanes of R into panels, either transposed
+ * ("T": dst[p][d][PW], the B operand of K q^T) or not ("N": dst[dp][r][PW] with the d axis cut
+ * into panels, the B operand of dS^T q). `tmp` holds one row. Padding lanes / columns are zero. */
+static void ta_pack_rows(real *dst, int transposed, const void *base, int64_t dtype,
+                         const int64_t st[3], int64_t seq_off, const ta_rows *R, int64_t width, real *tmp) {
+    int64_t n = R->npan * PW, wpan = (width + PW - 1) / PW;
+    memset(dst, 0, (size_t)(transposed ? R->npan * width * PW : wpan * n * PW) * sizeof(real));
+    for (int64_t r = 0; r < R->M; r++) {
+        ta_load_row(tmp, ta_at(base, seq_off + R->head[r] * st[1] + R->row[r] * st[2], dtype), width, dtype);
+        if (transposed) {
+            real *d = dst + (r / PW) * width * PW + r % PW;
+            for (int64_t c = 0; c < width; c++) d[c * PW] = tmp[c];
+        } else {
+            for (int64_t c = 0; c < width; c++) dst[(c / PW) * n * PW + r * PW + c % PW] = tmp[c];
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------------- K/V tiles */
+
+/* Rows [j0, j0 + n) of kv head hk of a k-like tensor as real rows: in place when the tensor is
+ * already `real`, contiguous in d and not paged (fp32 in, fp32 math: nothing is copied), else
+ * converted/gathered into buf (n x width). Returns the rows and sets *ld to their stride. */
+static const real *ta_kv_rows(const ta_args *a, const ta_seq *s, const void *base, const int64_t st[3],
+                              int64_t seq_off, int64_t hk, int64_t j0, int64_t n, int64_t width, real *buf,
+                              int64_t *ld) {
+    int64_t dtype = a->dtype;
+    int native = (TA_REAL_BITS == 64) ? dtype == TA_F64 : dtype == TA_F32;
+    if (native && !a->paged) {
+        *ld = st[2];
+        return (const real *)base + seq_off + hk * st[1] + j0 * st[2];
+    }
+    for (int64_t j = 0; j < n; j++)
+        ta_load_row(buf + j * width, ta_at(base, ta_key_off(a, s, st, seq_off, hk, j0 + j), dtype), width, dtype);
+    *ld = width;
+    return buf;
+}
+
+/* ---------------------------------------------------------------------------- the score pipeline */
+
+/* What a tile needs beyond scale * q.k. */
+enum { TA_TILE_EDGE = 1, TA_TILE_MASK = 2, TA_TILE_MODS = 4 };
+
+/* Whether the band hides part of keys [j0, j1) from some lane (checked per lane; padding lanes
+ * never matter). */
+static int ta_tile_on_edge(const ta_rows *R, int64_t j0, int64_t j1) {
+    for (int64_t r = 0; r < R->M; r++)
+        if (R->lo[r] > j0 || R->hi[r] < j1 - 1) return 1;
+    return 0;
+}
+
+/* Bool-mask census of a tile: 0 = all visible, 1 = mixed, 2 = all hidden. */
+static int ta_mask_census(const ta_args *a, const ta_rows *R, int64_t j0, int64_t j1) {
+    const uint8_t *mask = (const uint8_t *)a->mask;
+    int64_t ms = a->mask_st[3];
+    int any_hidden = 0, any_visible = 0;
+    for (int64_t r = 0; r < R->M && !(any_hidden && any_visible); r++) {
+        const uint8_t *row = mask + R->mask_row[r];
+        for (int64_t j = j0; j < j1; j++) {
+            uint8_t v = row[j * ms];
+            any_hidden |= !v;
+            any_visible |= v != 0;
+        }
+    }
+    return any_hidden ? (any_visible ? 1 : 2) : 0;
+}
+
+/* Finish the scores of panel p in S: -inf where the band edge or the mask hides them, and with
+ * TA_TILE_MODS (softcap, ALiBi or bias present) the whole pipeline from the raw scale * q.k to
+ * base-2 logits. Without modifiers S already holds base-2 logits: every tile of a problem computes
+ * its logits with the same arithmetic, so the backward pass reproduces the forward's bits whatever
+ * the tiling. Folds the column max into cmax (PW values); tanh_out (backward with softcap), when
+ * not NULL, receives 1 - tanh^2 of each score. */
+static void ta_score_mods(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, int64_t j0,
+                          int flags, real *cmax, real *tanh_out) {
+    const real cap = (real)a->softcap, inv_cap = cap > 0 ? (real)(1.0 / a->softcap) : 0;
+    const vr log2e = vset1((real)TA_LOG2E), ninf = vset1(-INFINITY);
+    const int64_t base = p * PW;
+    for (int64_t j = 0; j < n; j++) {
+        real *srow = S + j * PW;
+        int64_t jj = j0 + j;
+        for (int v = 0; v < TA_NV && (flags & TA_TILE_MODS); v++) {
+            vr x = vload(srow + v * VW);
+            if (cap > 0) {
+                vr t = vtanh(x * inv_cap);
+                x = t * cap;
+                if (tanh_out) vstore(tanh_out + j * PW + v * VW, vset1(1) - t * t);
+            }
+            if (a->alibi) {
+                vr dist = vabs(vload(R->dist0 + base + v * VW) - (real)jj);
+                x = x - vload(R->slope + base + v * VW) * dist;
+            }
+            vstore(srow + v * VW, x);
+        }
+        if (a->bias && (flags & TA_TILE_MODS)) {
+            const int64_t bs = a->bias_st[3];
+            for (int64_t l = 0; l < PW && base + l < R->M; l++)
+                srow[l] += (real)ta_load1(ta_at(a->bias, R->bias_row[base + l] + jj * bs, a->bias_dtype),
+                                          a->bias_dtype);
+        }
+        if (flags & TA_TILE_MASK) {
+            const uint8_t *mask = (const uint8_t *)a->mask;
+            for (int64_t l = 0; l < PW && base + l < R->M; l++)
+                if (!mask[R->mask_row[base + l] + jj * a->mask_st[3]]) srow[l] = -INFINITY;
+        }
+        for (int v = 0; v < TA_NV; v++) {
+            vr x = vload(srow + v * VW);
+            if (flags & TA_TILE_MODS) x *= log2e;
+            if (flags & TA_TILE_EDGE) {
+                vs32 jv = (vs32){0} + (int32_t)jj;
+                vs32 lo = *(const vs32_mem *)(R->lo + base + v * VW), hi = *(const vs32_mem *)(R->hi + base + v * VW);
+                x = vselect(vmask32((jv < lo) | (jv > hi)), ninf, x);
+            }
+            vstore(srow + v * VW, x);
+            vstore(cmax + v * VW, vmax_(vload(cmax + v * VW), x));
+        }
+    }
+}
+
+/* Dropout keep mask of key jj for the VW lanes starting at lane l0 of R (all ones without dropout). */
+TA_INLINE vi ta_drop_keep(const ta_args *a, const ta_rows *R, int64_t l0, int64_t jj) {
+    vu32 rk;
+    memcpy(&rk, R->rkey + l0, sizeof rk);
+    vu32 x = ta_vmix32(rk ^ (uint32_t)((uint32_t)jj * TA_GOLDEN));
+    return vmask32((vs32)((x >> 8) >= (uint32_t)a->drop_threshold));
+}
+
+#endif

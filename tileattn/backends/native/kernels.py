@@ -1,0 +1,568 @@
+"""ctypes binding of the native kernels: thin wrappers that take torch tensors.
+
+Interface (stable; the backend calls exactly this)::
+
+    forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
+            cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
+            softcap=0.0, alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0,
+            block_m=0, block_n=0, num_threads=None, cancel=None, options=0) -> None
+
+    backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, <the same keywords>, dbias=None) -> None
+
+Tensors (CPU; any strides with a unit last-dim stride; views are read and written in place):
+
+* padded: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv); out (B, Hq, Sq, Dv);
+  lse (B, Hq, Sq)
+* varlen (``cu_seqlens_q`` and ``cu_seqlens_k``, int32 (B+1,)): q (Tq, Hq, D), k (Tk, Hkv, D),
+  v (Tk, Hkv, Dv); out (Tq, Hq, Dv); lse (Hq, Tq)
+* paged KV (``block_table`` int32 (B, max_pages), forward only): k (pages, page_size, Hkv, D),
+  v (pages, page_size, Hkv, Dv), key j of batch item b in page ``block_table[b, j // page_size]``;
+  q padded (B, Hq, Sq, D) or varlen with ``cu_seqlens_q`` alone
+* ``seqused_k`` int32 (B,): batch item b uses only its first ``seqused_k[b]`` keys
+
+dtypes: q, k, v share one of fp32, fp64, bf16, fp16. ``out``, ``dq``, ``dk``, ``dv`` and ``dout``
+are that dtype or fp32 (fp64 inputs: fp64); ``lse`` and ``delta`` are fp32 (fp64 for fp64 inputs).
+``mask`` is bool and ``bias`` any float dtype, both 4-d and broadcast to (B, Hq, Sq, Sk) (expanded
+views with stride 0 are read in place); ``dbias`` is an fp32 (fp64) 4-d buffer whose every dimension
+is the full one or 1, which the backward pass *adds* to, summing over its size-1 dimensions.
+``alibi_slopes`` fp32 (Hq,) or (B, Hq). ``delta`` = rowsum(dout * out) - dlse, lse-shaped with
+lse's strides, computed by the caller; ``out`` is not read by the backward pass (pass it or None).
+
+Semantics, as :func:`tileattn.reference`: ``s = scale * q.k -> softcap -> + ALiBi + bias -> band and
+mask -> softmax -> dropout -> . v``; query row i of a sequence sees key j iff
+``i + off - left <= j <= i + off + right`` (-1 = unbounded) with
+``off = shift + (k_len - q_len if bottom_right else 0)``; ALiBi adds ``-slope * |i + off - j|``;
+a row that sees no key gets out = 0 and lse = -inf. Dropout keeps (seed, batch, head, row, col)
+by the counter-based hash of :mod:`tileattn.scores` (row and column within the sequence).
+
+``num_threads`` (default ``torch.get_num_threads()``) OpenMP threads run inside the call; the work
+split depends only on the problem, so the results are bitwise identical for any thread count and a
+row's result does not depend on the other batch items. ``block_m`` (query lanes per tile, default
+128) and ``block_n`` (keys per tile, default 256) change the tiling and therefore the rounding.
+``options`` takes the FORCE_* / *BF16DOT / NO_AMX flags below (tests and tuning).
+
+Cancellation: ``cancel`` is a :class:`CancelFlag` (or None). The kernels poll it between tiles;
+once set, every thread stops at its next tile, the call returns and the wrapper raises
+:class:`Cancelled` (outputs are then partly written). Another thread, a timer or a signal handler
+may set it. ``with flag.on_sigint():`` arms a C-level SIGINT handler around a call from the main
+thread: Ctrl-C sets the flag and is passed on to Python's own handler, so a long call stops within
+one tile and KeyboardInterrupt is raised as usual.
+
+Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) packed with
+``struct.pack_into`` into a per-thread buffer; only its "core" section (61 values) is packed on
+every call, optional sections (paged KV, mask, bias, ALiBi, backward) when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+from . import build as _build
+
+_F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+_DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
+_ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q"}
+_WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4}
+_ERR_LEN = 512
+
+#: status codes of the C functions
+OK, CANCELLED, EINVAL, ENOMEM = 0, 1, -1, -2
+
+#: options (bit flags) for tests and tuning; see csrc/ta.h
+FORCE_PREFILL, FORCE_DECODE, FORCE_SPLIT, FORCE_FUSED, NO_BF16DOT, BF16DOT, NO_AMX = 1, 2, 4, 8, 16, 32, 64
+
+#: What the kernels do natively. A call outside this is for another engine.
+CAPABILITIES = {
+    "dtypes": frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16}),
+    "forward": frozenset({"band", "shift", "gqa", "varlen", "seqused_k", "paged_kv", "softcap", "alibi",
+                          "mask", "bias", "dropout", "decode"}),
+    "backward": frozenset({"band", "shift", "gqa", "varlen", "seqused_k", "softcap", "alibi", "mask", "bias",
+                           "dbias", "dropout"}),
+}
+
+#: The core section in C's order, packed by every call (checked against the library at load time).
+CORE = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv", "dbias", "cu_q", "cu_k", "seqused_k",
+        "block_table", "alibi", "mask", "bias", "cancel", "err", "B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv", "Tq",
+        "Tk", "q_st", "k_st", "v_st", "o_st", "lse_st", "dtype", "out_dtype", "left", "right", "bottom_right",
+        "shift", "drop_threshold", "seed", "block_m", "block_n", "num_threads", "varlen", "paged", "options",
+        "scale", "softcap", "dropout_p")
+
+
+class Unavailable(RuntimeError):
+    """The native library cannot be used here (no compiler, failed build); the message says why."""
+
+
+class Cancelled(RuntimeError):
+    """A call stopped early because its CancelFlag was set."""
+
+
+class CancelFlag:
+    """An int32 the kernels poll between tiles; ``set()`` from any thread stops a running call."""
+
+    def __init__(self):
+        self._value = ctypes.c_int32(0)
+        self.address = ctypes.addressof(self._value)
+        self.by_sigint = False
+
+    def set(self):
+        self._value.value = 1
+
+    def clear(self):
+        self._value.value = 0
+        self.by_sigint = False
+
+    @property
+    def is_set(self) -> bool:
+        return self._value.value != 0
+
+    @contextlib.contextmanager
+    def on_sigint(self):
+        """Within the block (main thread), SIGINT also sets this flag; Python still gets its
+        KeyboardInterrupt once the native call returns."""
+        lib = _library().lib
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("CancelFlag.on_sigint() must be used from the main thread")
+        before = self._value.value
+        if lib.ta_sigint_arm(ctypes.c_void_p(self.address)) != 0:
+            raise OSError("sigaction(SIGINT) failed")
+        try:
+            yield self
+        finally:
+            lib.ta_sigint_disarm()
+            if self._value.value and not before:
+                self.by_sigint = True
+
+
+class _Library:
+    def __init__(self, info: _build.BuildInfo):
+        self.info = info
+        lib = ctypes.CDLL(info.path)
+        lib.ta_abi.restype = ctypes.c_char_p
+        lib.ta_build_info.restype = ctypes.c_char_p
+        for name in ("ta_forward", "ta_backward", "ta_sigint_arm"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+            getattr(lib, name).restype = ctypes.c_int
+        lib.ta_sigint_disarm.restype = ctypes.c_int
+        lib.ta_probe_bf16dot.restype = ctypes.c_double
+        lib.ta_probe_fma_gflops.restype = ctypes.c_double
+        lib.ta_probe_fma_gflops.argtypes = [ctypes.c_int64]
+        if "amx=1" in lib.ta_build_info().decode():
+            lib.ta_amx_available.restype = ctypes.c_int
+            self.amx_available = lambda: bool(lib.ta_amx_available())
+        else:
+            self.amx_available = lambda: False
+        self.lib = lib
+        self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
+        self.build_info = lib.ta_build_info().decode()
+        # the argument struct: one (byte offset, struct.Struct, field names) per section
+        fmt, names, offset, self.size = {}, {}, {}, 0
+        for field in lib.ta_abi().decode().strip(",").split(","):
+            section, name, kind = field.split(":")
+            offset.setdefault(section, self.size)
+            fmt[section] = fmt.get(section, "<") + _ELEMENT[kind]
+            names.setdefault(section, []).append(name)
+            self.size += 8 * _WIDTH[kind]
+        if tuple(names["core"]) != CORE:
+            raise _build.BuildError("the library's argument layout does not match kernels.py")
+        self.sections = {s: (offset[s], struct.Struct(fmt[s])) for s in fmt}
+        if offset["core"] != 0:
+            raise _build.BuildError("the library's argument layout does not start with its core section")
+        self.core = self.sections["core"][1]
+        self.local = threading.local()
+        self.bf16dot_speedup = self._probe()
+        #: vdpbf16ps tiles for bf16 where they beat fp32 tiles by a clear margin on this machine
+        self.default_options = BF16DOT if self.bf16dot_speedup >= 1.25 else 0
+
+    def _probe(self) -> float:
+        """vdpbf16ps vs fp32 FMA throughput, measured once per machine and kept beside the library
+        (so every process makes the same choice, and so computes the same bits)."""
+        path = Path(self.info.path).parent / "probe.json"
+        try:
+            return float(json.loads(path.read_text())["bf16dot_speedup"])
+        except (OSError, ValueError, KeyError):
+            pass
+        speedup = self.lib.ta_probe_bf16dot()
+        tmp = path.with_name(f"probe.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"bf16dot_speedup": speedup}))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return speedup
+
+    def buffers(self):
+        """This thread's argument struct and error buffer, allocated once."""
+        loc = self.local
+        if not hasattr(loc, "args"):
+            loc.args = ctypes.create_string_buffer(self.size)
+            loc.err = ctypes.create_string_buffer(_ERR_LEN)
+            loc.args_addr = ctypes.addressof(loc.args)
+            loc.err_addr = ctypes.addressof(loc.err)
+        return loc
+
+    def pack(self, section, loc, *values):
+        off, packer = self.sections[section]
+        packer.pack_into(loc.args, off, *values)
+
+
+_lock = threading.Lock()
+_state = {}
+
+
+def _library() -> _Library:
+    lib = _state.get("lib")
+    if lib is not None:
+        return lib
+    with _lock:
+        if "lib" not in _state:
+            if "error" in _state:
+                raise Unavailable(_state["error"])
+            try:
+                _state["lib"] = _Library(_build.build())
+            except (_build.BuildError, OSError) as exc:
+                _state["error"] = f"native kernels unavailable: {exc}"
+                raise Unavailable(_state["error"]) from exc
+    return _state["lib"]
+
+
+def load():
+    """Build (first use) and load the library; returns its :class:`~.build.BuildInfo`.
+
+    Raises :class:`Unavailable` with the reason when there is no compiler or the build fails; the
+    reason is remembered, so later calls fail fast without retrying the build.
+    """
+    return _library().info
+
+
+def available():
+    """(True, "") when the kernels can run here, else (False, reason)."""
+    try:
+        load()
+    except Unavailable as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def build_info() -> dict:
+    """Compiler, chosen ISA, cache path, build seconds and what the library was compiled with."""
+    lib = _library()
+    fields = dict(item.split("=", 1) for item in lib.build_info.split(";"))
+    info = lib.info
+    return dict(compiler=info.compiler, compiler_version=info.compiler_version, isa=info.isa,
+                flags=" ".join(info.flags), path=info.path, build_seconds=info.build_seconds, cached=info.cached,
+                openmp=fields.get("openmp") == "1", amx=lib.amx_available(),
+                bf16dot=fields.get("bf16dot") == "1",
+                bf16dot_speedup=round(lib.bf16dot_speedup, 2), bf16dot_default=bool(lib.default_options & BF16DOT))
+
+
+def fma_peak_gflops(threads=1) -> float:
+    """Measured fp32 FMA peak of `threads` cores (GFLOP/s), the yardstick of the benchmarks."""
+    return _library().lib.ta_probe_fma_gflops(int(threads))
+
+
+def supports(*, dtype, backward=False, features=()):
+    """Reasons (a list of strings, empty when supported) why a call is not native."""
+    why = []
+    if dtype not in CAPABILITIES["dtypes"]:
+        why.append(f"dtype {dtype} is not native")
+    native = CAPABILITIES["backward" if backward else "forward"]
+    for f in features:
+        if f not in native:
+            why.append(f"{f} is not native in the {'backward' if backward else 'forward'} pass")
+    return why
+
+
+# ----------------------------------------------------------------------------------- argument checks
+
+
+def _fail(arg, given, expected, exc=ValueError):
+    raise exc(f"tileattn native: argument '{arg}': got {given}; expected {expected}.")
+
+
+def _check(name, t, dim, dtype=None, dtype2=None):
+    """Shape and strides of a CPU tensor of `dim` dims with a unit last-dim stride (and dtype
+    `dtype` or `dtype2` when given)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
+    if not t.is_cpu:
+        _fail(name, f"device {t.device}", "a CPU tensor")
+    shape, st = t.shape, t.stride()
+    if len(shape) != dim:
+        _fail(name, f"shape {tuple(shape)}", f"a {dim}-d tensor")
+    if dtype is not None and t.dtype is not dtype and t.dtype is not dtype2:
+        _fail(name, f"dtype {t.dtype}", f"{dtype}" + (f" or {dtype2}" if dtype2 is not None else ""), TypeError)
+    if st[-1] != 1 and shape[-1] != 1 and t.numel():
+        _fail(name, f"strides {st}", "a unit stride in the last dimension (a strided view, not a copy)")
+    return shape, st
+
+
+def _same(name, shape, expected):
+    if shape != expected:  # torch.Size is a tuple
+        _fail(name, f"shape {tuple(shape)}", f"shape {tuple(expected)}")
+
+
+def _index(name, t, length):
+    if not isinstance(t, torch.Tensor) or t.dtype is not torch.int32 or t.dim() != 1 or not t.is_cpu:
+        _fail(name, getattr(t, "dtype", type(t).__name__), "a 1-d int32 CPU tensor", TypeError)
+    if not t.is_contiguous() or t.shape[0] != length:
+        _fail(name, f"shape {tuple(t.shape)}, strides {t.stride()}", f"a contiguous tensor of length {length}")
+    return t.data_ptr()
+
+
+def _bcast4(name, t, full, dtypes):
+    """Strides of a 4-d tensor broadcast to `full` (0 along its size-1 dims); any strides are read."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != 4 or not t.is_cpu:
+        _fail(name, getattr(t, "shape", type(t).__name__), f"a 4-d CPU tensor of dtype {' or '.join(map(str, dtypes))}",
+              TypeError)
+    st = []
+    for d, (n, f) in enumerate(zip(t.shape, full)):
+        if n != f and n != 1:
+            _fail(name, f"shape {tuple(t.shape)}", f"a 4-d shape broadcastable to {tuple(full)}")
+        st.append(t.stride(d) if n == f and f != 1 else 0)
+    return st
+
+
+def _acc(dtype):
+    return _F64 if dtype is _F64 else _F32
+
+
+def _out2(dtype):
+    """The second allowed dtype of outputs and gradients besides the input dtype: fp32."""
+    return None if dtype is _F64 else _F32
+
+
+# --------------------------------------------------------------------------------------------- calls
+
+
+def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                 dropout_p, seed, block_m, block_n, num_threads, options):
+    """The common call (padded q/k/v, no mask, bias, ALiBi or cancel flag) checked and packed with as
+    few Python operations as possible (a decode step is a few microseconds of C). Returns the full
+    (B, Hq, Sq, Sk) shape, or None when a check fails or the call is not this common one: then
+    _pack checks everything again and raises the precise error."""
+    try:
+        dtype = q.dtype
+        code = _DTYPES[dtype]
+        qs, ks, vs, os_, ls = q.shape, k.shape, v.shape, out.shape, lse.shape
+        qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
+        batch, hq, sq, d = qs
+        _, hkv, sk, dk = ks
+        dv = vs[3]
+        if not (q.is_cpu and k.is_cpu and v.is_cpu and out.is_cpu and lse.is_cpu) or \
+                k.dtype is not dtype or v.dtype is not dtype or \
+                (out.dtype is not dtype and (out.dtype is not _F32 or dtype is _F64)) or \
+                lse.dtype is not (_F64 if dtype is _F64 else _F32) or \
+                ks != (batch, hkv, sk, d) or vs != (batch, hkv, sk, dv) or os_ != (batch, hq, sq, dv) or \
+                ls != (batch, hq, sq) or not hkv or hq % hkv or not d or not dv or max(sq, sk) >= 2**31 - 1 or \
+                (qst[3] != 1 and d != 1) or (kst[3] != 1 and d != 1) or (vst[3] != 1 and dv != 1) or \
+                (ost[3] != 1 and dv != 1) or not 0.0 <= dropout_p < 1.0 or softcap < 0:
+            return None
+        used = 0 if seqused_k is None else _index("seqused_k", seqused_k, batch)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                       0, 0, 0, 0, 0, 0, 0, 0, used, 0, 0, 0, 0, 0, loc.err_addr,
+                       batch, hq, hkv, sq, sk, d, dv, 0, 0, qst[0], qst[1], qst[2], kst[0], kst[1], kst[2],
+                       vst[0], vst[1], vst[2], ost[0], ost[1], ost[2], lst[0], lst[1], lst[2],
+                       code, _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
+                       int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
+                       torch.get_num_threads() if num_threads is None else num_threads, 0, 0,
+                       options | lib.default_options, scale, softcap, dropout_p)
+    return batch, hq, sq, sk
+
+
+def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
+          cancel, options, backward):
+    """Validate the forward-shaped arguments and pack every section but the backward ones. Returns
+    the full (B, Hq, Sq, Sk) shape and whether the call is varlen, for the backward wrapper."""
+    if cu_seqlens_q is None and cu_seqlens_k is None and block_table is None and mask is None \
+            and bias is None and alibi_slopes is None and cancel is None:
+        full = _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                            dropout_p, seed, block_m, block_n, num_threads, options)
+        if full is not None:
+            return full, False
+    dtype = q.dtype if isinstance(q, torch.Tensor) else None
+    code = _DTYPES.get(dtype)
+    if code is None:
+        _fail("q", f"dtype {dtype}", "float32, float64, bfloat16 or float16", TypeError)
+    varlen, paged = cu_seqlens_q is not None, block_table is not None
+    if cu_seqlens_k is not None and not varlen:
+        _fail("cu_seqlens_k", "a tensor", "None unless cu_seqlens_q is given (varlen)")
+    if paged and cu_seqlens_k is not None:
+        _fail("cu_seqlens_k", "a tensor", "None with a block_table (key counts come from seqused_k)")
+    if varlen and not paged and cu_seqlens_k is None:
+        _fail("cu_seqlens_k", None, "int32 cumulative key offsets (varlen)")
+    if paged and backward:
+        _fail("block_table", "a paged KV cache in the backward pass", "k/v tensors (paged KV is forward-only)")
+    qdim = 3 if varlen else 4
+    kdim = 4 if paged else qdim
+    qs, qst = _check("q", q, qdim)
+    ks, kst = _check("k", k, kdim, dtype)
+    vs, vst = _check("v", v, kdim, dtype)
+    if varlen:
+        tq, hq, d = qs
+        batch, sq = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0, 0
+        q_st = (0, qst[1], qst[0])
+    else:
+        batch, hq, sq, d = qs
+        tq, q_st = 0, qst[:3]
+    if paged:
+        pages, page_size, hkv, dk = ks
+        dv = vs[3]
+        _same("v", vs, (pages, page_size, hkv, dv))
+        sk = tk = 0
+        k_st, v_st = (kst[0], kst[2], kst[1]), (vst[0], vst[2], vst[1])
+    elif varlen:
+        tk, hkv, dk = ks
+        dv = vs[2]
+        _same("v", vs, (tk, hkv, dv))
+        sk = 0
+        k_st, v_st = (0, kst[1], kst[0]), (0, vst[1], vst[0])
+    else:
+        hkv, sk, dk = ks[1], ks[2], ks[3]
+        dv = vs[3]
+        _same("k", ks, (batch, hkv, sk, dk))
+        _same("v", vs, (batch, hkv, sk, dv))
+        tk, k_st, v_st = 0, kst[:3], vst[:3]
+    if dk != d:
+        _fail("k", f"head dim {dk}", f"the head dim of q, {d}")
+    if hkv == 0 or hq % hkv:
+        _fail("k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads")
+    if d == 0 or dv == 0:
+        _fail("q/v", f"head dims {d}/{dv}", "positive head dims")
+    if max(sq, sk, tq, tk) >= 2**31 - 1:
+        _fail("q/k", "a sequence of 2^31 tokens or more", "fewer tokens")
+    os_, ost = _check("out", out, qdim, dtype, _out2(dtype))
+    ls, lst = _check("lse", lse, qdim - 1, _acc(dtype))
+    if varlen:
+        _same("out", os_, (tq, hq, dv))
+        _same("lse", ls, (hq, tq))
+        o_st, l_st = (0, ost[1], ost[0]), (0, lst[0], lst[1])
+        cu_q = _index("cu_seqlens_q", cu_seqlens_q, batch + 1)
+        cu_k = 0 if cu_seqlens_k is None else _index("cu_seqlens_k", cu_seqlens_k, batch + 1)
+    else:
+        _same("out", os_, (batch, hq, sq, dv))
+        _same("lse", ls, (batch, hq, sq))
+        o_st, l_st, cu_q, cu_k = ost[:3], lst, 0, 0
+    used = 0 if seqused_k is None else _index("seqused_k", seqused_k, batch)
+    if not 0.0 <= dropout_p < 1.0:
+        _fail("dropout_p", dropout_p, "a float in [0, 1)")
+    if softcap < 0:
+        _fail("softcap", softcap, "a float >= 0")
+    if cancel is not None and not isinstance(cancel, CancelFlag):
+        _fail("cancel", type(cancel).__name__, "a CancelFlag or None", TypeError)
+    mask_ptr = bias_ptr = alibi_ptr = bt_ptr = 0
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype is not torch.int32 or \
+                block_table.dim() != 2 or block_table.shape[0] != batch or not block_table.is_cpu:
+            _fail("block_table", getattr(block_table, "shape", type(block_table).__name__),
+                  f"an int32 CPU tensor of shape ({batch}, max_pages)", TypeError)
+        if block_table.shape[1] == 0 or page_size == 0:
+            _fail("block_table", f"shape {tuple(block_table.shape)} with page size {page_size}", "at least one page")
+        sk = block_table.shape[1] * page_size
+        bt_ptr = block_table.data_ptr()
+        lib.pack("paged", loc, pages, page_size, block_table.shape[1], *block_table.stride(), 0)
+    full = (batch, hq, sq, sk)
+    if mask is not None:
+        if varlen or paged:
+            _fail("mask", "a mask with varlen or paged inputs", "no mask (sequences are already separated)")
+        lib.pack("mask", loc, *_bcast4("mask", mask, full, (torch.bool,)))
+        mask_ptr = mask.data_ptr()
+    if bias is not None:
+        if varlen or paged:
+            _fail("bias", "a bias with varlen or paged inputs", "no bias")
+        lib.pack("bias", loc, *_bcast4("bias", bias, full, _DTYPES), _DTYPES[bias.dtype])
+        bias_ptr = bias.data_ptr()
+    if alibi_slopes is not None:
+        sl = alibi_slopes
+        if not isinstance(sl, torch.Tensor) or sl.dtype is not _F32 or tuple(sl.shape) not in ((hq,), (batch, hq)):
+            _fail("alibi_slopes", getattr(sl, "shape", type(sl).__name__), f"fp32 ({hq},) or ({batch}, {hq})")
+        lib.pack("alibi", loc, *((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()), 0)
+        alibi_ptr = sl.data_ptr()
+    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+             0, 0, 0, 0, 0, 0, cu_q, cu_k, used, bt_ptr, alibi_ptr, mask_ptr, bias_ptr,
+             0 if cancel is None else cancel.address, loc.err_addr,
+             batch, hq, hkv, sq, sk, d, dv, tq, tk, *q_st, *k_st, *v_st, *o_st, *l_st,
+             code, _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
+             int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
+             torch.get_num_threads() if num_threads is None else num_threads,
+             1 if varlen else 0, 1 if paged else 0, options | lib.default_options, scale, softcap, dropout_p)
+    return full, varlen
+
+
+def _raise(loc, status):
+    if status == CANCELLED:
+        raise Cancelled("tileattn native: the call was cancelled (its CancelFlag was set)")
+    if status == ENOMEM:
+        raise MemoryError("tileattn native: out of memory for tile buffers")
+    raise ValueError("tileattn native: " + loc.err.value.decode(errors="replace"))
+
+
+def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0, cu_seqlens_q=None,
+            cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
+            bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
+            options=0) -> None:
+    """Attention forward into ``out`` and ``lse`` (see the module docstring)."""
+    lib = _state.get("lib") or _library()
+    loc = lib.buffers()
+    if cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
+            bias is not None or alibi_slopes is not None or cancel is not None or \
+            _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                         dropout_p, seed, block_m, block_n, num_threads, options) is None:
+        _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+              seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
+              num_threads, cancel, options, False)
+    status = lib.forward_fn(loc.args_addr)
+    if status != OK:
+        _raise(loc, status)
+
+
+def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
+             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0,
+             alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0,
+             num_threads=None, cancel=None, options=0, dbias=None) -> None:
+    """Gradients into ``dq``, ``dk``, ``dv`` (overwritten) and ``dbias`` (added to)."""
+    lib = _state.get("lib") or _library()
+    loc = lib.buffers()
+    # dout takes out's place in the forward-shaped checks (same shape and dtype rules)
+    full, varlen = _pack(lib, loc, q, k, v, dout, lse, scale, left, right, bottom_right, shift, cu_seqlens_q,
+                         cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed,
+                         block_m, block_n, num_threads, cancel, options, True)
+    dtype = q.dtype
+    ds, dst = _check("delta", delta, lse.dim(), _acc(dtype))
+    _same("delta", ds, lse.shape)
+    if dst != lse.stride():
+        _fail("delta", f"strides {dst}", f"the strides of lse, {lse.stride()}")
+    strides = []
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        gs, gst = _check(name, grad, like.dim(), dtype, _out2(dtype))
+        _same(name, gs, like.shape)
+        strides.append((0, gst[1], gst[0]) if varlen else gst[:3])
+    if dk.dtype is not dv.dtype:
+        _fail("dv", f"dtype {dv.dtype}", f"the dtype of dk, {dk.dtype}", TypeError)
+    do_st = dout.stride()
+    lib.pack("bwd", loc, *((0, do_st[1], do_st[0]) if varlen else do_st[:3]), *strides[0], *strides[1],
+             *strides[2], _DTYPES[dout.dtype], _DTYPES[dq.dtype], _DTYPES[dk.dtype])
+    dbias_ptr = 0
+    if dbias is not None:
+        if bias is None:
+            _fail("dbias", "a buffer", "None when there is no bias")
+        lib.pack("dbias", loc, *_bcast4("dbias", dbias, full, (_acc(dtype),)))  # size-1 dims: reduced
+        dbias_ptr = dbias.data_ptr()
+    off = lib.sections["core"][0]
+    # the backward's pointers in the core section: out (not read) and, after lse, dout .. dbias
+    struct.pack_into("<Q", loc.args, off + 3 * 8, 0)
+    struct.pack_into("<6Q", loc.args, off + 5 * 8, dout.data_ptr(), delta.data_ptr(), dq.data_ptr(),
+                     dk.data_ptr(), dv.data_ptr(), dbias_ptr)
+    status = lib.backward_fn(loc.args_addr)
+    if status != OK:
+        _raise(loc, status)
