@@ -271,12 +271,17 @@ def test_nan_and_inf_propagate_like_the_reference(backend, where, value):
 # --------------------------------------------------------------------------------------- dispatch
 
 
-def test_auto_picks_cpu_not_reference(monkeypatch):
+def test_auto_picks_the_first_cpu_engine_never_the_reference(monkeypatch):
+    """The native engine when it is built here, else the PyTorch engine; never the reference."""
     q, k, v = make_qkv(b=1, hq=1, sq=4, sk=4, d=8)
     calls = _count_forward_calls(monkeypatch)
     tileattn.flash_attention(q, k, v)
-    assert calls == ["cpu"]
+    expected = "native" if tileattn.get_backend("native").unavailable_reason() is None else "cpu"
+    assert calls == [expected]
     assert tileattn.explain(q, k, v)["cpu"] == []
+    # Forcing the PyTorch engine by name (what TILEATTN_BACKEND=cpu does) runs it.
+    tileattn.flash_attention(q, k, v, backend="cpu")
+    assert calls == [expected, "cpu"]
 
 
 def test_env_variable_overrides_auto(monkeypatch):
@@ -337,7 +342,7 @@ def test_no_backend_for_call_lists_reasons(refusing_backend):
 def _count_forward_calls(monkeypatch):
     calls = []
     for b in list_backends():
-        if b.name in ("cpu", "reference"):
+        if b.name in ("native", "cpu", "reference"):
             real = b.forward
 
             def spy(spec, out, lse, _real=real, _name=b.name):

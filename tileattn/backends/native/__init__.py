@@ -1,13 +1,105 @@
-"""Native CPU kernels: FlashAttention forward, decode and backward in C, compiled on first use.
+"""The native engine: FlashAttention forward, decode and backward in C (:mod:`.kernels`), compiled on
+first use for this machine's CPU (:mod:`.build`), registered ahead of the PyTorch-ops ``cpu`` engine.
 
-Not registered with :mod:`tileattn.dispatch`; a backend calls :mod:`.kernels` directly. See
-``kernels.py`` for the interface, ``build.py`` for how and where the library is built, and
-``docs/native.md`` for the method and measurements.
+What the kernels do natively is declared as data (:data:`.kernels.CAPABILITIES`); dispatch routes
+anything else, or every call when the library cannot be built here (no compiler, a failed build:
+one warning says why), to the ``cpu`` engine. ``TILEATTN_BACKEND=cpu`` (or ``backend="cpu"``)
+forces the PyTorch engine, ``TILEATTN_BACKEND=native`` this one. Tile sizes come from the tune cache
+(``tileattn tune --backend native``) or the kernels' defaults. A long call from the main thread can
+be interrupted with Ctrl-C: the kernels stop at their next tile (:class:`.kernels.CancelFlag`).
 """
 
-from .build import BuildError, BuildInfo
-from .kernels import (CAPABILITIES, CancelFlag, Cancelled, Unavailable, available, backward, build_info, forward,
-                      load, supports)
+from __future__ import annotations
 
-__all__ = ["CAPABILITIES", "BuildError", "BuildInfo", "CancelFlag", "Cancelled", "Unavailable", "available",
-           "backward", "build_info", "forward", "load", "supports"]
+import contextlib
+import threading
+import warnings
+
+import torch
+
+from ...dispatch import ALL_DTYPES, Backend, Capabilities, Gradients, register
+from ...spec import AttentionSpec
+from ...tunecache import lookup
+from . import kernels
+
+#: Calls whose work (score elements) is below this run without arming the Ctrl-C hook: a decode
+#: step is tens of microseconds, and the hook costs a few.
+_INTERRUPTIBLE_WORK = 1 << 24
+
+
+class NativeBackend(Backend):
+    name = "native"
+    priority = 15
+    capabilities = Capabilities(
+        devices=frozenset(("cpu",)), dtypes=frozenset(kernels.CAPABILITIES["dtypes"]) & ALL_DTYPES,
+        modifiers=frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout")),
+    )
+    _warned = False
+
+    def unavailable_reason(self):
+        ok, why = kernels.available()
+        if ok:
+            return None
+        if not NativeBackend._warned:
+            NativeBackend._warned = True
+            warnings.warn(f"tileattn: the native CPU kernels are unavailable ({why}); the PyTorch engine "
+                          "('cpu') serves every call.", RuntimeWarning, stacklevel=2)
+        return f"native kernels unavailable: {why}"
+
+    def forward(self, spec: AttentionSpec, out, lse):
+        kwargs = self._call_arguments(spec)
+        with self._interruptible(spec) as cancel:
+            kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
+                            out, lse, cancel=cancel, **kwargs)
+
+    def backward(self, spec: AttentionSpec, grads: Gradients):
+        kwargs = self._call_arguments(spec)
+        lse = grads.lse.contiguous()
+        delta = grads.delta.to(lse.dtype).contiguous()
+        with self._interruptible(spec) as cancel:
+            kernels.backward(spec.q_c, spec.k_c, spec.v_c, grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
+                             grads.dv, cancel=cancel, dbias=grads.dbias, **kwargs)
+
+    @staticmethod
+    def _call_arguments(spec: AttentionSpec) -> dict:
+        """The kernels' keywords for a validated call."""
+        band, mask, bias = spec.modifier("band"), spec.modifier("mask"), spec.modifier("bias")
+        softcap, alibi, dropout = spec.modifier("softcap"), spec.modifier("alibi"), spec.modifier("dropout")
+        full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
+        tuned = lookup("native", spec) or {}
+        return dict(
+            scale=spec.scale,
+            left=-1 if band is None or band.left is None else band.left,
+            right=-1 if band is None or band.right is None else band.right,
+            bottom_right=spec.align == "bottom_right", shift=spec.align if isinstance(spec.align, int) else 0,
+            cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
+            block_table=spec.block_table, softcap=0.0 if softcap is None else softcap.cap,
+            alibi_slopes=None if alibi is None else alibi.slopes,
+            mask=None if mask is None else mask.view4.expand(full),
+            bias=None if bias is None else bias.view4.expand(full),
+            dropout_p=0.0 if dropout is None else dropout.p, seed=0 if dropout is None else dropout.seed,
+            block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0),
+        )
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _interruptible(spec: AttentionSpec):
+        """Yield a CancelFlag armed for Ctrl-C around a long call from the main thread (else None); a
+        call stopped by Ctrl-C ends in KeyboardInterrupt, as a Python loop would."""
+        work = spec.batch * spec.heads_q * spec.seqlen_q * max(spec.seqlen_k, 1)
+        if work < _INTERRUPTIBLE_WORK or threading.current_thread() is not threading.main_thread():
+            yield None
+            return
+        flag = kernels.CancelFlag()
+        try:
+            with flag.on_sigint():
+                yield flag
+        except kernels.Cancelled:
+            if flag.by_sigint:
+                raise KeyboardInterrupt from None
+            raise
+
+
+register(NativeBackend())
+
+__all__ = ["NativeBackend", "kernels"]
