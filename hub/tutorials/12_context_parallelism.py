@@ -249,7 +249,7 @@ check(all([rule(n, a, b, c) for n, a, b, c in zip(NAMES[2:], (dq, dk, dv), oracl
 
 # %%
 WORLD = 2
-cfg = dict(S=S, H=H, Hkv=HKV, D=D, S_time=pick(2048, 8192), H_time=4, Hkv_time=2, D_time=64, reps=5)
+cfg = dict(S=S, H=H, Hkv=HKV, D=D, S_time=pick(4096, 8192), H_time=4, Hkv_time=2, D_time=64, reps=5)
 ranks = spawn(two_ranks, WORLD, cfg)
 got = ranks[0]  # rank 0's copy of the unsharded results (every rank holds the same)
 for name in ("ring", "ring_contiguous"):

@@ -2,10 +2,10 @@
 
 Under ``torchrun`` this would be the script every rank runs after ``init_process_group``; in the
 tutorial :func:`tileattn.distributed.launch.run_local` starts the processes. It is a module of its
-own because a process started with ``spawn`` (the only safe start method once torch has threads)
-finds the function it must run by *importing* it: a tutorial's own functions are not importable (a
-notebook has no file, and a script would be re-run from the top in every child). :func:`spawn`
-deals with the second half of that (see its docstring).
+own because a process started with ``spawn`` (what ``run_local`` uses: ``fork`` is unsafe once
+torch has started threads) finds the function it must run by *importing* it: a tutorial's own
+functions are not importable (a notebook has no file, and a script would be re-run from the top in
+every child). :func:`spawn` deals with the second half of that (see its docstring).
 
 Nothing here judges anything: the ranks return their shards put back together, what they sent and
 how long they worked, and the tutorial checks it all against ``tileattn.reference`` in the parent.
