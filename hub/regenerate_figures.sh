@@ -5,6 +5,9 @@
 #
 #   hub/regenerate_figures.sh          every tutorial
 #   hub/regenerate_figures.sh 11 04    only these chapters (a new chapter need not re-measure the others)
+#
+# Chapter 12 starts its own groups of 2 and 4 local gloo processes (no launcher, no GPU) and takes
+# about 30 s; its measured work per rank is CPU time, but the run is best done on a quiet machine too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
