@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from tileattn.backends.native import kernels as nk
-from tileattn.bench import measure_peak_memory
+from tileattn.measure import peak_memory
 
 SECTIONS = ("machine", "grid", "lowp", "decode", "cache", "memory")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -247,7 +247,7 @@ def section_memory(args, rows, info):
         q, k, v = (torch.randn(1, heads, s, 64, generator=g) for _ in range(3))
         tiny = [t[:, :, :64] for t in (q, k, v)]
         native_provider(*tiny, False, "fwd+bwd")()  # the library is loaded; its tile buffers are not grown
-        peak = measure_peak_memory(native_provider(q, k, v, False, "fwd+bwd"), "cpu")
+        _, peak = peak_memory(native_provider(q, k, v, False, "fwd+bwd"), "cpu")
         outputs = 4 * q.numel() * 4 + 2 * heads * s * 4  # out, dq, dk, dv, lse, delta (allocated by the call)
         extra = None if peak is None else (peak - outputs) / 2**20
         info[f"memory_extra_mib_h{heads}"] = extra

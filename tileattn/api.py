@@ -15,12 +15,13 @@ directly, skipping the op's round trip.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
 
 from . import ops
-from .dispatch import explain as _explain, select
+from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail
 from .spec import AttentionSpec, build_spec, check_bool
 
@@ -115,15 +116,56 @@ def flash_attention(
         would work; :class:`tileattn.NoBackendError` when no engine can run the call.
     """
     check_bool("return_lse", return_lse)
-    spec = build_spec(
-        q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window, align=align,
-        mask=mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
-        generator=generator, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
-        deterministic=deterministic,
-    )
-    out, lse = run(spec, backend, partial=False)
+    plain = (mask is None and bias is None and alibi_slopes is None and sinks is None and dropout_p == 0
+             and seed is None and generator is None and cu_seqlens_q is None and cu_seqlens_k is None
+             and max_seqlen_q is None and max_seqlen_k is None and seqused_k is None and block_table is None)
+    key = _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend) \
+        if plain else None
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        # A call shape seen before: its validation and engine choice stand; only the tensors change.
+        spec, engine = plan[0].rebound(q, k, v), plan[1]
+    else:
+        spec = build_spec(
+            q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window, align=align,
+            mask=mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+            generator=generator, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+            deterministic=deterministic,
+        )
+        engine = select(spec, backend, backward=_needs_grad(spec))
+        if key is not None:
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = (spec, engine)
+    out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
+
+
+#: Validated call shapes and their engines, for calls with no tensor modifier (a decode loop or a
+#: training step repeats the same shape thousands of times). Bounded; the oldest entry goes first.
+_PLANS: dict = {}
+_PLAN_LIMIT = 256
+
+
+def _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend):
+    """Everything validation and dispatch read of a plain call, or None when the call is not one a
+    plan may serve (not tensors, a traced call, unhashable arguments: the full path then decides)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or torch.compiler.is_compiling():
+        return None
+    if q.is_nested or k.is_nested or v.is_nested or not (q.layout is k.layout is v.layout is torch.strided):
+        return None
+    if not (window is None or type(window) is tuple):
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+           v.dtype, v.device, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
+           os.environ.get("TILEATTN_BACKEND"), grad, registry_version())
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _needs_grad(spec: AttentionSpec) -> bool:
@@ -136,9 +178,11 @@ def _needs_grad(spec: AttentionSpec) -> bool:
 
 def run(spec: AttentionSpec, backend="auto", partial: bool = False):
     """(out, lse) of a validated call on the chosen engine."""
-    grad = _needs_grad(spec)
-    engine = select(spec, backend, backward=grad)
-    if grad or torch.compiler.is_compiling():
+    return _execute(spec, select(spec, backend, backward=_needs_grad(spec)), partial)
+
+
+def _execute(spec: AttentionSpec, engine, partial: bool):
+    if torch.compiler.is_compiling() or _needs_grad(spec):
         return ops.attention_forward(*ops.pack(spec, engine.name, partial))
     return ops.run_forward(spec, engine, partial)
 

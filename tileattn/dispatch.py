@@ -76,6 +76,13 @@ class Backend:
         """Why this engine cannot run on this machine at all (None: it can)."""
         return None
 
+    def _unavailable(self) -> Optional[str]:
+        """:meth:`unavailable_reason`, asked once: what a machine offers does not change while a
+        process runs, and dispatch asks on every call."""
+        if "_unavailable_answer" not in self.__dict__:
+            self._unavailable_answer = self.unavailable_reason()
+        return self._unavailable_answer
+
     def extra_reasons(self, spec: AttentionSpec, backward: bool) -> List[str]:
         """Engine-specific refusals beyond the declared capabilities."""
         return []
@@ -86,7 +93,7 @@ class Backend:
 
     def not_supported_reasons(self, spec: AttentionSpec, backward: bool = False) -> List[str]:
         """Every reason this engine cannot run ``spec`` (forward, and backward when asked)."""
-        unavailable = self.unavailable_reason()
+        unavailable = self._unavailable()
         if unavailable:
             return [unavailable]
         cap = self.capabilities
@@ -148,7 +155,16 @@ _REGISTRY: Dict[str, Backend] = {}
 
 def register(backend: Backend) -> Backend:
     _REGISTRY[backend.name] = backend
+    _VERSION[0] += 1
     return backend
+
+
+_VERSION = [0]
+
+
+def registry_version() -> tuple:
+    """Changes whenever the set of engines changes (so remembered engine choices are redone)."""
+    return _VERSION[0], id(_REGISTRY), len(_REGISTRY)
 
 
 def list_backends() -> List[Backend]:

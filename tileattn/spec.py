@@ -129,6 +129,17 @@ class AttentionSpec:
                 return m
         return None
 
+    def rebound(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "AttentionSpec":
+        """This validated call with other q, k, v of the same shapes, strides, dtypes and devices
+        (and no tensor modifiers): what a repeated call shape reuses instead of validating again.
+        Derived geometry (``sequences``) is shared, as it depends only on the shapes."""
+        spec = object.__new__(AttentionSpec)
+        spec.__dict__.update(self.__dict__)
+        heads_kv = self.heads_kv if self.layout in ("BSH", "SBH") else None
+        spec.__dict__.update(q=q, k=k, v=v, q_c=to_canonical(q, self.layout, self.heads_q),
+                             k_c=to_canonical(k, self.layout, heads_kv), v_c=to_canonical(v, self.layout, heads_kv))
+        return spec
+
     def without(self, kind: str) -> "AttentionSpec":
         """The same call without its modifier of ``kind`` (what engines see of a call with sinks)."""
         if self.modifier(kind) is None:
