@@ -142,14 +142,14 @@ def test_bench_marks_unsupported_cells_instead_of_crashing(capsys):
 
 def test_memory_shows_naive_quadratic_growth_and_tileattn_savings(tmp_path):
     out_csv, out_png = tmp_path / "mem.csv", tmp_path / "mem.png"
-    # Score matrices of 4, 16, 64 and 256 MiB; the cap (0.15 GiB) admits naive up to S=2048. The CPU
-    # engine keeps a fixed ~8 MiB of per-worker tile buffers, so the savings are judged at S=2048,
-    # where naive's quadratic term dominates.
+    # Score matrices of 4, 16, 64 and 256 MiB; the cap (0.15 GiB) admits naive up to S=2048. tileattn
+    # (the native engine here) keeps per-thread tile buffers of fixed size, so the savings are judged
+    # at S=2048, where naive's quadratic term dominates.
     r = cli("memory", "--seqlens", "512,1024,2048,4096", "--heads", "4", "--head-dim", "32", "--modes", "fwd",
             "--cap-gib", "0.15", "--csv", out_csv, "--plot", out_png, "--quiet")
     assert r.returncode == 0, r.stdout + r.stderr
     header = table_header(r.stdout, "S")
-    for col in ("score matrix", "naive peak", "tileattn (cpu) peak", "saving"):
+    for col in ("score matrix", "naive peak", "tileattn (native) peak", "saving"):
         assert col in header
     assert "skipped (> cap)" in r.stdout
     with open(out_csv) as f:
