@@ -58,6 +58,46 @@ def test_env_reports_versions_machine_and_backends(capsys):
     assert "cpu" in by_name["cpu"]["usable_on"]
     if "triton" in by_name and not by_name["triton"]["usable_on"]:
         assert by_name["triton"]["reasons"], "an unusable backend must say why"
+    native = info["native"]
+    assert native["available"] and "cpu" in by_name["native"]["usable_on"]
+    assert native["isa"] in ("avx512", "avx2", "generic") and native["compiler_version"]
+    assert os.path.isfile(native["path"]) and native["path"].startswith(native["cache_dir"])
+    assert isinstance(native["amx"], bool) and isinstance(native["bf16dot_default"], bool)
+    for line in ("native kernels", "status       available", f"isa          {native['isa']}", "AMX          ",
+                 "bf16 dot     ", f"library      {native['path']}", native["compiler_version"]):
+        assert line in r.stdout, line
+
+
+def test_env_reports_the_first_build_then_the_cache(tmp_path):
+    first = cli("env", "--json", cache_dir=tmp_path)
+    assert first.returncode == 0, first.stderr
+    built = json.loads(first.stdout)["native"]
+    assert built["available"] and not built["cached"] and built["build_seconds"] > 0
+    assert built["path"].startswith(str(tmp_path / "native"))
+    again = cli("env", cache_dir=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"loaded from the cache (built in {built['build_seconds']:.1f} s on first use)" in again.stdout
+    assert f"library      {built['path']}" in again.stdout
+
+
+def test_env_without_a_compiler_says_why_native_is_unavailable(tmp_path):
+    """No compiler and nothing cached: env still exits 0, the cpu engine works, native says why."""
+    no_cc = dict(CC="/nonexistent")
+    r = cli("env", "--json", cache_dir=tmp_path, env=no_cc)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["ok"] is True
+    why = "$CC='/nonexistent' is not an executable compiler"
+    assert info["native"]["available"] is False and why in info["native"]["reason"]
+    assert info["native"]["cache_dir"] == str(tmp_path / "native")
+    by_name = {b["name"]: b for b in info["backends"]}
+    assert by_name["native"]["usable_on"] == [] and why in by_name["native"]["reasons"]["cpu"][0]
+    assert "cpu" in by_name["cpu"]["usable_on"]
+    text = cli("env", cache_dir=tmp_path, env=no_cc)
+    assert text.returncode == 0, text.stderr
+    assert f"status       unavailable: {why}" in text.stdout
+    assert "the PyTorch-ops engine ('cpu') serves every CPU call" in text.stdout
+    assert not list((tmp_path / "native").glob("*/*.so")), "nothing may be built without a compiler"
 
 
 def test_verify_passes_for_every_usable_backend():
