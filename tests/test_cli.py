@@ -37,6 +37,16 @@ def python(code, cache_dir=None, timeout=240):
                           env=full_env, timeout=timeout)
 
 
+def native_cache_into(cache_dir):
+    """Let a ``cache_dir`` of a test's own (for the tune cache) share this session's built native
+    library instead of compiling it again: ``<cache_dir>/native`` points at the session's folder."""
+    from tileattn.backends.native import build, kernels
+
+    kernels.load()
+    (cache_dir / "native").symlink_to(build.cache_dir(), target_is_directory=True)
+    return cache_dir
+
+
 def table_header(stdout: str, first_column: str) -> list:
     """Column names of the first table whose header starts with ``first_column``."""
     for line in stdout.splitlines():
@@ -216,7 +226,7 @@ def test_memory_shows_naive_quadratic_growth_and_tileattn_savings(tmp_path):
 
 def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
     out_json = tmp_path / "tune.json"
-    r = cli("tune", "--shape", "1,2,256,32", "--budget-kib", "64", "--reps", "1", "--warmup", "0",
+    r = cli("tune", "--backend", "cpu", "--shape", "1,2,256,32", "--budget-kib", "64", "--reps", "1", "--warmup", "0",
             "--json", out_json, "--quiet", cache_dir=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     header = table_header(r.stdout, "block_m")
@@ -247,6 +257,44 @@ def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
     bm, bn, obm, obn = json.loads(check.stdout)
     assert (bm, bn) == (winner["block_m"], winner["block_n"])
     assert doc["cache_path"] == str(tmp_path / "tune_cache.json")
+
+
+def test_tune_native_checks_times_and_stores_a_winner_the_native_engine_uses(tmp_path):
+    """`tune --backend native` (the default on CPU): the budget model rejects the large tiles, every
+    survivor passes the accuracy rule before it is timed, and the winner reaches the kernels' call."""
+    native_cache_into(tmp_path)
+    out_json = tmp_path / "tune.json"
+    r = cli("tune", "--shape", "1,2,256,32", "--budget-kib", "256", "--reps", "2", "--warmup", "0",
+            "--json", out_json, "--quiet", cache_dir=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tileattn tune: backend native" in r.stdout and "timing fwd+bwd" in r.stdout
+    assert "> budget 256 KiB" in r.stdout
+    doc = json.loads(out_json.read_text())
+    assert doc["backend"] == "native" and doc["mode"] == "fwd+bwd"
+    by_tiles = {(c["block_m"], c["block_n"]): c for c in doc["candidates"]}
+    # lanes clamped to the 256 rows of a kv head, keys to the 256 keys: 4 x 3 candidates
+    assert set(by_tiles) == {(m, n) for m in (32, 64, 128, 256) for n in (64, 128, 256)}
+    assert by_tiles[(128, 256)]["current"], "the kernels' default is the current configuration"
+    for c in doc["candidates"]:
+        assert (c["status"] == "rejected") == (c["working_set_bytes"] > 256 * 1024), c
+        if c["status"] == "timed":
+            assert c["max_error_ratio"] <= 1.0 and len(c["times_ms"]) == 2
+    timed = [c for c in doc["candidates"] if c["status"] == "timed"]
+    assert len(timed) >= 2
+    best = min(timed, key=lambda c: c["median_ms"])
+    assert doc["winner"] == {"block_m": best["block_m"], "block_n": best["block_n"]}
+
+    check = python("""
+        import json, torch
+        from tileattn.backends.native import NativeBackend
+        from tileattn.spec import build_spec
+        x = torch.empty(1, 2, 256, 32)
+        tuned = NativeBackend._call_arguments(build_spec(x, x, x))
+        other = NativeBackend._call_arguments(build_spec(x, x, x, causal=True))
+        print(json.dumps([tuned["block_m"], tuned["block_n"], other["block_m"], other["block_n"]]))
+    """, cache_dir=tmp_path)
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout) == [doc["winner"]["block_m"], doc["winner"]["block_n"], 0, 0]
 
 
 @pytest.mark.parametrize("argv", [
@@ -300,12 +348,24 @@ def test_contest_module_plugs_in_through_add_subparser(monkeypatch):
 def test_tuning_models_and_override_are_consistent():
     import torch
 
-    from tileattn import tuning
+    from tileattn import tunecache, tuning
     from tileattn.backends.cpu import default_config
     from tileattn.spec import build_spec
 
     x = torch.empty(1, 4, 100, 40, dtype=torch.float16)
     inp = build_spec(x, x, x)
+    # Native: lanes clamped to the 128 rows of a kv head, keys to 128; key tiles in multiples of 32.
+    native = tuning.native_candidates(inp)
+    assert {(c["block_m"], c["block_n"]) for c in native} == {(m, n) for m in (32, 64, 128) for n in (64, 128)}
+    assert all(not tunecache.problems("native", c) for c in native)
+    gqa = build_spec(torch.empty(1, 8, 1, 64), torch.empty(1, 2, 512, 64), torch.empty(1, 2, 512, 64))
+    assert {c["block_m"] for c in tuning.native_candidates(gqa)} == {32}  # 4 rows per kv head: one panel
+    sizes = [tuning.native_working_set({"block_m": m, "block_n": n}, inp) for m, n in ((32, 64), (32, 128), (64, 128))]
+    assert 0 < sizes[0] < sizes[1] < sizes[2]
+    # the kernels' default tiles fit a 2 MiB L2 at the benchmark's head dims, in fp32
+    for d in (64, 128):
+        y = torch.empty(1, 8, 4096, d)
+        assert tuning.native_working_set(tuning.NATIVE_DEFAULT, build_spec(y, y, y)) < 2 * 2**20
     # Blocks longer than the sequence are clamped, so no two candidates launch the same tiles.
     cpu = tuning.cpu_candidates(inp)
     assert len(cpu) == len({(c["block_m"], c["block_n"]) for c in cpu})
