@@ -157,9 +157,11 @@ def test_bench_quick_writes_table_csv_json_and_plot(tmp_path):
         reader = csv.DictReader(f)
         rows = list(reader)
     assert reader.fieldnames == BENCH_FIELDS
-    # quick: 2 lengths x 2 modes x 3 providers.
-    assert len(rows) == 12
-    assert {r_["provider"] for r_ in rows} == {"cpu", "sdpa", "naive"}
+    # quick: 2 lengths x 2 modes x 4 providers; tileattn is what dispatch runs: the native engine.
+    assert len(rows) == 16
+    assert {(r_["provider"], r_["engine"]) for r_ in rows} == {("tileattn", "native"), ("cpu", "cpu"),
+                                                              ("sdpa", "sdpa"), ("naive", "naive")}
+    assert "engine" in header and " tileattn  native " in r.stdout
     for row in rows:
         assert row["status"] == "ok", row
         assert float(row["median_ms"]) > 0 and float(row["gflops_per_s"]) > 0
@@ -172,7 +174,7 @@ def test_bench_quick_writes_table_csv_json_and_plot(tmp_path):
 
     doc = json.loads(paths["json"].read_text())
     assert {"settings", "versions", "machine", "results"} <= set(doc)
-    assert len(doc["results"]) == 12
+    assert len(doc["results"]) == 16
     assert set(BENCH_FIELDS) <= set(doc["results"][0]) and len(doc["results"][0]["times_ms"]) == 2
     png = paths["png"].read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 2000
