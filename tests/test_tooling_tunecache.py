@@ -258,7 +258,8 @@ def test_tileattn_tune_replaces_a_malformed_entry(tmp_path):
     (tmp_path / tunecache.CACHE_FILE).write_text(json.dumps({key: {"block_m": "abc", "block_n": 64}}))
     env = dict(os.environ, TILEATTN_CACHE_DIR=str(tmp_path))
     env.pop("TILEATTN_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-m", "tileattn", "tune", "--shape", ",".join(map(str, shape)),
+    proc = subprocess.run([sys.executable, "-m", "tileattn", "tune", "--backend", "cpu",
+                           "--shape", ",".join(map(str, shape)),
                            "--mode", "fwd", "--reps", "1", "--warmup", "0", "--quiet", "--budget-kib", "256"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
