@@ -37,6 +37,16 @@ def python(code, cache_dir=None, timeout=240):
                           env=full_env, timeout=timeout)
 
 
+def native_cache_into(cache_dir):
+    """Let a ``cache_dir`` of a test's own (for the tune cache) share this session's built native
+    library instead of compiling it again: ``<cache_dir>/native`` points at the session's folder."""
+    from tileattn.backends.native import build, kernels
+
+    kernels.load()
+    (cache_dir / "native").symlink_to(build.cache_dir(), target_is_directory=True)
+    return cache_dir
+
+
 def table_header(stdout: str, first_column: str) -> list:
     """Column names of the first table whose header starts with ``first_column``."""
     for line in stdout.splitlines():
@@ -58,6 +68,46 @@ def test_env_reports_versions_machine_and_backends(capsys):
     assert "cpu" in by_name["cpu"]["usable_on"]
     if "triton" in by_name and not by_name["triton"]["usable_on"]:
         assert by_name["triton"]["reasons"], "an unusable backend must say why"
+    native = info["native"]
+    assert native["available"] and "cpu" in by_name["native"]["usable_on"]
+    assert native["isa"] in ("avx512", "avx2", "generic") and native["compiler_version"]
+    assert os.path.isfile(native["path"]) and native["path"].startswith(native["cache_dir"])
+    assert isinstance(native["amx"], bool) and isinstance(native["bf16dot_default"], bool)
+    for line in ("native kernels", "status       available", f"isa          {native['isa']}", "AMX          ",
+                 "bf16 dot     ", f"library      {native['path']}", native["compiler_version"]):
+        assert line in r.stdout, line
+
+
+def test_env_reports_the_first_build_then_the_cache(tmp_path):
+    first = cli("env", "--json", cache_dir=tmp_path)
+    assert first.returncode == 0, first.stderr
+    built = json.loads(first.stdout)["native"]
+    assert built["available"] and not built["cached"] and built["build_seconds"] > 0
+    assert built["path"].startswith(str(tmp_path / "native"))
+    again = cli("env", cache_dir=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"loaded from the cache (built in {built['build_seconds']:.1f} s on first use)" in again.stdout
+    assert f"library      {built['path']}" in again.stdout
+
+
+def test_env_without_a_compiler_says_why_native_is_unavailable(tmp_path):
+    """No compiler and nothing cached: env still exits 0, the cpu engine works, native says why."""
+    no_cc = dict(CC="/nonexistent")
+    r = cli("env", "--json", cache_dir=tmp_path, env=no_cc)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["ok"] is True
+    why = "$CC='/nonexistent' is not an executable compiler"
+    assert info["native"]["available"] is False and why in info["native"]["reason"]
+    assert info["native"]["cache_dir"] == str(tmp_path / "native")
+    by_name = {b["name"]: b for b in info["backends"]}
+    assert by_name["native"]["usable_on"] == [] and why in by_name["native"]["reasons"]["cpu"][0]
+    assert "cpu" in by_name["cpu"]["usable_on"]
+    text = cli("env", cache_dir=tmp_path, env=no_cc)
+    assert text.returncode == 0, text.stderr
+    assert f"status       unavailable: {why}" in text.stdout
+    assert "the PyTorch-ops engine ('cpu') serves every CPU call" in text.stdout
+    assert not list((tmp_path / "native").glob("*/*.so")), "nothing may be built without a compiler"
 
 
 def test_verify_passes_for_every_usable_backend():
@@ -107,9 +157,11 @@ def test_bench_quick_writes_table_csv_json_and_plot(tmp_path):
         reader = csv.DictReader(f)
         rows = list(reader)
     assert reader.fieldnames == BENCH_FIELDS
-    # quick: 2 lengths x 2 modes x 3 providers.
-    assert len(rows) == 12
-    assert {r_["provider"] for r_ in rows} == {"cpu", "sdpa", "naive"}
+    # quick: 2 lengths x 2 modes x 4 providers; tileattn is what dispatch runs: the native engine.
+    assert len(rows) == 16
+    assert {(r_["provider"], r_["engine"]) for r_ in rows} == {("tileattn", "native"), ("cpu", "cpu"),
+                                                              ("sdpa", "sdpa"), ("naive", "naive")}
+    assert "engine" in header and " tileattn  native " in r.stdout
     for row in rows:
         assert row["status"] == "ok", row
         assert float(row["median_ms"]) > 0 and float(row["gflops_per_s"]) > 0
@@ -122,7 +174,7 @@ def test_bench_quick_writes_table_csv_json_and_plot(tmp_path):
 
     doc = json.loads(paths["json"].read_text())
     assert {"settings", "versions", "machine", "results"} <= set(doc)
-    assert len(doc["results"]) == 12
+    assert len(doc["results"]) == 16
     assert set(BENCH_FIELDS) <= set(doc["results"][0]) and len(doc["results"][0]["times_ms"]) == 2
     png = paths["png"].read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 2000
@@ -142,14 +194,14 @@ def test_bench_marks_unsupported_cells_instead_of_crashing(capsys):
 
 def test_memory_shows_naive_quadratic_growth_and_tileattn_savings(tmp_path):
     out_csv, out_png = tmp_path / "mem.csv", tmp_path / "mem.png"
-    # Score matrices of 4, 16, 64 and 256 MiB; the cap (0.15 GiB) admits naive up to S=2048. The CPU
-    # engine keeps a fixed ~8 MiB of per-worker tile buffers, so the savings are judged at S=2048,
-    # where naive's quadratic term dominates.
+    # Score matrices of 4, 16, 64 and 256 MiB; the cap (0.15 GiB) admits naive up to S=2048. tileattn
+    # (the native engine here) keeps per-thread tile buffers of fixed size, so the savings are judged
+    # at S=2048, where naive's quadratic term dominates.
     r = cli("memory", "--seqlens", "512,1024,2048,4096", "--heads", "4", "--head-dim", "32", "--modes", "fwd",
             "--cap-gib", "0.15", "--csv", out_csv, "--plot", out_png, "--quiet")
     assert r.returncode == 0, r.stdout + r.stderr
     header = table_header(r.stdout, "S")
-    for col in ("score matrix", "naive peak", "tileattn (cpu) peak", "saving"):
+    for col in ("score matrix", "naive peak", "tileattn (native) peak", "saving"):
         assert col in header
     assert "skipped (> cap)" in r.stdout
     with open(out_csv) as f:
@@ -176,7 +228,7 @@ def test_memory_shows_naive_quadratic_growth_and_tileattn_savings(tmp_path):
 
 def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
     out_json = tmp_path / "tune.json"
-    r = cli("tune", "--shape", "1,2,256,32", "--budget-kib", "64", "--reps", "1", "--warmup", "0",
+    r = cli("tune", "--backend", "cpu", "--shape", "1,2,256,32", "--budget-kib", "64", "--reps", "1", "--warmup", "0",
             "--json", out_json, "--quiet", cache_dir=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     header = table_header(r.stdout, "block_m")
@@ -207,6 +259,44 @@ def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
     bm, bn, obm, obn = json.loads(check.stdout)
     assert (bm, bn) == (winner["block_m"], winner["block_n"])
     assert doc["cache_path"] == str(tmp_path / "tune_cache.json")
+
+
+def test_tune_native_checks_times_and_stores_a_winner_the_native_engine_uses(tmp_path):
+    """`tune --backend native` (the default on CPU): the budget model rejects the large tiles, every
+    survivor passes the accuracy rule before it is timed, and the winner reaches the kernels' call."""
+    native_cache_into(tmp_path)
+    out_json = tmp_path / "tune.json"
+    r = cli("tune", "--shape", "1,2,256,32", "--budget-kib", "256", "--reps", "2", "--warmup", "0",
+            "--json", out_json, "--quiet", cache_dir=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tileattn tune: backend native" in r.stdout and "timing fwd+bwd" in r.stdout
+    assert "> budget 256 KiB" in r.stdout
+    doc = json.loads(out_json.read_text())
+    assert doc["backend"] == "native" and doc["mode"] == "fwd+bwd"
+    by_tiles = {(c["block_m"], c["block_n"]): c for c in doc["candidates"]}
+    # lanes clamped to the 256 rows of a kv head, keys to the 256 keys: 4 x 3 candidates
+    assert set(by_tiles) == {(m, n) for m in (32, 64, 128, 256) for n in (64, 128, 256)}
+    assert by_tiles[(128, 256)]["current"], "the kernels' default is the current configuration"
+    for c in doc["candidates"]:
+        assert (c["status"] == "rejected") == (c["working_set_bytes"] > 256 * 1024), c
+        if c["status"] == "timed":
+            assert c["max_error_ratio"] <= 1.0 and len(c["times_ms"]) == 2
+    timed = [c for c in doc["candidates"] if c["status"] == "timed"]
+    assert len(timed) >= 2
+    best = min(timed, key=lambda c: c["median_ms"])
+    assert doc["winner"] == {"block_m": best["block_m"], "block_n": best["block_n"]}
+
+    check = python("""
+        import json, torch
+        from tileattn.backends.native import NativeBackend
+        from tileattn.spec import build_spec
+        x = torch.empty(1, 2, 256, 32)
+        tuned = NativeBackend._call_arguments(build_spec(x, x, x))
+        other = NativeBackend._call_arguments(build_spec(x, x, x, causal=True))
+        print(json.dumps([tuned["block_m"], tuned["block_n"], other["block_m"], other["block_n"]]))
+    """, cache_dir=tmp_path)
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout) == [doc["winner"]["block_m"], doc["winner"]["block_n"], 0, 0]
 
 
 @pytest.mark.parametrize("argv", [
@@ -260,12 +350,24 @@ def test_contest_module_plugs_in_through_add_subparser(monkeypatch):
 def test_tuning_models_and_override_are_consistent():
     import torch
 
-    from tileattn import tuning
+    from tileattn import tunecache, tuning
     from tileattn.backends.cpu import default_config
     from tileattn.spec import build_spec
 
     x = torch.empty(1, 4, 100, 40, dtype=torch.float16)
     inp = build_spec(x, x, x)
+    # Native: lanes clamped to the 128 rows of a kv head, keys to 128; key tiles in multiples of 32.
+    native = tuning.native_candidates(inp)
+    assert {(c["block_m"], c["block_n"]) for c in native} == {(m, n) for m in (32, 64, 128) for n in (64, 128)}
+    assert all(not tunecache.problems("native", c) for c in native)
+    gqa = build_spec(torch.empty(1, 8, 1, 64), torch.empty(1, 2, 512, 64), torch.empty(1, 2, 512, 64))
+    assert {c["block_m"] for c in tuning.native_candidates(gqa)} == {32}  # 4 rows per kv head: one panel
+    sizes = [tuning.native_working_set({"block_m": m, "block_n": n}, inp) for m, n in ((32, 64), (32, 128), (64, 128))]
+    assert 0 < sizes[0] < sizes[1] < sizes[2]
+    # the kernels' default tiles fit a 2 MiB L2 at the benchmark's head dims, in fp32
+    for d in (64, 128):
+        y = torch.empty(1, 8, 4096, d)
+        assert tuning.native_working_set(tuning.NATIVE_DEFAULT, build_spec(y, y, y)) < 2 * 2**20
     # Blocks longer than the sequence are clamped, so no two candidates launch the same tiles.
     cpu = tuning.cpu_candidates(inp)
     assert len(cpu) == len({(c["block_m"], c["block_n"]) for c in cpu})

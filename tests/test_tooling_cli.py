@@ -45,7 +45,7 @@ BAD_VALUES = [
     (["verify", "--shape", "100000,100000,100000,128"], ["--shape 100000,100000,100000,128 would need about 2.86e+06 "
                                                          "PiB of memory", "available: choose a smaller shape"]),
     (["tune", "--shape", "1,8,131072,64"], ["--shape 1,8,131072,64 would need about 4.0 TiB of memory"]),
-    (["bench", "--seqlens", "4000000", "--heads", "64"], ["S=4000000", "with cpu, sdpa, naive would need about"]),
+    (["bench", "--seqlens", "4000000", "--heads", "64"], ["S=4000000", "with tileattn, cpu, sdpa, naive would need about"]),
     (["memory", "--seqlens", "1024," + "9" * 30], ["would need about", "of memory"]),
     (["bench", "--batch", "many"], ["argument --batch: got 'many'"]),
     (["bench", "--reps", "-2"], ["argument --reps: got '-2'"]),
@@ -53,7 +53,7 @@ BAD_VALUES = [
     (["memory", "--cap-gib", "inf"], ["argument --cap-gib: got 'inf'"]),
     (["bench", "--providers", "cpu,warp-drive"], ["argument --providers: unknown warp-drive"]),
     (["verify", "--backend", "abacus"], ["argument --backend: got 'abacus'"]),
-    (["tune", "--shape", "1,2,64,16", "--backend", "reference"], ["tuning exists for cpu, triton"]),
+    (["tune", "--shape", "1,2,64,16", "--backend", "reference"], ["tuning exists for native, cpu, triton"]),
     (["contest", "score", "x.py", "--seed", "-3"], ["argument --seed: got '-3'"]),
     (["contest", "score", "x.py", "--time-limit", "inf"], ["argument --time-limit: got 'inf'"]),
     (["contest", "score", "x.py", "--threads", "two"], ["argument --threads: got 'two'"]),

@@ -130,6 +130,42 @@ def test_triton_entries_follow_the_kernels_rules(cache, config, problem):
         assert tunecache.lookup("triton", inp) is None
 
 
+@pytest.mark.parametrize("config, problem", [
+    ({"block_m": 128, "block_n": 48}, "block_n: 48 is not a multiple of 32 in 32..8192"),
+    ({"block_m": 128, "block_n": 33}, "block_n: 33 is not a multiple of 32"),
+    ({"block_m": 128, "block_n": 16384}, "block_n: 16384 is not a multiple of 32 in 32..8192"),
+    ({"block_m": 0, "block_n": 64}, "block_m: 0 is outside 1..4096"),
+    ({"block_m": 64}, "missing key 'block_n'"),
+])
+def test_native_entries_follow_the_kernels_rules_and_reach_the_kernels(cache, config, problem, monkeypatch):
+    """A bad native entry is ignored with a warning and the kernels get their defaults (0: 128 lanes x
+    256 keys); a valid one is what they are called with, forward and backward."""
+    from tileattn.backends.native import kernels
+
+    calls = []
+
+    def spy(real):
+        def call(*args, **kwargs):
+            calls.append((kwargs["block_m"], kwargs["block_n"]))
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(kernels, "forward", spy(kernels.forward))
+    monkeypatch.setattr(kernels, "backward", spy(kernels.backward))
+    q, k, v = _qkv(requires_grad=True)
+    inp = build_spec(q, k, v)
+    assert tunecache.problems("native", {"block_m": 40, "block_n": 96}) == []
+    assert problem in "; ".join(tunecache.problems("native", config))
+    _write(cache, {tunecache.cache_key("native", inp): config})
+    with pytest.warns(tunecache.TuneCacheWarning, match=problem.split(" is ")[0]):
+        tileattn.flash_attention(q, k, v, backend="native").sum().backward()
+    _write(cache, {tunecache.cache_key("native", inp): {"block_m": 40, "block_n": 96}})
+    out = tileattn.flash_attention(q, k, v, backend="native")
+    out.sum().backward()
+    assert calls == [(0, 0), (0, 0), (40, 96), (40, 96)]
+    assert torch.allclose(out, tileattn.reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
 def test_overriding_and_store_refuse_an_invalid_config(cache):
     inp = build_spec(*_qkv())
     with pytest.raises(ValueError, match=r"argument 'config'.*block_m: 0 is outside"):
@@ -222,7 +258,8 @@ def test_tileattn_tune_replaces_a_malformed_entry(tmp_path):
     (tmp_path / tunecache.CACHE_FILE).write_text(json.dumps({key: {"block_m": "abc", "block_n": 64}}))
     env = dict(os.environ, TILEATTN_CACHE_DIR=str(tmp_path))
     env.pop("TILEATTN_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-m", "tileattn", "tune", "--shape", ",".join(map(str, shape)),
+    proc = subprocess.run([sys.executable, "-m", "tileattn", "tune", "--backend", "cpu",
+                           "--shape", ",".join(map(str, shape)),
                            "--mode", "fwd", "--reps", "1", "--warmup", "0", "--quiet", "--budget-kib", "256"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

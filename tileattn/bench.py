@@ -3,10 +3,12 @@
 Used by ``tileattn bench``/``tileattn memory``/``tileattn tune``, by ``benchmarks/`` and by the hub.
 
 * A :class:`Case` is one problem (shape, dtype, causal, mode, device).
-* A *provider* is one way of computing attention: ``cpu``/``triton``/``reference`` (tileattn
-  engines), ``tileattn`` (automatic dispatch), ``sdpa`` (PyTorch's fused kernel), ``naive``
-  (matmul-softmax-matmul in the input dtype) and ``flex`` (FlexAttention). A provider that cannot run
-  a case says why instead of crashing.
+* A *provider* is one way of computing attention: ``native``/``cpu``/``triton``/``reference``
+  (tileattn engines: the C kernels, the PyTorch-ops fallback, the GPU kernels, the exact oracle),
+  ``tileattn`` (automatic dispatch: on CPU tensors the native engine where its kernels build, else
+  ``cpu``), ``sdpa`` (PyTorch's fused kernel), ``naive`` (matmul-softmax-matmul in the input dtype)
+  and ``flex`` (FlexAttention). A provider that cannot run a case says why instead of crashing; a
+  result names the tileattn engine that ran it (``engine``).
 * :func:`run_case` times every provider round-robin within each repetition (the starting provider
   rotates), so machine noise hits all providers alike; compare ratios, not absolute times. The
   timing loop, its statistics and the peak-memory reading come from :mod:`tileattn.measure`.
@@ -85,27 +87,40 @@ class Unsupported(Exception):
 # Providers: name -> builder(case, q, k, v) returning a forward callable ``f(q, k, v) -> out``.
 
 
-def _tileattn_engine(name: str):
+#: Providers that are tileattn engines -> the backend they ask dispatch for ("auto": its choice).
+ENGINES = {"native": "native", "cpu": "cpu", "triton": "triton", "reference": "reference", "tileattn": "auto"}
+
+
+def engine_of(provider: str, case: Case, q, k, v) -> str:
+    """The tileattn engine that runs ``case`` for ``provider`` (the provider itself when it is not a
+    tileattn engine); :class:`Unsupported` with the reason when it cannot run it."""
+    name = ENGINES.get(provider)
+    if name is None:
+        return provider
+    from .dispatch import get_backend, select
+    from .spec import build_spec
+
+    inp = build_spec(q, k, v, causal=case.causal)
+    if name == "auto":
+        try:
+            return select(inp, "auto").name
+        except ValueError as exc:
+            raise Unsupported(str(exc).splitlines()[0]) from None
+    try:
+        backend = get_backend(name)
+    except ValueError:
+        raise Unsupported(f"backend {name!r} is not registered here (is its package installed?)") from None
+    why = backend.not_supported_reasons(inp)
+    if why:
+        raise Unsupported("; ".join(why))
+    return name
+
+
+def _tileattn_engine(provider: str):
     def build(case: Case, q, k, v):
         from . import flash_attention
-        from .dispatch import get_backend, select
-        from .spec import build_spec
 
-        inp = build_spec(q, k, v, causal=case.causal)
-        if name == "auto":
-            try:
-                engine = select(inp, "auto").name
-            except ValueError as exc:
-                raise Unsupported(str(exc).splitlines()[0]) from None
-        else:
-            try:
-                backend = get_backend(name)
-            except ValueError:
-                raise Unsupported(f"backend {name!r} is not registered here (is its package installed?)") from None
-            why = backend.not_supported_reasons(inp)
-            if why:
-                raise Unsupported("; ".join(why))
-            engine = name
+        engine = engine_of(provider, case, q, k, v)
         return lambda q, k, v: flash_attention(q, k, v, causal=case.causal, backend=engine)
 
     return build
@@ -160,10 +175,7 @@ def _build_flex(case: Case, q, k, v):
 
 
 PROVIDERS: Dict[str, Callable] = {
-    "cpu": _tileattn_engine("cpu"),
-    "triton": _tileattn_engine("triton"),
-    "reference": _tileattn_engine("reference"),
-    "tileattn": _tileattn_engine("auto"),
+    **{provider: _tileattn_engine(provider) for provider in ENGINES},
     "sdpa": _build_sdpa,
     "naive": _build_naive,
     "flex": _build_flex,
@@ -220,6 +232,7 @@ class Result(TimingStats):
     head_dim: int
     causal: bool
     mode: str
+    engine: str = ""  # the tileattn engine that ran the case (for sdpa, naive, flex: the provider)
     status: Status = Status.OK
     note: str = ""
     times_ms: List[float] = field(default_factory=list)
@@ -284,6 +297,7 @@ def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: b
                      head_dim=case.head_dim, causal=case.causal, mode=case.mode, flops=flops)
         results[name] = res
         try:
+            res.engine = engine_of(name, case, q, k, v)
             prepare, run = make_step(PROVIDERS[name](case, q, k, v), case, q, k, v, dout)
             steps[name] = Step(run=run, prepare=prepare)
         except Unsupported as exc:

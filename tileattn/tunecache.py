@@ -1,9 +1,9 @@
 """The tune cache the engines read: tile configurations ``tileattn tune`` measured, per shape bucket.
 
-This module is part of the core: the CPU engine (``default_config``) and the Triton launcher (its
-forward configuration) call :func:`lookup` on every attention call, so it imports nothing from the
-tooling (:mod:`tileattn.tuning`, :mod:`tileattn.bench`, the CLI) and costs a dictionary look-up per
-call once the file has been read.
+This module is part of the core: the CPU engines (``default_config``, the native backend's call
+arguments) and the Triton launcher (its forward configuration) call :func:`lookup` on every
+attention call, so it imports nothing from the tooling (:mod:`tileattn.tuning`,
+:mod:`tileattn.bench`, the CLI) and costs a dictionary look-up per call once the file has been read.
 
 * **Where.** ``$TILEATTN_CACHE_DIR/tune_cache.json``; without that variable
   ``$XDG_CACHE_HOME/tileattn/`` or ``~/.cache/tileattn/``.
@@ -165,14 +165,31 @@ def _power_of_two_between(low: int, high: int) -> Callable[[object], Optional[st
     return check
 
 
-#: backend -> key -> (required, check(value) -> problem or None). The CPU engine sizes its scratch
-#: buffers by the tile, not by the sequence, so a huge block would allocate gigabytes: 8x the
-#: largest tile ``tileattn tune`` tries is the ceiling. Triton needs power-of-two blocks of at least
-#: 16 (``tl.dot``), power-of-two warps, and a few pipeline stages.
+def _multiple_between(step: int, low: int, high: int) -> Callable[[object], Optional[str]]:
+    def check(value):
+        if not _is_int(value):
+            return f"{value!r} is a {type(value).__name__}, not an int"
+        if not (low <= value <= high and value % step == 0):
+            return f"{value} is not a multiple of {step} in {low}..{high}"
+        return None
+
+    return check
+
+
+#: backend -> key -> (required, check(value) -> problem or None). The CPU engines size their
+#: scratch buffers by the tile, not by the sequence, so a huge block would allocate gigabytes: 8x
+#: the largest tile ``tileattn tune`` tries is the ceiling. The native kernels take any number of
+#: query lanes (``block_m``), but their AMX backward pads a key tile to 32 keys, so ``block_n`` must
+#: be a multiple of 32 (other values give wrong bf16 gradients or overrun its buffers). Triton needs
+#: power-of-two blocks of at least 16 (``tl.dot``), power-of-two warps, and a few pipeline stages.
 RULES: Dict[str, Dict[str, tuple]] = {
     "cpu": {
         "block_m": (True, _positive_int_at_most(4096)),
         "block_n": (True, _positive_int_at_most(8192)),
+    },
+    "native": {
+        "block_m": (True, _positive_int_at_most(4096)),
+        "block_n": (True, _multiple_between(32, 32, 8192)),
     },
     "triton": {
         "block_m": (True, _power_of_two_between(16, 256)),

@@ -2,8 +2,8 @@
 
 The cache the engines read lives in :mod:`tileattn.tunecache` (core); this module is tooling and
 only writes to it. A grid of candidates per engine; a budget model rejects those whose working set
-cannot stay in fast memory (CPU: one task's tile step against the per-core L2; Triton: the forward
-kernel's shared memory against the GPU's per-block limit); every survivor must pass
+cannot stay in fast memory (the CPU engines: one task's tile step against the per-core L2; Triton:
+the forward kernel's shared memory against the GPU's per-block limit); every survivor must pass
 FlashAttention's accuracy rule against the fp64 reference before it is timed; the candidates are
 timed round-robin (:func:`tileattn.measure.time_interleaved`) and the fastest is stored. Candidates
 run through the public operator with :func:`tileattn.tunecache.overriding` in force, so what is
@@ -27,6 +27,14 @@ from .tunecache import lookup, overriding, store
 
 CPU_BLOCK_M = (16, 32, 64, 128, 256, 512)
 CPU_BLOCK_N = (64, 128, 256, 512, 1024)
+#: The native kernels: query lanes per tile (a multiple of the 32-lane AVX-512 panel; GQA heads
+#: sharing a kv head are stacked as lanes) and keys per tile (a multiple of 32: see tunecache.RULES).
+NATIVE_BLOCK_M = (32, 64, 128, 256, 512)
+NATIVE_BLOCK_N = (64, 128, 256, 512, 1024)
+#: What the kernels use when no tuned entry exists (block_m=0, block_n=0: forward.c, backward.c).
+NATIVE_DEFAULT = {"block_m": 128, "block_n": 256}
+#: Lanes per panel: working sets count whole panels.
+NATIVE_PANEL = 32
 TRITON_BLOCK_M = (32, 64, 128)
 TRITON_BLOCK_N = (32, 64, 128)
 TRITON_NUM_WARPS = (4, 8)
@@ -90,6 +98,61 @@ def cpu_budget() -> Tuple[int, str]:
     return size, source
 
 
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _native_lanes(block_m: int, group: int) -> int:
+    """Lanes of a native tile: whole query rows of all ``group`` heads of a kv head, in panels."""
+    return _round_up(max(1, block_m // group) * group, NATIVE_PANEL)
+
+
+def native_candidates(inp) -> List[dict]:
+    """Lanes clamped to the rows of a kv head (Sq x group), keys to the sequence; both at least 32."""
+    rows = inp.seqlen_q * inp.group_size
+    seen, out = set(), []
+    for bm in NATIVE_BLOCK_M:
+        for bn in NATIVE_BLOCK_N:
+            key = (max(NATIVE_PANEL, min(bm, _pow2_at_least(rows))), max(32, min(bn, _pow2_at_least(inp.seqlen_k))))
+            if key not in seen:
+                seen.add(key)
+                out.append({"block_m": key[0], "block_n": key[1]})
+    return out
+
+
+def native_working_set(config: dict, inp) -> int:
+    """Bytes one native task touches per tile step: the larger of the forward and backward passes,
+    since one tune-cache entry serves both.
+
+    Forward (forward.c ``fwd_bufs_get``): Q^T, the score tile, the accumulator and the running
+    max/sum/column max per lane, plus the K and V tile. Backward (backward.c ``bwd_bufs_get``): Q and
+    dO both ways, four lanes x keys tiles (S, dP, Z, T), the K and V tile, this key block's slice of the
+    dK/dV accumulators and dQ^T. Arithmetic is fp32 (fp64 for fp64); bf16 on AMX adds its bf16 copies
+    of the operands.
+    """
+    import torch
+
+    d, dv, g = inp.head_dim, inp.head_dim_v, inp.group_size
+    lanes = _native_lanes(int(config["block_m"]), g)
+    bn = _round_up(int(config["block_n"]), 32)
+    real = inp.acc_dtype().itemsize
+    dpan, dvpan = _round_up(d, NATIVE_PANEL), _round_up(dv, NATIVE_PANEL)
+    fwd = lanes * (d + bn + dv + 3) + bn * (d + dv)
+    bwd = lanes * (d + dv) + lanes * (dpan + dvpan) + 4 * lanes * bn + 2 * bn * (d + dv) + lanes * d
+    halves_fwd = halves_bwd = 0
+    if inp.dtype is torch.bfloat16 and _native_amx():
+        halves_fwd = lanes * dpan + bn * dpan + lanes * bn + bn * dvpan
+        halves_bwd = 2 * lanes * (dpan + dvpan) + bn * (2 * dpan + dvpan) + 3 * bn * lanes
+    return max(fwd * real + 2 * halves_fwd, bwd * real + 2 * halves_bwd)
+
+
+def _native_amx() -> bool:
+    """Whether the native kernels run bf16 on AMX tiles here (False when they cannot be built)."""
+    from .backends.native import kernels
+
+    return kernels.available()[0] and kernels.build_info()["amx"]
+
+
 def triton_candidates(inp) -> List[dict]:
     grid = _clamped_grid([(bm, bn) for bm in TRITON_BLOCK_M for bn in TRITON_BLOCK_N], inp.seqlen_q, inp.seqlen_k)
     # Triton needs blocks of at least 16 for tl.dot.
@@ -120,6 +183,7 @@ def triton_budget(device) -> Tuple[int, str]:
 
 #: backend -> (candidate generator, working-set model, budget function, label of the model)
 SPACES = {
+    "native": (native_candidates, native_working_set, lambda device: cpu_budget(), "working set per task"),
     "cpu": (cpu_candidates, cpu_working_set, lambda device: cpu_budget(), "working set per task"),
     "triton": (triton_candidates, triton_shared_memory, triton_budget, "shared memory per program"),
 }
@@ -165,6 +229,8 @@ def current_config(backend: str, inp) -> Optional[dict]:
 
         cfg = default_config(inp)
         return {"block_m": cfg.block_m, "block_n": cfg.block_n}
+    if backend == "native":
+        return lookup(backend, inp) or dict(NATIVE_DEFAULT)
     return lookup(backend, inp)
 
 

@@ -15,23 +15,22 @@ from .common import (CliError, check_memory, check_writable, fmt_bytes, fmt_num,
 
 HELP = "time tileattn against SDPA, naive attention and others"
 
+#: Providers per device: on CPU, tileattn as dispatch runs it (the native engine where its kernels
+#: build), the PyTorch-ops engine it falls back to, PyTorch's SDPA and naive attention.
+PROVIDERS_BY_DEVICE = {"cpu": ["tileattn", "cpu", "sdpa", "naive"], "cuda": ["triton", "sdpa", "naive"]}
 PRESETS = {
     "readme": dict(batch=1, heads=8, seqlens=[1024, 2048], head_dim=64, dtype="fp32", modes=["fwd", "fwd+bwd"],
-                   causal=[False, True], reps=3, warmup=1, baseline="sdpa",
-                   providers={"cpu": ["cpu", "sdpa", "naive"], "cuda": ["triton", "sdpa", "naive"]}),
+                   causal=[False, True], reps=3, warmup=1, baseline="sdpa", providers=PROVIDERS_BY_DEVICE),
     "llama-7b": dict(batch=1, heads=32, seqlens=[512, 1024, 2048], head_dim=128, dtype="fp32", modes=["fwd", "fwd+bwd"],
-                     causal=[True], reps=3, warmup=1, baseline="sdpa",
-                     providers={"cpu": ["cpu", "sdpa", "naive"], "cuda": ["triton", "sdpa", "naive"]}),
+                     causal=[True], reps=3, warmup=1, baseline="sdpa", providers=PROVIDERS_BY_DEVICE),
     "quick": dict(batch=1, heads=2, seqlens=[64, 128], head_dim=32, dtype="fp32", modes=["fwd", "fwd+bwd"],
-                  causal=[False], reps=2, warmup=1, baseline="sdpa",
-                  providers={"cpu": ["cpu", "sdpa", "naive"], "cuda": ["triton", "sdpa", "naive"]}),
+                  causal=[False], reps=2, warmup=1, baseline="sdpa", providers=PROVIDERS_BY_DEVICE),
 }
 DEFAULTS = dict(batch=1, heads=8, seqlens=[1024], head_dim=64, dtype="fp32", modes=["fwd"], causal=[False],
-                reps=5, warmup=1, baseline="sdpa",
-                providers={"cpu": ["cpu", "sdpa", "naive"], "cuda": ["triton", "sdpa", "naive"]})
+                reps=5, warmup=1, baseline="sdpa", providers=PROVIDERS_BY_DEVICE)
 
 #: Fields of every CSV row / JSON result (documented in docs/cli.md).
-FIELDS = ["provider", "device", "dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "mode",
+FIELDS = ["provider", "engine", "device", "dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "mode",
           "status", "note", "reps", "median_ms", "min_ms", "max_ms", "spread_pct", "flops", "gflops_per_s",
           "peak_mem_mib", "baseline", "speedup"]
 
@@ -156,16 +155,20 @@ def run(args) -> int:
 
 
 def render_table(results, baseline, gpu: bool) -> str:
+    """One row per result; an ``engine`` column when a provider ran as another engine (tileattn ->
+    native)."""
     unit, scale = ("TFLOP/s", 1e12) if gpu else ("GFLOP/s", 1e9)
-    headers = ["S", "causal", "mode", "provider", "median ms", "spread", unit, "peak mem"]
+    engines = any(r.engine and r.engine != r.provider for r in results)
+    headers = ["S", "causal", "mode", "provider"] + (["engine"] if engines else [])
+    headers += ["median ms", "spread", unit, "peak mem"]
     if baseline:
         headers.append(f"vs {baseline}")
     headers.append("note")
     rows = []
     for r in results:
-        row = [r.seqlen_q, "yes" if r.causal else "no", r.mode, r.provider, fmt_num(r.median_ms),
-               "-" if r.spread_pct is None else f"{r.spread_pct:.0f}%",
-               fmt_num(None if r.flops_per_s is None else r.flops_per_s / scale), fmt_bytes(r.peak_mem_bytes)]
+        row = [r.seqlen_q, "yes" if r.causal else "no", r.mode, r.provider] + ([r.engine or "-"] if engines else [])
+        row += [fmt_num(r.median_ms), "-" if r.spread_pct is None else f"{r.spread_pct:.0f}%",
+                fmt_num(None if r.flops_per_s is None else r.flops_per_s / scale), fmt_bytes(r.peak_mem_bytes)]
         if baseline:
             row.append("-" if r.speedup is None else f"{r.speedup:.2f}x")
         row.append("" if r.status == "ok" else f"{r.status}: {r.note}")
@@ -189,8 +192,11 @@ def plot_throughput(results, path: str, title: str, gpu: bool) -> None:
     for ax, (mode, causal) in zip(axes.flat, panels):
         cell = [r for r in results if r.mode == mode and r.causal == causal and r.flops_per_s]
         for name in dict.fromkeys(r.provider for r in cell):
-            pts = sorted((r.seqlen_q, r.flops_per_s / scale) for r in cell if r.provider == name)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=colours[name])
+            mine = [r for r in cell if r.provider == name]
+            pts = sorted((r.seqlen_q, r.flops_per_s / scale) for r in mine)
+            ran = mine[0].engine
+            label = f"{name} ({ran})" if ran and ran != name else name
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=colours[name])
         ax.set_xscale("log", base=2)
         ax.set_title(f"{mode}{', causal' if causal else ''}")
         ax.set_xlabel("sequence length")

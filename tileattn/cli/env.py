@@ -1,10 +1,14 @@
-"""``tileattn env``: versions, the machine, and which backends work here (and why not)."""
+"""``tileattn env``: versions, the machine, the native kernels' build, and which backends work here
+(and why not)."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
+import warnings
+from pathlib import Path
 
 from ..measure import cache_size, cpu_flags, cpu_model, gpus, usable_cores
 from .common import fmt_bytes, format_table
@@ -52,6 +56,24 @@ def probe_backend(backend, device: str) -> list:
     return []
 
 
+def native_report() -> dict:
+    """The native kernels here: how they were built (compiler, ISA, AMX and bf16 dot-product choice,
+    library, build time, from the cache or not) or why they cannot be."""
+    from ..backends.native import build, kernels
+
+    forced = os.environ.get(build.ISA_ENV) or None
+    ok, why = kernels.available()
+    if not ok:
+        return {"available": False, "reason": why, "cache_dir": str(build.cache_dir()), "isa_forced": forced}
+    info = kernels.build_info()
+    try:  # written by the process that compiled the library: its build time, when this one loaded it
+        first_build = json.loads((Path(info["path"]).parent / "build.json").read_text())["build_seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        first_build = None
+    return dict(info, available=True, reason="", cache_dir=str(build.cache_dir()), isa_forced=forced,
+                first_build_seconds=first_build)
+
+
 def integrations() -> dict:
     """Which integrations this process offers and has switched on, with versions."""
     import torch
@@ -85,7 +107,9 @@ def collect() -> dict:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     backends = []
     for b in list_backends():
-        per_device = {d: probe_backend(b, d) for d in devices}
+        with warnings.catch_warnings():  # an engine that cannot start warns; here its reason is the report
+            warnings.simplefilter("ignore", RuntimeWarning)
+            per_device = {d: probe_backend(b, d) for d in devices}
         backends.append({
             "name": b.name, "priority": b.priority, "auto": b.auto,
             "usable_on": [d for d, why in per_device.items() if not why],
@@ -104,6 +128,7 @@ def collect() -> dict:
             "torch_threads": torch.get_num_threads(), "simd": cpu_flags(),
             "l2_per_core_bytes": cache_size(2), "gpus": gpus(),
         },
+        "native": native_report(),
         "backends": backends,
         "integrations": integrations(),
     }
@@ -131,6 +156,9 @@ def run(args) -> int:
                   f"{g['compute_capability']}, {g['multiprocessors']} SMs")
     else:
         print("  gpu          none visible to torch")
+    print("native kernels")
+    for line in _native_lines(info["native"], m["simd"]):
+        print("  " + line)
     print("backends")
     rows = []
     for b in info["backends"]:
@@ -145,6 +173,40 @@ def run(args) -> int:
     if not ok:
         print("tileattn env: no engine other than the reference works here", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _native_lines(n: dict, simd: list) -> list:
+    if not n["available"]:
+        return [f"status       unavailable: {n['reason'].removeprefix('native kernels unavailable: ')}",
+                "             the PyTorch-ops engine ('cpu') serves every CPU call",
+                f"cache        {n['cache_dir']}"]
+    if n["amx"]:
+        amx = "on: bf16 products on AMX tiles"
+    elif "amx_bf16" in simd:
+        amx = "off: the CPU has AMX-BF16 but this build or the kernel does not grant it"
+    else:
+        amx = "off: no AMX-BF16 on this CPU"
+    if not n["bf16dot"]:
+        dot = "not built (no AVX512_BF16)"
+    else:
+        dot = (f"vdpbf16ps built, {'on' if n['bf16dot_default'] else 'off'}: {n['bf16dot_speedup']}x the fp32 FMA "
+               "rate here (used at >= 1.25x)")
+    if n["cached"]:
+        built = "loaded from the cache" + (f" (built in {n['first_build_seconds']:.1f} s on first use)"
+                                           if n["first_build_seconds"] is not None else "")
+    else:
+        built = f"built by this process in {n['build_seconds']:.1f} s"
+    isa = n["isa"] + (f" (forced by {n['isa_forced']!r} in TILEATTN_NATIVE_ISA)" if n["isa_forced"] else
+                      " (the best this CPU and compiler build)")
+    return [
+        f"status       available, {built}",
+        f"compiler     {n['compiler_version']} ({n['compiler']} {n['flags']})",
+        f"isa          {isa}",
+        f"AMX          {amx}",
+        f"bf16 dot     {dot}",
+        f"OpenMP       {'yes' if n['openmp'] else 'no: one thread per call'}",
+        f"library      {n['path']}",
+    ]
 
 
 def _integration_lines(i: dict) -> list:

@@ -18,12 +18,14 @@ def add_parser(subparsers):
     p.add_argument("--shape", required=True, help="B,H,S,D, e.g. 1,8,1024,64")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), fp16, bf16 or fp64")
     p.add_argument("--causal", action="store_true", help="tune the causal problem")
-    p.add_argument("--backend", default=None, help="cpu or triton (default: triton on a GPU, else cpu)")
+    p.add_argument("--backend", default=None, help="native, cpu or triton (default: triton on a GPU, else native "
+                                                  "where its kernels build, else cpu)")
     p.add_argument("--budget-kib", type=positive_float_arg, default=None,
                    help="on-chip memory budget per task/program in KiB (default: L2 per core on CPU, "
                         "shared memory per block on GPU)")
-    p.add_argument("--mode", default=None, help="what is timed: fwd or fwd+bwd (default fwd+bwd on cpu; "
-                                               "fwd on triton, whose tuned configuration is the forward one)")
+    p.add_argument("--mode", default=None, help="what is timed: fwd or fwd+bwd (default fwd+bwd on the CPU "
+                                               "engines, whose entry serves both passes; fwd on triton, whose "
+                                               "tuned configuration is the forward one)")
     p.add_argument("--reps", type=int_arg(1), default=3, help="timed repetitions per candidate (default 3)")
     p.add_argument("--warmup", type=int_arg(0), default=1, help="untimed rounds first (default 1)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random inputs, 0..2**64-1 (default 0)")
@@ -32,6 +34,17 @@ def add_parser(subparsers):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
+
+
+#: Engines that run on CPU tensors: tuned on the CPU, timing forward+backward by default.
+CPU_ENGINES = ("native", "cpu")
+
+
+def default_cpu_engine() -> str:
+    """The engine ``auto`` prefers on CPU tensors: the native kernels where they build, else cpu."""
+    from ..backends.native import kernels
+
+    return "native" if kernels.available()[0] else "cpu"
 
 
 def run(args) -> int:
@@ -44,13 +57,14 @@ def run(args) -> int:
     b, h, s, d = parse_shape(args.shape)
     dtype = parse_dtype(args.dtype)
     device = parse_device("auto")
-    name = args.backend or ("triton" if device == "cuda" else "cpu")
+    name = args.backend or ("triton" if device == "cuda" else default_cpu_engine())
     backend = resolve_backend(name)
     if name not in tuning.SPACES:
         raise CliError(f"argument --backend: got {name!r}; tuning exists for {', '.join(tuning.SPACES)}")
-    if name == "cpu":
+    cpu_engine = name in CPU_ENGINES
+    if cpu_engine:
         device = "cpu"
-    mode = args.mode or ("fwd+bwd" if name == "cpu" else "fwd")
+    mode = args.mode or ("fwd+bwd" if cpu_engine else "fwd")
     parse_names(mode, "--mode", ["fwd", "fwd+bwd"])
     if "," in mode:
         raise CliError(f"argument --mode: got {mode!r}; expected one of fwd, fwd+bwd")
