@@ -8,6 +8,8 @@
 #
 # Chapter 12 starts its own groups of 2 and 4 local gloo processes (no launcher, no GPU) and takes
 # about 30 s; its measured work per rank is CPU time, but the run is best done on a quiet machine too.
+# Chapter 09 compiles its C snippets with the machine's compiler ($CC, else cc, gcc or clang), runs
+# on one thread and times its micro-benchmarks in CPU time; its engine comparison is wall clock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
