@@ -54,7 +54,9 @@ class NativeBackend(Backend):
 
     def backward(self, spec: AttentionSpec, grads: Gradients):
         kwargs = self._call_arguments(spec)
-        lse = grads.lse.contiguous()
+        # Statistics given by a caller (an SDPA op's logsumexp, Ascend softmax_max/sum) may be fp32
+        # for fp64 inputs; the kernels read them in their accumulation type.
+        lse = grads.lse.to(kernels.accumulation_dtype(spec.q.dtype)).contiguous()
         delta = grads.delta.to(lse.dtype).contiguous()
         with self._interruptible(spec) as cancel:
             kernels.backward(spec.q_c, spec.k_c, spec.v_c, grads.out, grads.dout, lse, delta, grads.dq, grads.dk,

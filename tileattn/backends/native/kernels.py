@@ -330,7 +330,8 @@ def _bcast4(name, t, full, dtypes):
     return st
 
 
-def _acc(dtype):
+def accumulation_dtype(dtype):
+    """The dtype of the statistics (LSE, delta) and accumulators for inputs of `dtype`."""
     return _F64 if dtype is _F64 else _F32
 
 
@@ -442,7 +443,7 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
     if max(sq, sk, tq, tk) >= 2**31 - 1:
         _fail("q/k", "a sequence of 2^31 tokens or more", "fewer tokens")
     os_, ost = _check("out", out, qdim, dtype, _out2(dtype))
-    ls, lst = _check("lse", lse, qdim - 1, _acc(dtype))
+    ls, lst = _check("lse", lse, qdim - 1, accumulation_dtype(dtype))
     if varlen:
         _same("out", os_, (tq, hq, dv))
         _same("lse", ls, (hq, tq))
@@ -538,7 +539,7 @@ def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, righ
                          cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed,
                          block_m, block_n, num_threads, cancel, options, True)
     dtype = q.dtype
-    ds, dst = _check("delta", delta, lse.dim(), _acc(dtype))
+    ds, dst = _check("delta", delta, lse.dim(), accumulation_dtype(dtype))
     _same("delta", ds, lse.shape)
     if dst != lse.stride():
         _fail("delta", f"strides {dst}", f"the strides of lse, {lse.stride()}")
@@ -556,7 +557,7 @@ def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, righ
     if dbias is not None:
         if bias is None:
             _fail("dbias", "a buffer", "None when there is no bias")
-        lib.pack("dbias", loc, *_bcast4("dbias", dbias, full, (_acc(dtype),)))  # size-1 dims: reduced
+        lib.pack("dbias", loc, *_bcast4("dbias", dbias, full, (accumulation_dtype(dtype),)))  # size-1 dims: reduced
         dbias_ptr = dbias.data_ptr()
     off = lib.sections["core"][0]
     # the backward's pointers in the core section: out (not read) and, after lse, dout .. dbias
