@@ -172,17 +172,19 @@ def test_kvcache_appends_in_place_and_matches_full_attention():
                                     alibi_slopes=slopes, return_lse=True)
         torch.testing.assert_close(out[i:i + 1], ro)
         torch.testing.assert_close(lse[i:i + 1], rl)
-    # equal lengths take the single-call path; without k/v nothing is written
+    # without k/v nothing is written
     snapshot = k_cache.clone()
     out_eq = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, causal=True)
     assert torch.equal(k_cache, snapshot)
     torch.testing.assert_close(out_eq, tileattn.reference(q, k_cache[:, :5], v_cache[:, :5], layout="BSND", causal=True))
 
 
-def test_kvcache_refuses_leftpad_and_orphan_rotary():
+def test_kvcache_refuses_paged_leftpad_and_orphan_rotary():
     q, kc, vc = _rand(1, 1, 2, 8), _rand(1, 4, 2, 8), _rand(1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="'cache_leftpad'.*paged") as info:  # flash-attn refuses it too
+        flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.zeros(1, dtype=torch.int32),
+                                           block_table=torch.zeros(1, 1, dtype=torch.int32))
+    assert isinstance(info.value, RuntimeError)
     with pytest.raises(ValueError, match="rotary_cos/rotary_sin"):
         flash_attn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, rotary_cos=torch.ones(8, 2),
                                            rotary_sin=torch.zeros(8, 2))

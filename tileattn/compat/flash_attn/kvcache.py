@@ -1,52 +1,69 @@
 """``flash_attn_with_kvcache`` (flash-attn 2.x): decoding attention over a KV cache, forward only.
 
-Cache bookkeeping (in-place append at ``cache_seqlens``, ``cache_batch_idx``, a paged cache through
-``block_table``) and rotary embedding happen here with plain tensor indexing; the attention itself is
-:func:`tileattn.flash_attention` with ``layout="BSND"``, bottom-right aligned to each sequence's
-length, like flash-attn.
+Every call is one :func:`tileattn.flash_attention` call on the cache *as it is stored*: nothing of
+the cache is copied, and the bookkeeping around it is a few vectorised tensor operations, never a
+Python loop over batch items or tokens.
+
+* ``cache_seqlens`` (+ the appended tokens) becomes ``seqused_k``: sequence ``b`` attends to its
+  first ``cache_seqlens[b] + seqlen_new`` keys, bottom-right aligned to that length (flash-attn).
+* ``block_table`` is passed through (a paged pool ``(num_blocks, page_size, Hk, D)``), its entries
+  past the pages a sequence uses zeroed in a small copy of the table: flash-attn never reads them,
+  so they may hold anything (-1 padding, stale pages).
+* ``cache_batch_idx`` reads the contiguous cache ``(B_cache, S_cache, Hk, D)`` as a paged pool of
+  ``B_cache`` pages of ``S_cache`` slots with the one-column block table ``cache_batch_idx[:, None]``.
+* ``cache_leftpad`` (the valid keys of sequence ``b`` are ``[cache_leftpad[b], cache_seqlens[b])``,
+  positions counted from ``cache_leftpad[b]`` for causality, windows and ALiBi, as in flash-attn) reads
+  the cache as a pool of pages of ``g`` slots, ``g`` the gcd of the capacity and every left pad, and
+  the block table of each sequence starts at its first valid page: exact, and still no copy. A cache
+  whose batch and sequence dims cannot be merged into one strided dim (a slice of a longer buffer)
+  has its valid rows gathered into a contiguous copy instead.
+* New keys/values (``k``, ``v``) are written in place with one ``index_put_`` per cache at computed
+  (row, position) or (page, slot) indices; rotary embedding (GPT-J interleaved or GPT-NeoX halves) is
+  applied to them and to q in fp32 by gathering the cos/sin rows of every (sequence, token) at once.
+* ``num_splits`` is flash-attn's hint for how many key chunks the GPU kernel computes in parallel. It
+  is validated and not used: tileattn's decode paths (native split-KV, Triton flash-decoding) choose
+  the chunks from the problem shape alone, so a result is bitwise the same whatever the hint, the
+  batch around it or the number of threads.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
 from ...api import flash_attention
-from .flash_attn_interface import FlashAttnTypeError, _as_int, _check_options, _check_rank, _describe, _fail
+from .flash_attn_interface import (FlashAttnTypeError, _as_int, _check_alibi, _check_options, _check_rank,
+                                   _describe, _fail)
 
 _FN = "flash_attn_with_kvcache"
 
 
-def _int32_vector(name, t, length, upper, what):
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (length,):
-        _fail(_FN, name, _describe(t), f"an int32 tensor of shape ({length},): {what}", FlashAttnTypeError)
-    values = t.tolist()
-    if any(not 0 <= x < upper for x in values):
-        _fail(_FN, name, values, f"{what} in [0, {upper})")
-    return values
+def _lengths(name, value, batch, what, device):
+    """(host list, device int32 tensor) of a per-sequence int argument given as an int or (B,) int32."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        host = [int(value)] * batch
+        return host, torch.full((batch,), int(value), dtype=torch.int32, device=device)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.int32 and tuple(value.shape) == (batch,):
+        if value.device != device:
+            _fail(_FN, name, f"device {value.device}", f"q's device {device}")
+        return value.tolist(), value
+    _fail(_FN, name, _describe(value), f"an int or an int32 tensor of shape ({batch},): {what}", FlashAttnTypeError)
 
 
-def _cache_lengths(cache_seqlens, batch, capacity):
-    if cache_seqlens is None:
-        return None
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        lengths = [int(cache_seqlens)] * batch
-    elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32 and \
-            tuple(cache_seqlens.shape) == (batch,):
-        lengths = cache_seqlens.tolist()
-    else:
-        _fail(_FN, "cache_seqlens", _describe(cache_seqlens), f"an int or an int32 tensor of shape ({batch},)",
-              FlashAttnTypeError)
-    if any(not 0 <= n <= capacity for n in lengths):
-        _fail(_FN, "cache_seqlens", lengths, f"lengths in [0, {capacity}] (the cache's capacity per sequence)")
-    return lengths
+def _check_range(name, values, lower, upper, what):
+    bad = [(b, n, lo, hi) for b, (n, lo, hi) in enumerate(zip(values, lower, upper)) if not lo <= n <= hi]
+    if bad:
+        b, n, lo, hi = bad[0]
+        _fail(_FN, name, f"{n} for sequence {b}", f"{what} in [{lo}, {hi}]")
 
 
 def _rotate(x, cos, sin, interleaved):
-    """Rotary embedding of the first ``2 * cos.shape[-1]`` dims of x (S, H, D) at per-row cos/sin (S, rd/2)."""
+    """Rotary embedding of the first ``2 * cos.shape[-1]`` dims of x (B, S, H, D), cos/sin (B, S, rd/2)
+    per (sequence, token), computed in fp32 and rounded to x's dtype (as flash-attn's kernel)."""
     rd = 2 * cos.shape[-1]
-    cos, sin = cos[:, None, :].to(torch.float32), sin[:, None, :].to(torch.float32)
+    cos, sin = cos[:, :, None, :].to(torch.float32), sin[:, :, None, :].to(torch.float32)
     head, tail = x[..., :rd].to(torch.float32), x[..., rd:]
     if interleaved:  # GPT-J: pairs (0, 1), (2, 3), ...
         x1, x2 = head[..., 0::2], head[..., 1::2]
@@ -55,68 +72,6 @@ def _rotate(x, cos, sin, interleaved):
         x1, x2 = head[..., : rd // 2], head[..., rd // 2:]
         rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return torch.cat((rotated.to(x.dtype), tail), dim=-1)
-
-
-class _Cache:
-    """Where sequence ``b`` of the batch lives in k_cache/v_cache (contiguous, indexed or paged)."""
-
-    def __init__(self, k_cache, v_cache, batch, cache_batch_idx, block_table):
-        self.k, self.v = k_cache, v_cache
-        self.pages = None
-        if block_table is not None:
-            if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
-                    block_table.dim() != 2 or block_table.shape[0] != batch:
-                _fail(_FN, "block_table", _describe(block_table),
-                      f"an int32 tensor (batch={batch}, max_blocks_per_sequence)", FlashAttnTypeError)
-            if cache_batch_idx is not None:
-                _fail(_FN, "cache_batch_idx", "a tensor together with block_table", "None with a paged cache")
-            self.pages = block_table.tolist()
-            self.page_size = k_cache.shape[1]
-            self.capacity = block_table.shape[1] * self.page_size
-            self.rows = list(range(batch))
-        else:
-            self.capacity = k_cache.shape[1]
-            if cache_batch_idx is None:
-                if k_cache.shape[0] != batch:
-                    _fail(_FN, "k_cache", f"batch {k_cache.shape[0]}", f"q's batch {batch} (or pass cache_batch_idx)")
-                self.rows = list(range(batch))
-            else:
-                self.rows = _int32_vector("cache_batch_idx", cache_batch_idx, batch, k_cache.shape[0],
-                                          "indices of the cache entries of each sequence")
-
-    def check_pages(self, used):
-        """The pages each sequence reads or writes (those holding its first ``used[b]`` positions)
-        must exist. Entries past them are never read, as in flash-attn (block tables are often
-        padded with arbitrary values)."""
-        if self.pages is None:
-            return
-        blocks = self.k.shape[0]
-        for b, n in enumerate(used):
-            for slot, page in enumerate(self.pages[b][: -(-n // self.page_size)]):
-                if not 0 <= page < blocks:
-                    _fail(_FN, "block_table", f"block_table[{b}][{slot}] = {page}",
-                          f"a page index in [0, {blocks}) (k_cache's pages) for each page sequence {b} "
-                          f"uses (its first {n} positions)")
-
-    def write(self, b, start, k_new, v_new):
-        """Store (S_new, Hk, D) keys/values at positions start.. of sequence b, in place."""
-        if self.pages is None:
-            self.k[self.rows[b], start:start + k_new.shape[0]] = k_new
-            self.v[self.rows[b], start:start + v_new.shape[0]] = v_new
-            return
-        for i in range(k_new.shape[0]):
-            page, slot = divmod(start + i, self.page_size)
-            self.k[self.pages[b][page], slot] = k_new[i]
-            self.v[self.pages[b][page], slot] = v_new[i]
-
-    def keys(self, b, used):
-        """(1, used, Hk, D) views (contiguous cache) or gathered copies (paged cache) of sequence b."""
-        if self.pages is None:
-            r = self.rows[b]
-            return self.k[r:r + 1, :used], self.v[r:r + 1, :used]
-        blocks = self.pages[b][: -(-used // self.page_size)] if used else []
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
-        return (self.k[idx].flatten(0, 1)[:used].unsqueeze(0), self.v[idx].flatten(0, 1)[:used].unsqueeze(0))
 
 
 def _check_rotary(rotary_cos, rotary_sin, head_dim, capacity, lengths, seqlen_q, local):
@@ -141,6 +96,106 @@ def _check_rotary(rotary_cos, rotary_sin, head_dim, capacity, lengths, seqlen_q,
               f"at least max(cache_seqlens) + seqlen_q = {max(lengths) + seqlen_q}")
 
 
+class _Cache:
+    """Where each sequence's keys live: a contiguous cache (rows ``cache_batch_idx`` or 0..B-1) or a
+    paged pool with a block table; ``capacity`` keys per sequence."""
+
+    def __init__(self, q, k_cache, v_cache, cache_batch_idx, block_table):
+        self.k, self.v = k_cache, v_cache
+        batch, device = q.shape[0], q.device
+        self.table = block_table
+        self.rows = None
+        if block_table is not None:
+            if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
+                    block_table.dim() != 2 or block_table.shape[0] != batch:
+                _fail(_FN, "block_table", _describe(block_table),
+                      f"an int32 tensor (batch={batch}, max_blocks_per_sequence)", FlashAttnTypeError)
+            if block_table.device != device:
+                _fail(_FN, "block_table", f"device {block_table.device}", f"q's device {device}")
+            if cache_batch_idx is not None:
+                _fail(_FN, "cache_batch_idx", "a tensor together with block_table",
+                      "None with a paged cache (flash-attn: paged KV cache does not support cache_batch_idx)")
+            self.page_size = k_cache.shape[1]
+            self.capacity = block_table.shape[1] * self.page_size
+            return
+        self.capacity = k_cache.shape[1]
+        if cache_batch_idx is None:
+            if k_cache.shape[0] != batch:
+                _fail(_FN, "k_cache", f"batch {k_cache.shape[0]}", f"q's batch {batch} (or pass cache_batch_idx)")
+            return
+        if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32 or \
+                tuple(cache_batch_idx.shape) != (batch,):
+            _fail(_FN, "cache_batch_idx", _describe(cache_batch_idx),
+                  f"an int32 tensor of shape ({batch},): the cache entry of each sequence", FlashAttnTypeError)
+        if cache_batch_idx.device != device:
+            _fail(_FN, "cache_batch_idx", f"device {cache_batch_idx.device}", f"q's device {device}")
+        entries = k_cache.shape[0]
+        _check_range("cache_batch_idx", cache_batch_idx.tolist(), [0] * batch, [entries - 1] * batch,
+                     "an entry of k_cache (dim 0)")
+        self.rows = cache_batch_idx
+
+    def row_index(self, batch):
+        """(B,) int64 cache entry of each sequence of a contiguous cache."""
+        if self.rows is not None:
+            return self.rows.long()
+        return torch.arange(batch, device=self.k.device)
+
+    def used_table(self, used):
+        """The block table restricted to the pages the sequences use (``used`` keys each), entries past
+        a sequence's last page set to page 0; the pages it does use must exist."""
+        pages = max(1, -(-max(used) // self.page_size))
+        table = self.table[:, :pages]
+        device = table.device
+        in_use = torch.arange(pages, device=device)[None, :] < \
+            torch.tensor([-(-n // self.page_size) for n in used], device=device)[:, None]
+        blocks = self.k.shape[0]
+        bad = in_use & ((table < 0) | (table >= blocks))
+        if bool(bad.any()):
+            b, slot = (int(i) for i in bad.nonzero()[0])
+            _fail(_FN, "block_table", f"block_table[{b}][{slot}] = {int(table[b, slot])}",
+                  f"a page index in [0, {blocks}) (k_cache's pages) for each page sequence {b} uses "
+                  f"(its first {used[b]} positions)")
+        return torch.where(in_use, table, 0)
+
+    def write(self, starts, k_new, v_new):
+        """Store k_new/v_new (B, S_new, Hk, D) at positions starts[b] + i of each sequence, in place."""
+        batch, new = k_new.shape[:2]
+        positions = starts.long()[:, None] + torch.arange(new, device=starts.device)
+        if self.table is None:
+            index = (self.row_index(batch)[:, None].expand(batch, new), positions)
+        else:
+            rows = torch.arange(batch, device=starts.device)[:, None]
+            index = (self.table[rows, positions // self.page_size].long(), positions % self.page_size)
+        self.k.index_put_(index, k_new)
+        self.v.index_put_(index, v_new)
+
+
+def _left_padded(cache, batch, pads, used, used_t, pads_t):
+    """(k, v, extra keywords) reading the keys [pads[b], pads[b] + used[b]) of each sequence of a
+    contiguous cache as a paged pool of gcd(capacity, pads) slots per page, without a copy (see the
+    module doc); a cache whose first two dims cannot be merged is gathered instead."""
+    k, v = cache.k, cache.v
+    entries, capacity = k.shape[:2]
+    rows = cache.row_index(batch)
+    device = k.device
+    mergeable = all(entries == 1 or t.stride(0) == capacity * t.stride(1) for t in (k, v))
+    if not mergeable:
+        # Gather the valid rows of every sequence into one contiguous (B, max_used, Hk, D) copy.
+        width = max(1, max(used))
+        positions = (pads_t.long()[:, None] + torch.arange(width, device=device)).clamp_(max=capacity - 1)
+        index = (rows[:, None].expand(batch, width), positions)
+        return k[index], v[index], dict(seqused_k=used_t)
+    page = math.gcd(capacity, *pads)
+    per_entry = capacity // page
+    pool_k = k.reshape(entries * per_entry, page, *k.shape[2:])
+    pool_v = v.reshape(entries * per_entry, page, *v.shape[2:])
+    pages = max(1, -(-max(used) // page))
+    first = rows * per_entry + pads_t.long() // page
+    # Pages past a sequence's valid keys are never read; clamped, they stay valid indices of the pool.
+    table = (first[:, None] + torch.arange(pages, device=device)).clamp_(max=entries * per_entry - 1)
+    return pool_k, pool_v, dict(block_table=table.to(torch.int32), seqused_k=used_t)
+
+
 @torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -151,20 +206,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     q (B, Sq, H, D); k_cache/v_cache (B_cache, S_cache, Hk, D), or (num_blocks, page_size, Hk, D) with
     ``block_table`` (B, max_blocks) int32 for a paged cache (only the pages a sequence uses must be
-    valid). ``cache_batch_idx`` (B,) int32 picks each sequence's cache entry. When ``k``/``v``
-    (B, S_new, Hk, D) are given they are written into the caches *in place* at positions
-    ``cache_seqlens[b]:cache_seqlens[b] + S_new``, then q attends to the first
-    ``cache_seqlens[b] + S_new`` entries of its sequence (the whole cache when ``cache_seqlens`` is
-    None). With ``rotary_cos/rotary_sin`` (seqlen_ro, rotary_dim / 2), seqlen_ro at least the cache's
-    capacity per sequence (flash-attn's rule), the new keys are rotated at positions
-    ``cache_seqlens[b] + i`` and q at the same positions when causal or windowed, else all at
-    ``cache_seqlens[b]``; ``rotary_interleaved`` picks GPT-J pairs over GPT-NeoX halves.
-    ``num_splits`` is a GPU scheduling hint and is ignored. Returns ``out`` or
-    ``(out, softmax_lse (B, H, Sq))``.
+    valid). ``cache_batch_idx`` (B,) int32 picks each sequence's cache entry. ``cache_leftpad`` (B,)
+    int32: sequence ``b``'s cache starts at ``cache_leftpad[b]`` (not with a paged cache, as
+    flash-attn). When ``k``/``v`` (B, S_new, Hk, D) are given they are written into the caches *in
+    place* at positions ``cache_seqlens[b]:cache_seqlens[b] + S_new``, then q attends to the keys
+    ``[cache_leftpad[b], cache_seqlens[b] + S_new)`` of its sequence (the whole cache when
+    ``cache_seqlens`` is None), bottom-right aligned. With ``rotary_cos/rotary_sin``
+    (seqlen_ro, rotary_dim / 2), seqlen_ro at least the cache's capacity per sequence (flash-attn's
+    rule), the new keys are rotated at positions ``cache_seqlens[b] + i`` and q at the same positions
+    when causal or windowed, else all at ``cache_seqlens[b]``; ``rotary_interleaved`` picks GPT-J
+    pairs over GPT-NeoX halves. ``num_splits`` is validated and otherwise not used (see the module
+    doc). Returns ``out`` or ``(out, softmax_lse (B, H, Sq))``.
     """
-    if cache_leftpad is not None:
-        raise NotImplementedError(f"tileattn.compat.flash_attn.{_FN}: argument 'cache_leftpad' (left-padded "
-                                  "caches) is not supported; pass None and keep each sequence's cache left-aligned.")
     _check_rank(_FN, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_rank(_FN, "k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_rank(_FN, "v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
@@ -172,12 +225,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             "return_softmax_lse")
     if _as_int(_FN, "num_splits", num_splits, "an int >= 0 (0 = automatic)") < 0:
         _fail(_FN, "num_splits", repr(num_splits), "an int >= 0 (0 = automatic)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            _fail(_FN, name, f"dtype {t.dtype}", f"q's dtype {q.dtype}", FlashAttnTypeError)
+        if t.device != q.device:
+            _fail(_FN, name, f"device {t.device}", f"q's device {q.device}")
     if v_cache.shape[:3] != k_cache.shape[:3]:
         _fail(_FN, "v_cache", f"shape {tuple(v_cache.shape)}",
               f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
-    batch = q.shape[0]
-    cache = _Cache(k_cache, v_cache, batch, cache_batch_idx, block_table)
-    lengths = _cache_lengths(cache_seqlens, batch, cache.capacity)
+    batch, seqlen_q, heads, _ = q.shape
+    if k_cache.shape[3] != q.shape[3]:
+        _fail(_FN, "k_cache", f"head dim {k_cache.shape[3]}", f"q's head dim {q.shape[3]}")
+    _check_alibi(_FN, alibi_slopes, batch, heads)
+    cache = _Cache(q, k_cache, v_cache, cache_batch_idx, block_table)
+    if cache_seqlens is None:
+        lengths, lengths_t = None, None
+    else:
+        lengths, lengths_t = _lengths("cache_seqlens", cache_seqlens, batch, "the current cache lengths", q.device)
+        _check_range("cache_seqlens", lengths, [0] * batch, [cache.capacity] * batch,
+                     "a length (the cache's capacity per sequence is the upper bound)")
     if (k is None) != (v is None):
         _fail(_FN, "k/v", "only one of them", "both new k and v, or neither")
     rotary = rotary_cos is not None or rotary_sin is not None
@@ -194,48 +260,55 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 or v.shape[3] != v_cache.shape[3]:
             _fail(_FN, "k/v", f"shapes {tuple(k.shape)}, {tuple(v.shape)}",
                   f"(batch={batch}, seqlen_new, {k_cache.shape[2]}, headdim) matching the caches")
-        if max(lengths) + new > cache.capacity:
-            _fail(_FN, "cache_seqlens", lengths,
-                  f"lengths + seqlen_new ({new}) <= the cache capacity ({cache.capacity}) so the new keys fit")
-    cache.check_pages([cache.capacity] * batch if lengths is None else [n + new for n in lengths])
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype or t.device != q.device:
+                _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"q's dtype {q.dtype} on {q.device}",
+                      FlashAttnTypeError)
+        _check_range("cache_seqlens", lengths, [0] * batch, [cache.capacity - new] * batch,
+                     f"a length leaving room for the {new} new keys (the cache's capacity per sequence is "
+                     f"{cache.capacity})")
+    used = [cache.capacity] * batch if lengths is None else [n + new for n in lengths]
+    pads = None
+    if cache_leftpad is not None:
+        if cache.table is not None:
+            _fail(_FN, "cache_leftpad", "a tensor together with block_table",
+                  "None with a paged cache (flash-attn: paged KV and leftpad_k cannot be used together)")
+        if not isinstance(cache_leftpad, torch.Tensor):
+            _fail(_FN, "cache_leftpad", _describe(cache_leftpad), f"an int32 tensor of shape ({batch},)",
+                  FlashAttnTypeError)
+        pads, pads_t = _lengths("cache_leftpad", cache_leftpad, batch, "where each sequence's cache starts",
+                                q.device)
+        ends = lengths if lengths is not None else used
+        _check_range("cache_leftpad", pads, [0] * batch, ends, "a start at most the sequence's cache length")
+    if cache.table is not None:
+        cache.table = cache.used_table(used)  # validated before anything is written
     local = causal or window != (-1, -1)
     if rotary:
-        _check_rotary(rotary_cos, rotary_sin, q.shape[3], cache.capacity, lengths, q.shape[1], local)
+        _check_rotary(rotary_cos, rotary_sin, q.shape[3], cache.capacity, lengths, seqlen_q, local)
     queries = q
     if k is not None:
-        rotated_q = []
-        for b, start in enumerate(lengths):
-            k_b = k[b]
-            if rotary:
-                pos = torch.arange(start, start + new, device=q.device)
-                k_b = _rotate(k_b, rotary_cos[pos], rotary_sin[pos], rotary_interleaved)
-                q_pos = (torch.arange(start, start + q.shape[1], device=q.device)
-                         if local else torch.full((q.shape[1],), start, device=q.device))
-                rotated_q.append(_rotate(q[b], rotary_cos[q_pos], rotary_sin[q_pos], rotary_interleaved))
-            cache.write(b, start, k_b, v[b])
-        lengths = [n + new for n in lengths]
         if rotary:
-            queries = torch.stack(rotated_q)
+            start = lengths_t.long()[:, None]
+            k_pos = start + torch.arange(new, device=q.device)
+            k = _rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], rotary_interleaved)
+            q_pos = start + torch.arange(seqlen_q, device=q.device) if local else start.expand(batch, seqlen_q)
+            queries = _rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], rotary_interleaved)
+        cache.write(lengths_t, k, v)
     kwargs = dict(layout="BSND", scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
-                  return_lse=True)
-    simple = cache.pages is None and cache.rows == list(range(batch))
-    if simple and (lengths is None or len(set(lengths)) == 1):
-        used = cache.capacity if lengths is None else lengths[0]
-        out, lse = flash_attention(queries, k_cache[:, :used], v_cache[:, :used], alibi_slopes=alibi_slopes, **kwargs)
+                  alibi_slopes=alibi_slopes, return_lse=True)
+    used_t = None if lengths is None else (lengths_t + new if new else lengths_t)
+    keys, values = k_cache, v_cache
+    if pads is not None:
+        valid = [n - p for n, p in zip(used, pads)]
+        valid_t = (torch.full((batch,), cache.capacity, dtype=torch.int32, device=q.device)
+                   if used_t is None else used_t) - pads_t
+        keys, values, extra = _left_padded(cache, batch, pads, valid, valid_t, pads_t)
+    elif cache.table is not None:
+        extra = dict(block_table=cache.table, seqused_k=used_t)
+    elif cache.rows is not None:
+        # A contiguous cache is a pool of B_cache pages of S_cache slots; sequence b reads page idx[b].
+        extra = dict(block_table=cache.rows[:, None], seqused_k=used_t)
     else:
-        # Each sequence has its own cache length (so its own bottom-right corner) or its own cache rows.
-        outs, lses = [], []
-        for b in range(batch):
-            used = cache.capacity if lengths is None else lengths[b]
-            if used == 0:  # an empty cache: no key to see, like a fully masked row
-                outs.append(q.new_zeros((1, q.shape[1], q.shape[2], v_cache.shape[3])))
-                lses.append(torch.full((1, q.shape[2], q.shape[1]), float("-inf"), device=q.device,
-                                       dtype=torch.float64 if q.dtype == torch.float64 else torch.float32))
-                continue
-            keys, values = cache.keys(b, used)
-            slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
-            o, l = flash_attention(queries[b:b + 1], keys, values, alibi_slopes=slopes, **kwargs)
-            outs.append(o)
-            lses.append(l)
-        out, lse = torch.cat(outs), torch.cat(lses)
+        extra = dict(seqused_k=used_t)
+    out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
     return (out, lse) if return_softmax_lse else out
