@@ -136,14 +136,16 @@ save_figure(fig, "06_tile_sizes.png")
 # ## `tileattn tune`: measure once, remember the winner
 # `tileattn tune` runs this sweep for a shape and stores the winner in a small JSON cache
 # (`$TILEATTN_CACHE_DIR`, default `~/.cache/tileattn`), keyed by device, dtype, head dim, causal and
-# a power-of-two bucket of the sequence length. The CPU engine's `default_config` looks it up on
-# every call. We point the cache at a temporary directory so the tutorial changes nothing on disk.
+# a power-of-two bucket of the sequence length, per engine. This chapter tunes the PyTorch-ops engine
+# whose tiles we swept above (`--backend cpu`); its `default_config` looks the winner up on every
+# call. On a CPU `tileattn tune` defaults to the native C kernels (chapter 09), whose tiles are tuned
+# the same way. We point the cache at a temporary directory so the tutorial changes nothing on disk.
 
 # %%
 cache_dir = tempfile.mkdtemp(prefix="tileattn-tune-")
 env = dict(os.environ, TILEATTN_CACHE_DIR=cache_dir)
 tune_shape = pick("1,2,256,64", f"1,{H},1024,{D}")
-cmd = [sys.executable, "-m", "tileattn", "tune", "--shape", tune_shape, "--mode", "fwd", "--quiet"]
+cmd = [sys.executable, "-m", "tileattn", "tune", "--backend", "cpu", "--shape", tune_shape, "--mode", "fwd", "--quiet"]
 cmd += pick(["--reps", "1", "--warmup", "0"], [])
 print("$", " ".join(cmd[2:]))
 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

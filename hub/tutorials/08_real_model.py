@@ -66,17 +66,21 @@ for impl in ("sdpa", "tileattn"):
     check(verdict.ok, f"{impl} logits pass the 2x rule against the fp64 model")
 
 # %% [markdown]
-# Did the switch really happen? We count the calls that reach tileattn's CPU engine: one per layer
-# with `"tileattn"`, none with `"eager"`.
+# Did the switch really happen? We count the calls that reach the engine tileattn's dispatcher picks
+# for this model's attention (the native C kernels where they build, else the PyTorch-ops engine):
+# one per layer with `"tileattn"`, none with `"eager"`.
 
 # %%
-cpu_engine = tileattn.get_backend("cpu")
+probe = torch.zeros(1, config.num_attention_heads, 8, config.hidden_size // config.num_attention_heads)
+refusals = tileattn.explain(probe, probe, probe, causal=True)  # engines in the order auto tries them
+engine = tileattn.get_backend(next(name for name, why in refusals.items() if not why and name != "reference"))
+print(f"the engine auto picks here: {engine.name}")
 calls = []
-cpu_engine.forward = lambda spec, out, lse, _run=cpu_engine.forward: calls.append(1) or _run(spec, out, lse)
+engine.forward = lambda spec, out, lse, _run=engine.forward: calls.append(1) or _run(spec, out, lse)
 logits_with("eager", ids)
 eager_calls = len(calls)
 logits_with("tileattn", ids)
-del cpu_engine.forward  # back to the class's method
+del engine.forward  # back to the class's method
 print(f"engine calls: eager {eager_calls}, tileattn {len(calls) - eager_calls}")
 check(eager_calls == 0 and len(calls) == config.num_hidden_layers,
       f"with 'tileattn' each of the {config.num_hidden_layers} layers runs tileattn's engine; with 'eager' none does")
