@@ -649,45 +649,45 @@ save_figure(fig, "10_decoding.png")
 # ![decode time and K/V read rate against the cache length; time against G](../../docs/hub/10_decoding.png)
 #
 # Measured at full size on this machine (`docs/hub/logs/10.txt`; 2 cores of a Xeon with a 480 MiB
-# last-level cache, shared with other jobs: load average 6-8 during the run; CPU time of one
-# thread). Summing 1920 MiB streamed at 10.6 GB/s and an fp32 matrix product ran at 157 GFLOP/s: a
-# balance of 15 FLOP/byte, 7x the decode step's 2. The decode calls, Hq=32, Hkv=8, D=128, fp32,
-# against `bytes / 10.6 GB/s`:
+# last-level cache, shared with other jobs: load average 5-7 during the run; CPU time of one
+# thread). Summing 1920 MiB streamed at 9.4 GB/s and an fp32 matrix product ran at 159 GFLOP/s: a
+# balance of 17 FLOP/byte, 8x the decode step's 2. The decode calls, Hq=32, Hkv=8, D=128, fp32,
+# against `bytes / 9.4 GB/s`:
 #
 # | S | K/V MiB | ms | bound ms | GB/s | % of streaming | GFLOP/s |
 # |---:|---:|---:|---:|---:|---:|---:|
-# | 1024 | 8 | 0.63 | 0.79 | 13.3 | 125% | 26.6 |
-# | 4096 | 32 | 6.28 | 3.16 | 5.3 | 50% | 10.7 |
-# | 16384 | 128 | 22.4 | 12.6 | 6.0 | 57% | 12.0 |
-# | 65536 | 512 | 70.9 | 50.6 | 7.6 | 71% | 15.1 |
-# | 131072 | 1024 | 131.5 | 101.2 | 8.2 | 77% | 16.3 |
+# | 1024 | 8 | 0.63 | 0.90 | 13.2 | 141% | 26.5 |
+# | 4096 | 32 | 2.29 | 3.58 | 14.7 | 156% | 29.3 |
+# | 16384 | 128 | 15.5 | 14.3 | 8.7 | 93% | 17.3 |
+# | 65536 | 512 | 63.6 | 57.3 | 8.4 | 90% | 16.9 |
+# | 131072 | 1024 | 163.0 | 114.6 | 6.6 | 70% | 13.2 |
 #
-# The smallest cache is read from the chip's caches, faster than memory streams; from 16k keys on,
-# the time follows the bytes (128x the cache took 208x the time) at 57-77% of the streaming rate,
-# and the arithmetic units run at a tenth of the matrix product's rate. The machine's load moves
-# these figures: three full-size runs on the same day read the 128k-key cache at 63%, 69% and 77%
-# of the streaming rate, and the 4096-key one at 50% to 102%.
+# The two smallest caches are read from the chip's caches, faster than memory streams (so 128x the
+# cache took 257x the time); from 16k keys on, the call reads K/V at 70-93% of the streaming rate,
+# and the arithmetic units run at about a tenth of the matrix product's rate (18% at best). The
+# machine's load moves these figures: four full-size runs on the same day read the 128k-key cache at
+# 63%, 69%, 77% and 70% of the streaming rate, and the 4096-key one at 50% to 156%.
 #
 # GQA at `S = 16384` (CPU ms per call):
 #
 # | G | Hq | tileattn | SDPA `enable_gqa` | `repeat_kv` + SDPA |
 # |---:|---:|---:|---:|---:|
-# | 1 | 8 | 15.1 | 13.8 | 71.9 |
-# | 2 | 16 | 16.0 | 23.8 | 138.2 |
-# | 4 | 32 | 21.9 | 38.2 | 290.4 |
-# | 8 | 64 | 23.2 | 59.8 | 576.2 |
+# | 1 | 8 | 12.7 | 10.6 | 65.6 |
+# | 2 | 16 | 15.3 | 20.6 | 134.7 |
+# | 4 | 32 | 19.1 | 33.6 | 273.1 |
+# | 8 | 64 | 20.2 | 52.0 | 520.8 |
 #
-# 8x the query heads cost tileattn 1.5x the time: the same 128 MiB of K/V, read once per kv head.
-# `repeat_kv` costs 8.0x and a 1024 MiB copy at G=8. PyTorch's SDPA with `enable_gqa=True`
-# allocates nothing (its peak was 0.0 MiB), but its time grows 4.3x from G=1 to G=8.
+# 8x the query heads cost tileattn 1.6x the time: the same 128 MiB of K/V, read once per kv head.
+# `repeat_kv` costs 7.9x and a 1024 MiB copy at G=8. PyTorch's SDPA with `enable_gqa=True`
+# allocates nothing (its peak was 0.0 MiB), but its time grows 4.9x from G=1 to G=8.
 #
 # The rest of the log: the cache cut `generate`'s FLOPs 53x (64 tokens after 128) but its time only
-# 3.6x, because a cached step of this toy model is 19 MFLOP, 0.12 ms at the matrix product's rate,
-# and took 9.7 ms: Python and the framework around each step dominate a model this small (tutorial
+# 3.1x, because a cached step of this toy model is 19 MFLOP, 0.12 ms at the matrix product's rate,
+# and took 10.8 ms: Python and the framework around each step dominate a model this small (tutorial
 # 08 measured the same). The paged cache held 44% of the contiguous cache's slots. The row of 65536
-# keys split over two threads took 0.94x as long as on one (30.9 against 29.0 ms of wall clock),
-# and streaming on two threads reached 1.18x the rate of one: on this loaded machine the second core
-# added little bandwidth, so the split had nothing to gain. Split-KV pays where every worker adds
+# keys split over two threads took 1.03x as long as on one (33.5 against 32.5 ms of wall clock), and
+# streaming on two threads reached 0.90x the rate of one: on this loaded machine the second core
+# added no bandwidth, so the split had nothing to gain. Split-KV pays where every worker adds
 # bandwidth: a GPU's SMs, or a quiet socket of many cores.
 #
 # ## Exercises
