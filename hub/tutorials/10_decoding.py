@@ -294,10 +294,10 @@ check(fastest * 1e9 < peak, f"no decode call reached the matmul rate (at best {f
 # implements it by `repeat_kv`: copy each kv head `G` times, then run ordinary multi-head attention.
 # The copy writes `G` times the cache's bytes and the attention then reads them all, so the bytes of
 # a step grow with `G`, while the FLOPs were going to grow with `G` anyway. tileattn's kernels stack
-# the `G` query heads of a group as rows of one task and read each K/V element once: at fixed `Hkv`
-# and `S`, the bytes are the same for every `G`, and since decode is bandwidth-bound the time nearly
-# is too.
-# We time, at `Hkv = 8`, `D = 128`, fp32: tileattn; PyTorch's SDPA given `enable_gqa=True`; and
+# the `G` query heads of a group as rows of one task, which brings each chunk of K/V from memory once
+# and uses it for all `G` rows while it sits in the core's cache (`docs/native.md`): at fixed `Hkv`
+# and `S`, the bytes read from memory are the same for every `G`, and, decode being bandwidth-bound,
+# nearly the time too. We time, at `Hkv = 8`, `D = 128`, fp32: tileattn; PyTorch's SDPA given `enable_gqa=True`; and
 # `repeat_kv` followed by SDPA, and measure the peak memory of each call.
 
 # %%
