@@ -10,6 +10,9 @@
 # about 30 s; its measured work per rank is CPU time, but the run is best done on a quiet machine too.
 # Chapter 09 compiles its C snippets with the machine's compiler ($CC, else cc, gcc or clang), runs
 # on one thread and times its micro-benchmarks in CPU time; its engine comparison is wall clock.
+# Chapter 10 holds up to about 2 GiB at once (a streaming buffer of 4x the last-level cache, at most
+# 2 GiB; a 1 GiB KV cache; a 1 GiB repeat_kv copy) and times on one thread in CPU time, except its
+# two-thread split-KV measurement, which is wall clock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
