@@ -30,7 +30,6 @@ class TritonBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset(("cuda", "cpu")), dtypes=frozenset((torch.float16, torch.bfloat16, torch.float32)),
         max_head_dim=launch.MAX_HEAD_DIM, modifiers=frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout")),
-        seqused_k=False, paged_kv=False,
     )
 
     def unavailable_reason(self):
