@@ -502,14 +502,17 @@ def _paged(k, v, page, seed):
 @pytest.mark.parametrize("sq, hq, hkv, kwargs", [
     (1, 4, 2, {}),
     (1, 8, 1, {"causal": True}),
+    (4, 8, 2, {"causal": True}),
     (3, 4, 2, {"causal": True, "window": (200, 0)}),
-    (1, 2, 2, {"alibi_slopes": torch.tensor([0.3, 0.05]), "softcap": 3.0}),
+    (1, 2, 2, {"alibi_slopes": torch.tensor([0.3, 0.05]), "softcap": 3.0, "sinks": torch.tensor([0.5, -1.0])}),
     (2, 4, 4, {"causal": True, "align": "top_left"}),
 ])
 def test_decode_kernel_matches_reference(monkeypatch, dtype, sq, hq, hkv, kwargs):
-    """Split-K decoding over several chunks, ragged lengths (one empty), GQA/MQA, bands, ALiBi, softcap."""
-    q, k, v = make_qkv(b=3, hq=hq, hkv=hkv, sq=sq, sk=700, d=40, dtype=dtype, seed=sq + hq)
-    used = torch.tensor([700, 0, 333], dtype=torch.int32)
+    """Split-K decoding of ragged caches: the full odd-length cache (6 chunks), an empty one, 3 chunks
+    and 1 chunk; GQA and MQA, multi-token queries aligned bottom-right, bands, ALiBi, softcap, sinks."""
+    q, k, v = make_qkv(b=4, hq=hq, hkv=hkv, sq=sq, sk=701, d=40, dtype=dtype, seed=sq + hq)
+    used = torch.tensor([701, 0, 333, 100], dtype=torch.int32)
+    assert [launch.decode_chunks(n) for n in used.tolist()] == [6, 0, 3, 1]
     seen = _kernels_run(monkeypatch)
     check(q, k, v, grad=False, seqused_k=used, **kwargs)
     assert seen[0] == "decode"
@@ -517,24 +520,27 @@ def test_decode_kernel_matches_reference(monkeypatch, dtype, sq, hq, hkv, kwargs
 
 @interpreted
 def test_decode_kernel_caps_the_splits_of_a_long_cache(monkeypatch):
-    sk = launch.DECODE_MIN_CHUNK * launch.DECODE_MAX_SPLITS + 900  # more keys than splits x min chunk
-    q, k, v = make_qkv(b=1, hq=2, hkv=1, sq=1, sk=sk, d=16, seed=31)
+    """Past DECODE_MAX_SPLITS x DECODE_MIN_CHUNK keys the chunks lengthen instead of multiplying
+    (the limits are lowered here so that the interpreter sees the cap on a short cache)."""
+    monkeypatch.setattr(launch, "DECODE_MIN_CHUNK", 64)
+    monkeypatch.setattr(launch, "DECODE_MAX_SPLITS", 3)
+    q, k, v = make_qkv(b=1, hq=2, hkv=1, sq=1, sk=901, d=16, seed=31)
     seen = _kernels_run(monkeypatch)
     check(q, k, v, grad=False, causal=True)
-    assert seen == ["decode"] and launch.decode_splits(sk) < -(-sk // launch.DECODE_MIN_CHUNK)
+    assert seen == ["decode"] and launch.decode_chunks(901) == 3
 
 
 @interpreted
 @pytest.mark.parametrize("sq", [1, 24])
 def test_paged_kv_cache(monkeypatch, sq):
-    """A paged pool read through the block table, by the decode kernel (1 query) and the prefill one."""
+    """A paged pool (pages of 7 keys, shuffled) read through the block table, by the decode kernel
+    (1 query) and the prefill one; the same bits as the contiguous cache."""
     q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=sq, sk=300, d=32, layout="BSND", seed=sq)
-    pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 16, seed=sq)
+    pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 7, seed=sq)
     used = torch.tensor([300, 161], dtype=torch.int32)
     seen = _kernels_run(monkeypatch)
     check(q, pool_k, pool_v, grad=False, layout="BSND", block_table=table, seqused_k=used, causal=True)
     assert seen[0] == ("decode" if sq == 1 else "prefill")
-    # Entries of the table past a sequence's pages are never read.
     out = tileattn.flash_attention(q, pool_k, pool_v, layout="BSND", block_table=table, seqused_k=used,
                                    backend="triton")
     ref = tileattn.flash_attention(q, k, v, layout="BSND", seqused_k=used, backend="triton")
@@ -588,6 +594,20 @@ def test_modifiers_outside_the_decode_kernel_take_the_prefill_kernel(monkeypatch
     check(q, k, v, grad=False, mask=mask)
     check(q, k, v, grad=False, dropout_p=0.2, seed=4)
     assert seen == ["prefill"] * 2
+
+
+def test_paged_kv_gradients_refused_with_a_reason():
+    """The kernels read a paged cache forward only: a call that needs gradients is refused before compute."""
+    from tileattn.dispatch import get_backend
+
+    q, k, v = make_qkv(b=1, hq=2, sq=1, sk=16, d=16, layout="BSND", seed=37)
+    pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 8, seed=37)
+    spec = build_spec(q, pool_k, pool_v, layout="BSND", block_table=table)
+    reasons = get_backend("triton").not_supported_reasons(spec, backward=True)
+    assert any("paged" in r for r in reasons), reasons
+    with pytest.raises(tileattn.NoBackendError, match="paged"):
+        tileattn.flash_attention(q.requires_grad_(), pool_k, pool_v, layout="BSND", block_table=table,
+                                 backend="triton")
 
 
 # ------------------------------------------------------------------- ahead-of-time GPU compile
