@@ -117,6 +117,8 @@ def attention_decode_kernel(
             sm_scale, softcap, slope, Q, 0, 0, Q, 0, 0, window_left, window_right,
             True, HAS_LEFT, HAS_RIGHT, False, False, HAS_ALIBI, HAS_SOFTCAP,
         )[0]
+        # Online softmax in base 2 (score_tile folded log2(e) into the logits). A row that has seen
+        # no visible key yet keeps m = -inf: subtracting 0 instead keeps -inf - -inf = NaN away.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -127,6 +129,8 @@ def attention_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # Normalised partials (not raw sums): each chunk's output is a convex combination of V rows, so
+    # the fp32 scratch never overflows, and the merge only needs each chunk's LSE to reweigh it.
     saw_keys = l_i > 0
     l_safe = tl.where(saw_keys, l_i, 1.0)
     out = acc * tl.where(saw_keys, 1.0 / l_safe, 0.0)[:, None]
@@ -164,6 +168,8 @@ def attention_decode_merge_kernel(
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     base = batch64 * stride_pb + kv_head.to(tl.int64) * stride_ph
+    # The same stable sum one level up: a running max of the chunks' LSEs, earlier partials rescaled.
+    # Chunk order is fixed, so the bits are too.
     for c in range(0, chunks):
         part = base + c * stride_pc
         lse_c = tl.load(LsePart + part + r * stride_pr)
