@@ -596,6 +596,7 @@ def test_modifiers_outside_the_decode_kernel_take_the_prefill_kernel(monkeypatch
     assert seen == ["prefill"] * 2
 
 
+@interpreted
 def test_paged_kv_gradients_refused_with_a_reason():
     """The kernels read a paged cache forward only: a call that needs gradients is refused before compute."""
     from tileattn.dispatch import get_backend
