@@ -6,8 +6,10 @@
 (a) Correctness: forward and backward of ``backend="triton"`` against the fp64 reference with
     FlashAttention's rule (:func:`tileattn.testing.check_against_reference`) on a grid of bf16/fp16
     cases (causal with Sq != Sk, windows, GQA/MQA, varlen, odd lengths and head dims, ALiBi, softcap,
-    mask, bias gradient, dropout). Prints PASS/FAIL per case, writes ``correctness.csv`` and exits
-    non-zero on any failure (the timing is skipped then: a fast wrong kernel is not measured).
+    mask, bias gradient, dropout), then forward-only decoding over KV caches (one query, GQA 32/8,
+    D 128, B in {1, 8}, caches of 1k/8k/32k keys, contiguous and paged, ragged ``seqused_k`` at B=8).
+    Prints PASS/FAIL per case, writes ``correctness.csv`` and exits non-zero on any failure (the
+    timing is skipped then: a fast wrong kernel is not measured).
 (b) Speed: TFLOP/s of the forward and of forward+backward, bf16, B*S = 16k tokens, H = 16,
     D in {64, 128}, S in {1k, 2k, 4k, 8k, 16k}, causal and not, for tileattn-triton, PyTorch SDPA with
     the FlashAttention backend, and FlexAttention (torch.compile'd; by default at 1k, 4k and 16k only,
@@ -15,6 +17,12 @@
     round by round and the median is kept, so clock drift hits all of them alike. Writes
     ``speed.csv`` and ``speed.png``. Part (a) used one fixed tile; the autotuned tiles measured here
     are held to SDPA's output on every shape (exit status 1 if they stray).
+(c) Decode speed: ms and K/V read bandwidth (GB/s) of one decoding step on the shapes of (a)'s decode
+    cases (full caches), for tileattn-triton on the contiguous and the paged cache, SDPA-flash on K/V
+    repeated to the query heads (its flash kernel takes no GQA: users repeat the cache, and the
+    repeat is made once, outside the timing, SDPA's best case) and FlexAttention's decoding path
+    (``enable_gqa``, one query: torch picks its flex-decoding kernel). Writes ``decode_speed.csv``;
+    held to SDPA's output like (b).
 
 ``--dry-run`` runs part (a) on tiny fp16/fp32 CPU shapes through Triton's interpreter (it re-executes
 itself with ``TRITON_INTERPRET=1`` if needed, which must be set before triton is imported) and skips
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import os
 import subprocess
 import sys
@@ -38,6 +47,12 @@ from tileattn.testing import check_against_reference
 
 TOKENS = 16 * 1024
 HEADS = 16
+#: Decoding shapes: query/kv heads, head dim, batch sizes, cache lengths, keys per page.
+DECODE_HEADS = (32, 8)
+DECODE_DIM = 128
+DECODE_BATCHES = (1, 8)
+DECODE_CACHES = (1024, 8192, 32768)
+DECODE_PAGE = 256
 #: Two bf16 flash kernels differ by rounding only: a few bf16 ulps of outputs of size ~1.
 MAX_DIFF_VS_SDPA = 0.0625
 
@@ -98,15 +113,58 @@ def correctness_cases(device: str, dry_run: bool):
         yield "varlen_causal", dtype, q, k, v, cu
 
 
+def decode_problem(b, heads, d, cache, page, dtype, device, gen, ragged):
+    """One decoding step over a KV cache: ``(q, k, v, pool_k, pool_v, block_table, seqused_k)``.
+
+    q is (B, 1, Hq, D) (layout BSND), k/v the contiguous caches (B, S, Hkv, D) and pool_k/pool_v the
+    same keys scattered over a shuffled pool of ``page``-key pages (plus spare pages) that
+    ``block_table`` (B, S / page) lists. ``ragged``: sequence b uses a cache prefix of its own length
+    (the first one the whole cache, none empty), else every sequence uses the whole cache.
+    """
+    hq, hkv = heads
+    pages = -(-cache // page)
+    q = torch.randn(b, 1, hq, d, generator=gen).to(device=device, dtype=dtype)
+    pool_k, pool_v = (torch.randn(b * pages + 2, page, hkv, d, generator=gen).to(device=device, dtype=dtype)
+                      for _ in range(2))
+    table = torch.randperm(b * pages + 2, generator=gen)[: b * pages].view(b, pages)
+    k, v = (pool[table].reshape(b, pages * page, hkv, d)[:, :cache] for pool in (pool_k, pool_v))
+    used = torch.full((b,), cache)
+    if ragged and b > 1:
+        used[1:] = torch.randint(cache // 2, cache, (b - 1,), generator=gen)
+    return (q, k.contiguous(), v.contiguous(), pool_k, pool_v, table.to(device=device, dtype=torch.int32),
+            used.to(device=device, dtype=torch.int32))
+
+
+def decode_cases(device: str, dry_run: bool):
+    """(name, dtype, q, k, v, kwargs) of forward-only decoding, contiguous and paged."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    if dry_run:
+        dtypes, heads, d, batches, caches, page = (torch.float32,), (4, 2), 16, (1, 2), (300,), 16
+    else:
+        dtypes, heads, d, batches, caches, page = ((torch.bfloat16, torch.float16), DECODE_HEADS, DECODE_DIM,
+                                                   DECODE_BATCHES, DECODE_CACHES, DECODE_PAGE)
+    for dtype in dtypes:
+        for b in batches:
+            for cache in caches:
+                q, k, v, pool_k, pool_v, table, used = decode_problem(b, heads, d, cache, page, dtype, device, gen,
+                                                                      ragged=True)
+                common = dict(layout="BSND", causal=True, seqused_k=used)
+                yield f"decode_b{b}_{cache}", dtype, q, k, v, common
+                yield f"decode_paged_b{b}_{cache}", dtype, q, pool_k, pool_v, dict(common, block_table=table)
+
+
 def run_correctness(outdir: Path, device: str, dry_run: bool) -> bool:
     def triton_fn(q, k, v, **kwargs):
         return tileattn.flash_attention(q, k, v, backend="triton", **kwargs)
 
     rows, all_ok = [], True
-    for name, dtype, q, k, v, kwargs in correctness_cases(device, dry_run):
-        verdicts = check_against_reference(triton_fn, q, k, v, return_lse=True, **kwargs)
+    # Lazily, one case on the device at a time; decoding is forward-only (a paged cache has no gradients).
+    cases = itertools.chain(((case, True) for case in correctness_cases(device, dry_run)),
+                            ((case, False) for case in decode_cases(device, dry_run)))
+    for (name, dtype, q, k, v, kwargs), grad in cases:
+        verdicts = check_against_reference(triton_fn, q, k, v, grad=grad, return_lse=True, **kwargs)
         # The LSE tolerance is infinite when a row sees no key; finite rows are judged by the others.
-        ok = all(x.ok for x in verdicts) and len(verdicts) >= 5
+        ok = all(x.ok for x in verdicts) and len(verdicts) >= (5 if grad else 2)
         all_ok &= ok
         worst = max(x.error / x.tolerance if x.tolerance > 0 else float(x.error > 0) for x in verdicts)
         dt = str(dtype).replace("torch.", "")
@@ -217,6 +275,63 @@ def run_speed(outdir: Path, seqlens, head_dims, rounds: int, flex_seqlens) -> bo
     return mismatches == 0
 
 
+def _decode_implementations(q, k, v, pool_k, pool_v, table, used, use_flex: bool):
+    """name -> step() of one decoding step over full caches; q (B, 1, Hq, D), caches as decode_problem's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    group = q.shape[2] // k.shape[2]
+    # (B, H, S, D) views for SDPA and Flex; SDPA's flash kernel needs K/V repeated to the query heads.
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    k_rep, v_rep = (t.repeat_interleave(group, dim=1) for t in (kh, vh))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return scaled_dot_product_attention(qh, k_rep, v_rep).transpose(1, 2)
+
+    impls = {
+        "tileattn-triton": lambda: tileattn.flash_attention(q, k, v, layout="BSND", causal=True, backend="triton"),
+        "tileattn-triton-paged": lambda: tileattn.flash_attention(
+            q, pool_k, pool_v, layout="BSND", causal=True, block_table=table, seqused_k=used, backend="triton"),
+        "sdpa-flash-repeated-kv": sdpa,
+    }
+    if use_flex:
+        compiled = _compiled_flex()
+        impls["flex-decoding"] = lambda: compiled(qh, kh, vh, enable_gqa=True).transpose(1, 2)
+    return impls
+
+
+def run_decode_speed(outdir: Path, rounds: int, use_flex: bool) -> bool:
+    """Time one decoding step per shape; False if an implementation strayed from SDPA's output."""
+    rows, mismatches = [], 0
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    for b in DECODE_BATCHES:
+        for cache in DECODE_CACHES:
+            problem = decode_problem(b, DECODE_HEADS, DECODE_DIM, cache, DECODE_PAGE, torch.bfloat16, "cuda", gen,
+                                     ragged=False)
+            impls = _decode_implementations(*problem, use_flex=use_flex)
+            with torch.no_grad():
+                outs = {name: step() for name, step in impls.items()}  # warm up: compile, allocate
+                diffs = {name: float((out.float() - outs["sdpa-flash-repeated-kv"].float()).abs().max())
+                         for name, out in outs.items()}
+                mismatches += sum(diff > MAX_DIFF_VS_SDPA for diff in diffs.values())
+                samples = measure.time_interleaved(impls, rounds, device="cuda", iters=20)
+            kv_bytes = 2 * b * DECODE_HEADS[1] * cache * DECODE_DIM * 2  # what a GQA-aware kernel must read
+            for name, times in samples.items():
+                ms = measure.median(times) * 1e3
+                gbps = kv_bytes / (ms * 1e-3) / 1e9
+                rows.append([name, b, cache, f"{ms:.4f}", f"{gbps:.0f}", f"{diffs[name]:.2e}"])
+                print(f"decode B={b} cache={cache:6d} {name:24s} {ms:8.4f} ms {gbps:7.0f} GB/s of K/V  "
+                      f"(max diff vs sdpa {diffs[name]:.1e})", flush=True)
+            del problem, impls, outs
+            torch.cuda.empty_cache()
+    with open(outdir / "decode_speed.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["impl", "batch", "cache", "ms", "kv_gb_per_s", "max_abs_diff_vs_sdpa"])
+        writer.writerows(rows)
+    return mismatches == 0
+
+
 def _plot(rows, path: Path, head_dims):
     import matplotlib
 
@@ -259,6 +374,7 @@ def parse_args(argv):
                    help="lengths at which FlexAttention is measured (each shape costs a compile)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention entirely")
     p.add_argument("--skip-correctness", action="store_true")
+    p.add_argument("--skip-decode", action="store_true", help="skip the decoding timings (c)")
     return p.parse_args(argv)
 
 
@@ -297,11 +413,15 @@ def main(argv=None) -> int:
             print("correctness FAILED: speed not measured", file=sys.stderr)
             return 1
     flex_seqlens = set() if args.no_flex else set(args.flex_seqlens)
-    if not run_speed(args.outdir, args.seqlens, args.head_dims, args.rounds, flex_seqlens):
-        print(f"tileattn-triton differs from SDPA by more than {MAX_DIFF_VS_SDPA} on some shape "
-              "(see speed.csv)", file=sys.stderr)
+    ok = run_speed(args.outdir, args.seqlens, args.head_dims, args.rounds, flex_seqlens)
+    if not args.skip_decode:
+        ok &= run_decode_speed(args.outdir, args.rounds, use_flex=not args.no_flex)
+    if not ok:
+        print(f"an implementation differs from SDPA by more than {MAX_DIFF_VS_SDPA} on some shape "
+              "(see speed.csv, decode_speed.csv)", file=sys.stderr)
         return 1
-    print(f"wrote {args.outdir / 'correctness.csv'}, {args.outdir / 'speed.csv'}, {args.outdir / 'speed.png'}")
+    print(f"wrote {args.outdir / 'correctness.csv'}, {args.outdir / 'speed.csv'}, {args.outdir / 'speed.png'}"
+          + ("" if args.skip_decode else f", {args.outdir / 'decode_speed.csv'}"))
     return 0
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tileattn
 from tileattn.modifiers import Band, TileState
@@ -471,6 +472,145 @@ def test_autograd_through_custom_op():
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+# ----------------------------------------------------------- KV caches: seqused_k, pages, decode
+
+
+def _kernels_run(monkeypatch):
+    """Names of the launcher paths a call takes ('decode' or 'prefill')."""
+    seen = []
+    for name in ("_decode", "_prefill"):
+        original = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _o=original, _n=name: (seen.append(_n[1:]), _o(*a))[1])
+    return seen
+
+
+def _paged(k, v, page, seed):
+    """(pool_k, pool_v, block_table): (B, Hkv, S, D) caches scattered over a shuffled pool of pages."""
+    b, hkv, s, d = k.shape
+    pages = -(-s // page)
+    pad = pages * page - s
+    blocks = [F.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * pages, page, hkv, t.shape[-1])
+              for t in (k, v)]
+    order = torch.randperm(b * pages + 3, generator=torch.Generator().manual_seed(seed))
+    pool_k, pool_v = (torch.zeros(b * pages + 3, page, hkv, t.shape[-1], dtype=t.dtype) for t in (k, v))
+    pool_k[order[: b * pages]], pool_v[order[: b * pages]] = blocks
+    return pool_k, pool_v, order[: b * pages].view(b, pages).int()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("sq, hq, hkv, kwargs", [
+    (1, 4, 2, {}),
+    (1, 8, 1, {"causal": True}),
+    (4, 8, 2, {"causal": True}),
+    (3, 4, 2, {"causal": True, "window": (200, 0)}),
+    (1, 2, 2, {"alibi_slopes": torch.tensor([0.3, 0.05]), "softcap": 3.0, "sinks": torch.tensor([0.5, -1.0])}),
+    (2, 4, 4, {"causal": True, "align": "top_left"}),
+])
+def test_decode_kernel_matches_reference(monkeypatch, dtype, sq, hq, hkv, kwargs):
+    """Split-K decoding of ragged caches: the full odd-length cache (6 chunks), an empty one, 3 chunks
+    and 1 chunk; GQA and MQA, multi-token queries aligned bottom-right, bands, ALiBi, softcap, sinks."""
+    q, k, v = make_qkv(b=4, hq=hq, hkv=hkv, sq=sq, sk=701, d=40, dtype=dtype, seed=sq + hq)
+    used = torch.tensor([701, 0, 333, 100], dtype=torch.int32)
+    assert [launch.decode_chunks(n) for n in used.tolist()] == [6, 0, 3, 1]
+    seen = _kernels_run(monkeypatch)
+    check(q, k, v, grad=False, seqused_k=used, **kwargs)
+    assert seen[0] == "decode"
+
+
+@interpreted
+def test_decode_kernel_caps_the_splits_of_a_long_cache(monkeypatch):
+    """Past DECODE_MAX_SPLITS x DECODE_MIN_CHUNK keys the chunks lengthen instead of multiplying
+    (the limits are lowered here so that the interpreter sees the cap on a short cache)."""
+    monkeypatch.setattr(launch, "DECODE_MIN_CHUNK", 64)
+    monkeypatch.setattr(launch, "DECODE_MAX_SPLITS", 3)
+    q, k, v = make_qkv(b=1, hq=2, hkv=1, sq=1, sk=901, d=16, seed=31)
+    seen = _kernels_run(monkeypatch)
+    check(q, k, v, grad=False, causal=True)
+    assert seen == ["decode"] and launch.decode_chunks(901) == 3
+
+
+@interpreted
+@pytest.mark.parametrize("sq", [1, 24])
+def test_paged_kv_cache(monkeypatch, sq):
+    """A paged pool (pages of 7 keys, shuffled) read through the block table, by the decode kernel
+    (1 query) and the prefill one; the same bits as the contiguous cache."""
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=sq, sk=300, d=32, layout="BSND", seed=sq)
+    pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 7, seed=sq)
+    used = torch.tensor([300, 161], dtype=torch.int32)
+    seen = _kernels_run(monkeypatch)
+    check(q, pool_k, pool_v, grad=False, layout="BSND", block_table=table, seqused_k=used, causal=True)
+    assert seen[0] == ("decode" if sq == 1 else "prefill")
+    out = tileattn.flash_attention(q, pool_k, pool_v, layout="BSND", block_table=table, seqused_k=used,
+                                   backend="triton")
+    ref = tileattn.flash_attention(q, k, v, layout="BSND", seqused_k=used, backend="triton")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@interpreted
+def test_varlen_queries_over_a_paged_cache():
+    cu_q = torch.tensor([0, 1, 1, 3], dtype=torch.int32)  # 1, 0 and 2 queries
+    gen = torch.Generator().manual_seed(32)
+    q = torch.randn(3, 4, 16, generator=gen)
+    pool_k, pool_v = torch.randn(20, 8, 2, 16, generator=gen), torch.randn(20, 8, 2, 16, generator=gen)
+    table = torch.randperm(20, generator=gen)[:15].view(3, 5).int()
+    used = torch.tensor([37, 5, 40], dtype=torch.int32)
+    check(q, pool_k, pool_v, grad=False, layout="TND", cu_seqlens_q=cu_q, block_table=table, seqused_k=used,
+          causal=True)
+
+
+@interpreted
+def test_seqused_k_forward_and_backward_in_the_prefill_kernels():
+    """Keys past seqused_k neither count nor get a gradient (the launcher zeroes their dK/dV)."""
+    q, k, v = make_qkv(b=3, hq=4, hkv=2, sq=20, sk=45, d=16, seed=33)
+    check(q, k, v, seqused_k=torch.tensor([45, 3, 0], dtype=torch.int32), causal=True)
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(34)
+    q, k, v = (torch.randn(50, 2, 16, generator=gen) for _ in range(3))
+    check(q, k, v, layout="TND", cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=torch.tensor([7, 30], dtype=torch.int32))
+
+
+@interpreted
+def test_decode_is_batch_invariant_and_reproducible(monkeypatch):
+    """A row's bits do not depend on the other sequences of the batch nor on the cache's capacity
+    (the chunking is the sequence's own), nor on the run. Few, short chunks here, so that a chunking
+    taken from the capacity (900 keys: 4 chunks of 256) would differ from the sequences' own."""
+    monkeypatch.setattr(launch, "DECODE_MIN_CHUNK", 64)
+    monkeypatch.setattr(launch, "DECODE_MAX_SPLITS", 4)
+    q, k, v = make_qkv(b=4, hq=4, hkv=2, sq=1, sk=900, d=32, seed=35)
+    used = torch.tensor([900, 17, 512, 640], dtype=torch.int32)
+    together = tileattn.flash_attention(q, k, v, seqused_k=used, backend="triton")
+    assert torch.equal(together, tileattn.flash_attention(q, k, v, seqused_k=used, backend="triton"))
+    for b, n in enumerate(used.tolist()):
+        alone = tileattn.flash_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], backend="triton")
+        assert torch.equal(alone, together[b:b + 1]), b
+
+
+@interpreted
+def test_modifiers_outside_the_decode_kernel_take_the_prefill_kernel(monkeypatch):
+    q, k, v = make_qkv(b=1, hq=2, sq=1, sk=200, d=16, seed=36)
+    seen = _kernels_run(monkeypatch)
+    mask = torch.rand(1, 200, generator=torch.Generator().manual_seed(3)) > 0.3
+    check(q, k, v, grad=False, mask=mask)
+    check(q, k, v, grad=False, dropout_p=0.2, seed=4)
+    assert seen == ["prefill"] * 2
+
+
+@interpreted
+def test_paged_kv_gradients_refused_with_a_reason():
+    """The kernels read a paged cache forward only: a call that needs gradients is refused before compute."""
+    from tileattn.dispatch import get_backend
+
+    q, k, v = make_qkv(b=1, hq=2, sq=1, sk=16, d=16, layout="BSND", seed=37)
+    pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 8, seed=37)
+    spec = build_spec(q, pool_k, pool_v, layout="BSND", block_table=table)
+    reasons = get_backend("triton").not_supported_reasons(spec, backward=True)
+    assert any("paged" in r for r in reasons), reasons
+    with pytest.raises(tileattn.NoBackendError, match="paged"):
+        tileattn.flash_attention(q.requires_grad_(), pool_k, pool_v, layout="BSND", block_table=table,
+                                 backend="triton")
+
+
 # ------------------------------------------------------------------- ahead-of-time GPU compile
 
 
@@ -481,7 +621,7 @@ def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_
     from triton.compiler import ASTSource
 
     floats = {"sm_scale", "softcap", "drop_scale"}
-    constexprs = dict(constexprs)
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     signature = {}
     for name in fn.arg_names:
         if name in pointer_types or name in floats or name in constexprs:
@@ -503,30 +643,41 @@ def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_
 def _pointer_types(dtype: str) -> dict:
     data = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")}
     return dict(data, Lse2="*fp32", Delta="*fp32", DBias="*fp32", Mask="*u8", Bias="*fp32",
-                Slopes="*fp32", CuSeqQ="*i32", CuSeqK="*i32")
+                Slopes="*fp32", CuSeqQ="*i32", CuSeqK="*i32", SeqUsedK="*i32", BlockTable="*i32",
+                OutPart="*fp32", LsePart="*fp32")
 
 
 @compiled_process
 def test_kernels_compile_for_sm90():
-    """Every kernel with every feature on, through ptxas for an H100/H200 (no GPU needed): bf16 for
-    all four kernels, fp32 (IEEE dots) for the forward. Small blocks keep ptxas to seconds."""
+    """Every kernel with every feature on (a flag a kernel does not take is dropped for it), through
+    ptxas for an H100/H200 (no GPU needed): bf16 for all kernels, fp32 (IEEE dots) for the forward and
+    decode ones, the prefill forward and the decode kernel also on a paged cache. Small blocks keep
+    ptxas to seconds."""
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"triton has no NVIDIA compiler backend here: {exc}")
-    fwd, bwd = launch.kernels()
+    fwd, bwd, dec = launch.kernels()
     flags = dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, IS_VARLEN=True, HAS_MASK=True, HAS_BIAS=True,
                  HAS_ALIBI=True,
-                 HAS_SOFTCAP=True, HAS_DROPOUT=True, BLOCK_D=64, BLOCK_DV=32)
+                 HAS_SOFTCAP=True, HAS_DROPOUT=True, HAS_SEQUSED=True, PAGED=False, BLOCK_D=64, BLOCK_DV=32)
     bf16, fp32 = dict(flags, DOT_PRECISION="tf32"), dict(flags, DOT_PRECISION="ieee")
+    decode = dict(MIN_CHUNK=launch.DECODE_MIN_CHUNK, MAX_SPLITS=launch.DECODE_MAX_SPLITS, BLOCK_M=16,
+                  BLOCK_N=launch.DECODE_BLOCK_N)
     jobs = [
         (fwd.attention_forward_kernel, dict(bf16, BLOCK_M=64, BLOCK_N=32), "bf16"),
         (bwd.attention_backward_dkdv_kernel, dict(bf16, BLOCK_M=32, BLOCK_N=64), "bf16"),
         (bwd.attention_backward_dq_kernel, dict(bf16, WRITE_DBIAS=True, BLOCK_M=64, BLOCK_N=32), "bf16"),
+        (dec.attention_decode_kernel, dict(bf16, **decode, PAGED=True), "bf16"),
+        (dec.attention_decode_merge_kernel, dict(bf16, **decode, PAGED=True), "bf16"),
+        (fwd.attention_forward_kernel, dict(bf16, BLOCK_M=64, BLOCK_N=32, PAGED=True, HAS_MASK=False,
+                                            HAS_BIAS=False), "bf16"),
         (fwd.attention_forward_kernel, dict(fp32, BLOCK_M=32, BLOCK_N=32), "fp32"),
+        (dec.attention_decode_kernel, dict(fp32, **decode, IS_VARLEN=False, BLOCK_D=128, BLOCK_DV=128), "fp32"),
     ]
-    # The same kernels with every specialisable int argument equal to 1 (a constant, not a tensor).
-    jobs += [(fn, dict(c, ones=True), d) for fn, c, d in jobs[:3]]
+    # The same kernels with every specialisable int argument equal to 1 (a constant, not a tensor):
+    # for the decode kernel that includes group 1, one query and pages of one key (a left-padded cache).
+    jobs += [(fn, dict(c, ones=True), d) for fn, c, d in jobs[:6]]
     for fn, constexprs, dtype in jobs:
         ones = constexprs.pop("ones", False)
         try:

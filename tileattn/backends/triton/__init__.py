@@ -5,7 +5,8 @@ Layers, top to bottom:
 * :class:`TritonBackend` (here): what the engine accepts, registered with :mod:`tileattn.dispatch`
   at priority 10, ahead of the CPU engine, so ``backend="auto"`` runs CUDA tensors here;
 * :mod:`.launch`: validates, allocates, chooses block sizes (fixed, tune cache or autotune), launches;
-* :mod:`.forward_kernel`, :mod:`.backward_kernel`, :mod:`.tile_math`: the ``@triton.jit`` kernels.
+* :mod:`.forward_kernel`, :mod:`.backward_kernel`, :mod:`.decode_kernel` (split-K flash-decoding for
+  a few query rows per kv head), :mod:`.tile_math`: the ``@triton.jit`` kernels.
 
 Gradients are computed by two passes that each own the rows they write (no atomics), so they are
 bitwise reproducible run to run: ``deterministic=True`` is always honoured at no cost.
@@ -30,7 +31,6 @@ class TritonBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset(("cuda", "cpu")), dtypes=frozenset((torch.float16, torch.bfloat16, torch.float32)),
         max_head_dim=launch.MAX_HEAD_DIM, modifiers=frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout")),
-        seqused_k=False, paged_kv=False,
     )
 
     def unavailable_reason(self):

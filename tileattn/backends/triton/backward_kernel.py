@@ -36,7 +36,7 @@ accumulators are (BLOCK_N, D) row blocks; :func:`~.tile_math.score_tile` is elem
 import triton
 import triton.language as tl
 
-from .tile_math import (diagonal_offset, dropout_head_key, dropout_keep, score_tile, sequence_bounds,
+from .tile_math import (diagonal_offset, dropout_head_key, dropout_keep, key_bounds, score_tile, sequence_bounds,
                         visible_key_blocks, visible_query_blocks)
 
 
@@ -94,7 +94,7 @@ def _dkdv_query_blocks(
 # inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_backward_dkdv_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, Mask, Bias, Slopes, CuSeqQ, CuSeqK,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, Mask, Bias, Slopes, CuSeqQ, CuSeqK, SeqUsedK,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -110,7 +110,7 @@ def attention_backward_dkdv_kernel(
     seed_lo, seed_hi, drop_threshold, drop_scale, tune_bucket,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -119,7 +119,7 @@ def attention_backward_dkdv_kernel(
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, q_len = sequence_bounds(CuSeqQ, batch, seqlen_q, IS_VARLEN)
-    k_start, k_len = sequence_bounds(CuSeqK, batch, seqlen_k, IS_VARLEN)
+    k_start, k_len = key_bounds(CuSeqK, SeqUsedK, batch, seqlen_k, IS_VARLEN, HAS_SEQUSED, False)
     j0 = block * BLOCK_N
     if j0 >= k_len:
         return
@@ -241,7 +241,7 @@ def _dq_key_blocks(
 # inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_backward_dq_kernel(
-    Q, K, V, DOut, Lse2, Delta, DQ, DBias, Mask, Bias, Slopes, CuSeqQ, CuSeqK,
+    Q, K, V, DOut, Lse2, Delta, DQ, DBias, Mask, Bias, Slopes, CuSeqQ, CuSeqK, SeqUsedK,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -257,7 +257,7 @@ def attention_backward_dq_kernel(
     seed_lo, seed_hi, drop_threshold, drop_scale, tune_bucket,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -266,7 +266,7 @@ def attention_backward_dq_kernel(
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, q_len = sequence_bounds(CuSeqQ, batch, seqlen_q, IS_VARLEN)
-    k_start, k_len = sequence_bounds(CuSeqK, batch, seqlen_k, IS_VARLEN)
+    k_start, k_len = key_bounds(CuSeqK, SeqUsedK, batch, seqlen_k, IS_VARLEN, HAS_SEQUSED, False)
     i0 = block * BLOCK_M
     if i0 >= q_len:
         return

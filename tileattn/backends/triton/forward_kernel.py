@@ -42,28 +42,29 @@ weights) and scales the output by ``1 / (1 - p)``; the keep decision is the coun
 import triton
 import triton.language as tl
 
-from .tile_math import (diagonal_offset, dropout_head_key, dropout_keep, score_tile, sequence_bounds,
-                        visible_key_blocks)
+from .tile_math import (diagonal_offset, dropout_head_key, dropout_keep, key_bounds, key_slots, score_tile,
+                        sequence_bounds, visible_key_blocks)
 
 
 @triton.jit
 def _attend_key_blocks(
     acc, m_i, l_i, q, rows, start, end,
-    k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+    k_base, v_base, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
     offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
     sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
     window_left, window_right, head_key, drop_threshold,
     APPLY_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Stream key blocks [start, end) through the online softmax of one query block."""
     for j0 in range(start, end, BLOCK_N):
         j0 = tl.multiple_of(j0, BLOCK_N)
         cols = j0 + tl.arange(0, BLOCK_N)
+        page, slot = key_slots(cols, k_len, table_base, page_size, PAGED)
         # K is loaded transposed, (BLOCK_D, BLOCK_N), straight from its strides.
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+        kt = tl.load(k_base + (page * stride_kb + slot * stride_ks)[None, :] + offs_d[:, None] * stride_kd,
                      mask=(cols[None, :] < k_len) & (offs_d[:, None] < head_dim), other=0.0)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
         s, _ = score_tile(
@@ -79,7 +80,7 @@ def _attend_key_blocks(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(head_key, rows[:, None], cols[None, :], drop_threshold), p, 0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+        v = tl.load(v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_dv[None, :] * stride_vd,
                     mask=(cols[:, None] < k_len) & (offs_dv[None, :] < head_dim_v), other=0.0)
         # P is rounded to V's dtype for the second GEMM, as FlashAttention-2 does (fp32 stays fp32).
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -91,7 +92,7 @@ def _attend_key_blocks(
 # inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_forward_kernel(
-    Q, K, V, Out, Lse2, Mask, Bias, Slopes, CuSeqQ, CuSeqK,
+    Q, K, V, Out, Lse2, Mask, Bias, Slopes, CuSeqQ, CuSeqK, SeqUsedK, BlockTable,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -99,25 +100,27 @@ def attention_forward_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_mb, stride_mh, stride_mq, stride_mk,
     stride_bb, stride_bh, stride_bq, stride_bk,
-    stride_ab, stride_ah,
-    seqlen_q, seqlen_k, group, head_dim, head_dim_v,
+    stride_ab, stride_ah, stride_btb,
+    seqlen_q, seqlen_k, group, head_dim, head_dim_v, page_size,
     sm_scale, softcap, window_left, window_right, align_shift,
     seed_lo, seed_hi, drop_threshold, drop_scale, tune_bucket,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Write ``Out`` and the base-2 ``Lse2`` for one (query block, query head, sequence).
 
-    ``tune_bucket`` is not read: it only keys the GPU autotuner's cache by a coarse length bucket.
+    With ``PAGED``, K and V are pools (num_blocks, Hkv, page_size, D) read through the block table:
+    ``stride_kb``/``stride_vb`` step from page to page. ``tune_bucket`` is not read: it only keys the
+    GPU autotuner's cache by a coarse length bucket.
     """
     block = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
     q_start, q_len = sequence_bounds(CuSeqQ, batch, seqlen_q, IS_VARLEN)
-    k_start, k_len = sequence_bounds(CuSeqK, batch, seqlen_k, IS_VARLEN)
+    k_start, k_len = key_bounds(CuSeqK, SeqUsedK, batch, seqlen_k, IS_VARLEN, HAS_SEQUSED, PAGED)
     i0 = block * BLOCK_M
     if i0 >= q_len:
         return
@@ -127,8 +130,12 @@ def attention_forward_kernel(
     # 64-bit base offsets: B * H * S * D overflows int32 on large problems.
     batch64 = batch.to(tl.int64)
     q_base = Q + batch64 * stride_qb + head.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qs
-    k_base = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_ks
-    v_base = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vs
+    k_base = K + kv_head.to(tl.int64) * stride_kh
+    v_base = V + kv_head.to(tl.int64) * stride_vh
+    if not PAGED:  # a pool's pages are addressed per key, through the block table
+        k_base += batch64 * stride_kb + k_start.to(tl.int64) * stride_ks
+        v_base += batch64 * stride_vb + k_start.to(tl.int64) * stride_vs
+    table_base = BlockTable + batch64 * stride_btb
     mask_base = Mask + batch64 * stride_mb + head.to(tl.int64) * stride_mh
     bias_base = Bias + batch64 * stride_bb + head.to(tl.int64) * stride_bh
 
@@ -153,25 +160,28 @@ def attention_forward_kernel(
         i0, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # Three stages over the visible keys: masked head, unmasked interior, masked tail.
     acc, m_i, l_i = _attend_key_blocks(
-        acc, m_i, l_i, q, rows, start, mid_lo, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i, q, rows, start, mid_lo, k_base, v_base,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
         offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
         sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
         window_left, window_right, head_key, drop_threshold,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
         BLOCK_N, DOT_PRECISION)
     acc, m_i, l_i = _attend_key_blocks(
-        acc, m_i, l_i, q, rows, mid_lo, mid_hi, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i, q, rows, mid_lo, mid_hi, k_base, v_base,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
         offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
         sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
         window_left, window_right, head_key, drop_threshold,
-        False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+        False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
         BLOCK_N, DOT_PRECISION)
     acc, m_i, l_i = _attend_key_blocks(
-        acc, m_i, l_i, q, rows, mid_hi, end, k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+        acc, m_i, l_i, q, rows, mid_hi, end, k_base, v_base,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
         offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
         sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
         window_left, window_right, head_key, drop_threshold,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
         BLOCK_N, DOT_PRECISION)
 
     # Normalise. l == 0 only for rows that saw nothing: they output 0 and lse2 = -inf.

@@ -39,7 +39,7 @@ LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256
 
-_KERNEL_MODULES = ("tile_math", "forward_kernel", "backward_kernel")
+_KERNEL_MODULES = ("tile_math", "forward_kernel", "backward_kernel", "decode_kernel")
 _state = {"modules": None, "tuned": None}
 
 
@@ -60,7 +60,7 @@ def interpreter_active() -> bool:
 
 
 def kernels():
-    """(forward module, backward module), imported on first use.
+    """(forward, backward, decode) kernel modules, imported on first use.
 
     Our kernels are decorated in the same mode as Triton's library (see :func:`interpreter_active`),
     whatever ``TRITON_INTERPRET`` says at the moment of the import.
@@ -76,7 +76,7 @@ def kernels():
                 os.environ.pop("TRITON_INTERPRET")
             else:
                 os.environ["TRITON_INTERPRET"] = saved
-        _state["modules"] = (mods[1], mods[2])
+        _state["modules"] = tuple(mods[1:])
     return _state["modules"]
 
 
@@ -100,7 +100,7 @@ DKDV_SPACE = (KernelConfig(32, 128, 4, 3), KernelConfig(64, 128, 8, 3), KernelCo
 DQ_SPACE = (KernelConfig(128, 32, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3),
             KernelConfig(64, 32, 4, 2))
 _TUNE_KEY = ["tune_bucket", "BLOCK_D", "BLOCK_DV", "HAS_LEFT", "HAS_RIGHT", "BOTTOM_RIGHT", "IS_VARLEN", "HAS_MASK",
-             "HAS_BIAS", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_DROPOUT", "DOT_PRECISION"]
+             "HAS_BIAS", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_DROPOUT", "HAS_SEQUSED", "PAGED", "DOT_PRECISION"]
 
 
 def use_fixed_config() -> bool:
@@ -114,7 +114,8 @@ def _autotuned(name, kernel, space):
     if name not in _state["tuned"]:
         configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
                                  num_stages=c.num_stages) for c in space]
-        _state["tuned"][name] = triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+        key = [flag for flag in _TUNE_KEY if flag in kernel.arg_names]  # PAGED is the forward kernel's alone
+        _state["tuned"][name] = triton.autotune(configs=configs, key=key)(kernel)
     return _state["tuned"][name]
 
 
@@ -161,10 +162,34 @@ def _broadcast4(x: torch.Tensor, full):
     return x.expand(full)
 
 
-def _common(spec: AttentionSpec):
+def _kv_strides(spec: AttentionSpec, t: torch.Tensor):
+    """Strides of a canonical K/V view: (page, head, row in page, dim) for a paged pool, else as q's."""
+    return tuple(t.stride()) if spec.is_paged else _strides4(t, spec.is_varlen)
+
+
+@dataclass
+class _Args:
+    """What every kernel of a call shares: tensors, strides, scalars and constexpr flags."""
+
+    mask: torch.Tensor
+    bias: torch.Tensor
+    slopes: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    seqused_k: torch.Tensor
+    table: torch.Tensor
+    mask_strides: tuple
+    bias_strides: tuple
+    slope_strides: tuple
+    scalars: tuple
+    flags: dict
+
+
+def _common(spec: AttentionSpec) -> _Args:
     """Pointer arguments, strides, scalars and flags shared by every kernel of a call."""
     dev = spec.device
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    no_index = torch.zeros(2, dtype=torch.int32, device=dev)
     full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
     mask, bias, alibi = spec.modifier("mask"), spec.modifier("bias"), spec.modifier("alibi")
     band, softcap, dropout = spec.modifier("band"), spec.modifier("softcap"), spec.modifier("dropout")
@@ -184,16 +209,13 @@ def _common(spec: AttentionSpec):
         slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
     else:
         slopes, slope_strides = dummy, (0, 0)
-    if spec.is_varlen:
-        cu_q, cu_k = spec.cu_seqlens_q, spec.cu_seqlens_k
-    else:
-        cu_q = cu_k = torch.zeros(2, dtype=torch.int32, device=dev)
+    cu_q = spec.cu_seqlens_q if spec.is_varlen else no_index
+    cu_k = spec.cu_seqlens_k if spec.cu_seqlens_k is not None else no_index
     left, right = (band.left, band.right) if band is not None else (None, None)
     p = dropout.p if dropout is not None else 0.0
     seed = dropout.seed if dropout is not None else 0
     threshold = dropout.threshold if dropout is not None else 0
     scalars = (
-        spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v,
         spec.scale, softcap.cap if softcap is not None else 1.0, left or 0, right or 0,
         spec.align if isinstance(spec.align, int) else 0,
         seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, threshold,
@@ -203,53 +225,139 @@ def _common(spec: AttentionSpec):
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, BOTTOM_RIGHT=spec.align == "bottom_right",
         IS_VARLEN=spec.is_varlen, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
         HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_DROPOUT=dropout is not None, BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
+        HAS_DROPOUT=dropout is not None, HAS_SEQUSED=spec.seqused_k is not None,
+        BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
         # fp32 inputs must not be rounded to TF32 inside tl.dot: the accuracy rule is fp32's.
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
     )
-    extras = (mask_t, bias_t, slopes, cu_q, cu_k)
-    strides = tuple(mask_strides) + tuple(bias_strides) + tuple(slope_strides)
-    return extras, strides, scalars, flags
+    return _Args(mask_t, bias_t, slopes, cu_q, cu_k,
+                 spec.seqused_k if spec.seqused_k is not None else no_index,
+                 spec.block_table if spec.is_paged else no_index.view(1, 2),
+                 tuple(mask_strides), tuple(bias_strides), tuple(slope_strides), scalars, flags)
 
 
 def _lse_strides(lse: torch.Tensor, varlen: bool):
     return (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
 
 
+def _sizes(spec: AttentionSpec) -> tuple:
+    return spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v
+
+
+#: Flash-decoding (:mod:`.decode_kernel`) serves calls whose query rows per kv head (seqlen_q * group)
+#: fit one tile of DECODE_ROWS. Its configuration is fixed, never tuned: with the chunk rule of
+#: :func:`decode_chunks` that is what makes a row's bits independent of the batch and of the run.
+DECODE_ROWS = 16
+DECODE_BLOCK_N = 64
+DECODE_MIN_CHUNK = 128
+DECODE_MAX_SPLITS = 64
+DECODE_CONFIG = dict(num_warps=4, num_stages=2)
+#: Modifiers the decode kernel applies; a call with others (mask, bias, dropout) takes the prefill kernel.
+DECODE_MODIFIERS = frozenset(("band", "alibi", "softcap"))
+
+
+def decode_splits(k_len: int) -> int:
+    """Splits allowed to a sequence of ``k_len`` keys: at most DECODE_MAX_SPLITS of DECODE_MIN_CHUNK keys.
+
+    It grows with ``k_len``, so the longest sequence's bounds every other's: that is the grid.
+    """
+    return max(1, min(-(-k_len // DECODE_MIN_CHUNK), DECODE_MAX_SPLITS))
+
+
+def decode_chunks(k_len: int) -> int:
+    """Key chunks a sequence of ``k_len`` keys is cut into (the host copy of tile_math.decode_chunk_len).
+
+    At most :func:`decode_splits`, fewer when rounding the chunk up to whole tiles leaves the last
+    ones empty; unlike the splits, not monotonic in ``k_len``.
+    """
+    chunk = max(1, -(-(-(-k_len // decode_splits(k_len))) // DECODE_BLOCK_N)) * DECODE_BLOCK_N
+    return -(-k_len // chunk)
+
+
+def uses_decode_kernel(spec: AttentionSpec) -> bool:
+    """Whether a forward call runs the split-K decoding kernel rather than the FlashAttention-2 one."""
+    return spec.seqlen_q * spec.group_size <= DECODE_ROWS and set(spec.kinds) <= DECODE_MODIFIERS
+
+
 def forward(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None:
     """Write ``out_c`` (canonical view, any float dtype) and the natural-log ``lse``."""
-    fwd, _ = kernels()
-    (mask, bias, slopes, cu_q, cu_k), extra_strides, scalars, flags = _common(spec)
+    if uses_decode_kernel(spec):
+        _decode(spec, out_c, lse)
+    else:
+        _prefill(spec, out_c, lse)
+    lse.mul_(LN2)  # the kernels store log2; the API's LSE is a natural log (-inf stays -inf)
+
+
+def _prefill(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None:
+    fwd, _ = kernels()[:2]
+    a = _common(spec)
     v = spec.is_varlen
-    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, mask, bias, slopes, cu_q, cu_k,
-            *_strides4(spec.q_c, v), *_strides4(spec.k_c, v), *_strides4(spec.v_c, v), *_strides4(out_c, v),
-            *_lse_strides(lse, v), *extra_strides, *scalars)
+    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, a.mask, a.bias, a.slopes, a.cu_q, a.cu_k, a.seqused_k, a.table,
+            *_strides4(spec.q_c, v), *_kv_strides(spec, spec.k_c), *_kv_strides(spec, spec.v_c),
+            *_strides4(out_c, v), *_lse_strides(lse, v), *a.mask_strides, *a.bias_strides, *a.slope_strides,
+            a.table.stride(0), *_sizes(spec), spec.block_size if spec.is_paged else 1, *a.scalars)
 
     def grid(block_m, block_n):
         return (triton.cdiv(max(spec.seqlen_q, 1), block_m), spec.heads_q, spec.batch)
 
-    _launch("forward", fwd.attention_forward_kernel, FORWARD_SPACE, grid, args, flags, _cached_forward_config(spec))
-    lse.mul_(LN2)  # the kernel stores log2; the API's LSE is a natural log (-inf stays -inf)
+    _launch("forward", fwd.attention_forward_kernel, FORWARD_SPACE, grid, args, dict(a.flags, PAGED=spec.is_paged),
+            _cached_forward_config(spec))
+
+
+def _decode(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None:
+    """Split-K decoding: partial results per key chunk into fp32 scratch, then the ordered merge."""
+    dec = kernels()[2]
+    a = _common(spec)
+    v = spec.is_varlen
+    # One tile of rows whatever the call (tl.dot takes M >= 16): a row's arithmetic never depends on
+    # how many rows its neighbours fill. The grid has the longest sequence's splits; the programs of
+    # chunks a shorter sequence does not have return at once.
+    rows = DECODE_ROWS
+    splits = decode_splits(spec.seqlen_k)
+    block_dv = a.flags["BLOCK_DV"]
+    part_lse = torch.empty((spec.batch, spec.heads_kv, splits, rows), dtype=torch.float32, device=spec.device)
+    part_out = torch.empty(part_lse.shape + (block_dv,), dtype=torch.float32, device=spec.device)
+    sm_scale, softcap, left, right, shift = a.scalars[:5]
+    shape = (spec.seqlen_q, spec.seqlen_k, spec.group_size)
+    chunking = dict(MIN_CHUNK=DECODE_MIN_CHUNK, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_M=rows, BLOCK_N=DECODE_BLOCK_N)
+    flags = {name: a.flags[name] for name in ("HAS_LEFT", "HAS_RIGHT", "BOTTOM_RIGHT", "IS_VARLEN", "HAS_ALIBI",
+                                              "HAS_SOFTCAP", "HAS_SEQUSED", "BLOCK_D", "BLOCK_DV", "DOT_PRECISION")}
+    dec.attention_decode_kernel[(splits, spec.heads_kv, spec.batch)](
+        spec.q_c, spec.k_c, spec.v_c, part_out, part_lse, a.slopes, a.cu_q, a.cu_k, a.seqused_k, a.table,
+        *_strides4(spec.q_c, v), *_kv_strides(spec, spec.k_c), *_kv_strides(spec, spec.v_c),
+        *part_lse.stride(), *a.slope_strides, a.table.stride(0),
+        *shape, spec.head_dim, spec.head_dim_v, spec.block_size if spec.is_paged else 1,
+        sm_scale, softcap, left, right, shift, PAGED=spec.is_paged, **flags, **chunking, **DECODE_CONFIG)
+    dec.attention_decode_merge_kernel[(spec.heads_kv, spec.batch)](
+        part_out, part_lse, out_c, lse, a.cu_q, a.cu_k, a.seqused_k,
+        *_strides4(out_c, v), *_lse_strides(lse, v), *part_lse.stride(), *shape, spec.head_dim_v,
+        IS_VARLEN=v, HAS_SEQUSED=a.flags["HAS_SEQUSED"], PAGED=spec.is_paged, BLOCK_DV=block_dv, **chunking,
+        **DECODE_CONFIG)
 
 
 def backward(spec: AttentionSpec, grads) -> None:
     """dq, dk, dv (and the reduced bias gradient) of a :class:`~tileattn.dispatch.Gradients` bundle."""
-    _, bwd = kernels()
+    _, bwd = kernels()[:2]
     v = spec.is_varlen
     # Base-2 LSE; rows that saw no key get +inf so every recomputed probability is exactly 0.
     lse2 = (grads.lse.float() * LOG2E).masked_fill_(grads.lse == -math.inf, math.inf)
     # The kernels index delta with the LSE's strides.
     delta = grads.delta.float().contiguous()
-    (mask, bias, slopes, cu_q, cu_k), extra_strides, scalars, flags = _common(spec)
+    a = _common(spec)
+    if spec.seqused_k is not None:
+        # Keys past a sequence's seqused_k get no gradient; the kernels only write the keys in use.
+        grads.dk.zero_()
+        grads.dv.zero_()
+    extra = (*a.mask_strides, *a.bias_strides, *a.slope_strides, *_sizes(spec), *a.scalars)
     lse_strides = _lse_strides(lse2, v)
     q_strides, k_strides, v_strides = _strides4(spec.q_c, v), _strides4(spec.k_c, v), _strides4(spec.v_c, v)
     g_strides = _strides4(grads.dout, v)
-    dkdv_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dk, grads.dv, mask, bias, slopes,
-                 cu_q, cu_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
-                 *_strides4(grads.dk, v), *_strides4(grads.dv, v), *extra_strides, *scalars)
+    dkdv_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dk, grads.dv, a.mask, a.bias, a.slopes,
+                 a.cu_q, a.cu_k, a.seqused_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
+                 *_strides4(grads.dk, v), *_strides4(grads.dv, v), *extra)
     _launch("dkdv", bwd.attention_backward_dkdv_kernel, DKDV_SPACE,
             lambda bm, bn: (triton.cdiv(max(spec.seqlen_k, 1), bn), spec.heads_kv, spec.batch),
-            dkdv_args, flags)
+            dkdv_args, a.flags)
 
     need_dbias = grads.dbias is not None
     if need_dbias:
@@ -260,11 +368,11 @@ def backward(spec: AttentionSpec, grads) -> None:
     else:
         dbias_full = torch.empty(1, dtype=torch.float32, device=spec.device)
         dbias_strides = (0, 0, 0)
-    dq_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dq, dbias_full, mask, bias, slopes,
-               cu_q, cu_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
-               *_strides4(grads.dq, v), *dbias_strides, *extra_strides, *scalars)
+    dq_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dq, dbias_full, a.mask, a.bias, a.slopes,
+               a.cu_q, a.cu_k, a.seqused_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
+               *_strides4(grads.dq, v), *dbias_strides, *extra)
     _launch("dq", bwd.attention_backward_dq_kernel, DQ_SPACE,
             lambda bm, bn: (triton.cdiv(max(spec.seqlen_q, 1), bm), spec.heads_q, spec.batch),
-            dq_args, dict(flags, WRITE_DBIAS=need_dbias))
+            dq_args, dict(a.flags, WRITE_DBIAS=need_dbias))
     if need_dbias:
         grads.dbias.add_(reduce_to_shape(dbias_full, grads.dbias.shape))

@@ -195,6 +195,47 @@ def diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT: tl.constexpr):
 
 
 @triton.jit
+def key_bounds(cu_seqlens_k, seqused_k, batch, seqlen_k, IS_VARLEN: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+               PAGED: tl.constexpr):
+    """(first key row, key count) of sequence ``batch``: packed rows from cu_seqlens_k (not for a paged
+    cache, whose rows come from the block table), the count from seqused_k when given."""
+    start = tl.full([], 0, tl.int32)
+    length = start + seqlen_k
+    if IS_VARLEN:
+        if not PAGED:
+            start = tl.load(cu_seqlens_k + batch)
+            length = tl.load(cu_seqlens_k + batch + 1) - start
+    if HAS_SEQUSED:
+        length = tl.load(seqused_k + batch)
+    return start, length
+
+
+@triton.jit
+def key_slots(cols, k_len, table_base, page_size, PAGED: tl.constexpr):
+    """(page, row in page) of key columns ``cols``: a key's address is ``page * stride_page + row *
+    stride_row`` (plus the head's). Without a paged cache the page is 0 and the row is the column; with
+    one, the page comes from the sequence's block table (``table_base``); columns past ``k_len`` read
+    page 0 and are masked by the callers."""
+    page = 0
+    slot = cols
+    if PAGED:  # a constexpr branch: the compiler lets it change the variables' types
+        page = tl.load(table_base + cols // page_size, mask=cols < k_len, other=0).to(tl.int64)
+        slot = cols % page_size
+    return page, slot
+
+
+@triton.jit
+def decode_chunk_len(k_len, MIN_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of the flash-decoding kernel for a sequence of ``k_len`` keys: at most
+    MAX_SPLITS splits of at least MIN_CHUNK keys, rounded up to whole BLOCK_N tiles. A function of the
+    sequence's own key count only, so a row's bits do not depend on the rest of the batch
+    (the launcher's host copy is :func:`tileattn.backends.triton.launch.decode_chunks`)."""
+    splits = tl.maximum(tl.minimum(tl.cdiv(k_len, MIN_CHUNK), MAX_SPLITS), 1)
+    # At least one tile, so that an empty sequence has zero chunks rather than a zero divisor.
+    return tl.maximum(tl.cdiv(tl.cdiv(k_len, splits), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def sequence_bounds(cu_seqlens, batch, seqlen, IS_VARLEN: tl.constexpr):
     """(first token, length) of sequence ``batch``: from cu_seqlens when packed, else (0, seqlen)."""
     # A tensor even when padded: the callers widen it to int64 for their base offsets.
