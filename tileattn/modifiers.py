@@ -156,29 +156,34 @@ class Alibi(Modifier):
         return -slopes[:, None, None] * self.distance(rows, cols, offset, dtype)
 
 
-@dataclass(frozen=True)
-class Bias(Modifier):
-    """A float tensor added to the scores, broadcastable to (B, Hq, Sq, Sk); differentiable."""
+class _ScoreShaped(Modifier):
+    """A tensor broadcastable to the scores (B, Hq, Sq, Sk): a bias or a mask, read block by block."""
 
-    kind: ClassVar[str] = "bias"
-    stage: ClassVar[int] = 2
-    tensor: torch.Tensor = field(metadata=OP_TENSOR)
+    tensor: torch.Tensor
+    #: For a wrong dtype: the tensors this modifier accepts; for a varlen call: what to do instead.
+    expected: ClassVar[str]
+    instead: ClassVar[str]
 
     @classmethod
-    def from_args(cls, bias, full_shape, device, refused_with=None) -> Optional["Bias"]:
-        if bias is None:
+    def accepts(cls, t: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def from_args(cls, t, full_shape, device, refused_with=None):
+        if t is None:
             return None
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            given = f"dtype {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
-            fail(TypeError, "bias", given, "a floating tensor broadcastable to (B, Hq, Sq, Sk)")
-        _check_dense("bias", bias)
+        if not isinstance(t, torch.Tensor) or not cls.accepts(t):
+            given = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            fail(TypeError, cls.kind, given, f"{cls.expected} broadcastable to (B, Hq, Sq, Sk)")
+        _check_dense(cls.kind, t)
         if refused_with:
-            fail(ValueError, "bias", f"a bias with {refused_with}", "no bias (build the scores of each sequence separately)")
-        if not broadcastable(bias.shape, full_shape):
-            fail(ValueError, "bias", f"shape {tuple(bias.shape)}", f"a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}")
-        if bias.device != device:
-            fail(ValueError, "bias", f"device {bias.device}", f"device {device}, as q")
-        return cls(bias)
+            fail(ValueError, cls.kind, f"a {cls.kind} with {refused_with}", cls.instead)
+        if not broadcastable(t.shape, full_shape):
+            fail(ValueError, cls.kind, f"shape {tuple(t.shape)}",
+                 f"a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}")
+        if t.device != device:
+            fail(ValueError, cls.kind, f"device {t.device}", f"device {device}, as q")
+        return cls(t)
 
     @property
     def view4(self) -> torch.Tensor:
@@ -190,6 +195,21 @@ class Bias(Modifier):
         t = t[b if t.shape[0] > 1 else 0]
         t = t[heads] if t.shape[0] > 1 else t
         return t[:, _slice_or_broadcast(t.shape[1], i0, i1), _slice_or_broadcast(t.shape[2], j0, j1)]
+
+
+@dataclass(frozen=True)
+class Bias(_ScoreShaped):
+    """A float tensor added to the scores, broadcastable to (B, Hq, Sq, Sk); differentiable."""
+
+    kind: ClassVar[str] = "bias"
+    stage: ClassVar[int] = 2
+    expected: ClassVar[str] = "a floating tensor"
+    instead: ClassVar[str] = "no bias (build the scores of each sequence separately)"
+    tensor: torch.Tensor = field(metadata=OP_TENSOR)
+
+    @classmethod
+    def accepts(cls, t: torch.Tensor) -> bool:
+        return t.is_floating_point()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,40 +315,19 @@ def sum_clamped(n: int, a: int, cap: int) -> int:
 
 
 @dataclass(frozen=True)
-class Mask(Modifier):
+class Mask(_ScoreShaped):
     """A bool mask broadcastable to (B, Hq, Sq, Sk), **True = take part** (SDPA's polarity)."""
 
     kind: ClassVar[str] = "mask"
     stage: ClassVar[int] = 4
     masks: ClassVar[bool] = True
+    expected: ClassVar[str] = "a bool tensor (True = take part)"
+    instead: ClassVar[str] = "no mask (sequences are already separated; use window/causal for bands)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
-    def from_args(cls, mask, full_shape, device, refused_with=None) -> Optional["Mask"]:
-        if mask is None:
-            return None
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            given = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-            fail(TypeError, "mask", given, "a bool tensor (True = take part) broadcastable to (B, Hq, Sq, Sk)")
-        _check_dense("mask", mask)
-        if refused_with:
-            fail(ValueError, "mask", f"a mask with {refused_with}", "no mask (sequences are already separated; use window/causal for bands)")
-        if not broadcastable(mask.shape, full_shape):
-            fail(ValueError, "mask", f"shape {tuple(mask.shape)}", f"a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}")
-        if mask.device != device:
-            fail(ValueError, "mask", f"device {mask.device}", f"device {device}, as q")
-        return cls(mask)
-
-    @property
-    def view4(self) -> torch.Tensor:
-        return to_4d(self.tensor)
-
-    def block(self, b, heads: slice, i0, i1, j0, j1) -> torch.Tensor:
-        """Keep-mask rows i0:i1, cols j0:j1 of batch item b, query heads ``heads``, broadcast dims at 1."""
-        t = self.view4
-        t = t[b if t.shape[0] > 1 else 0]
-        t = t[heads] if t.shape[0] > 1 else t
-        return t[:, _slice_or_broadcast(t.shape[1], i0, i1), _slice_or_broadcast(t.shape[2], j0, j1)]
+    def accepts(cls, t: torch.Tensor) -> bool:
+        return t.dtype == torch.bool
 
     def tile_states(self, b: int, heads: slice, q_len: int, k_len: int, block_m: int, block_n: int) -> torch.Tensor:
         """uint8 (ceil(q_len/block_m), ceil(k_len/block_n)) of :class:`TileState` for batch item ``b``
