@@ -42,9 +42,9 @@ class NativeBackend(Backend):
             return None
         if not NativeBackend._warned:
             NativeBackend._warned = True
-            warnings.warn(f"tileattn: the native CPU kernels are unavailable ({why}); the PyTorch engine "
-                          "('cpu') serves every call.", RuntimeWarning, stacklevel=2)
-        return f"native kernels unavailable: {why}"
+            warnings.warn(f"tileattn: {why}; the PyTorch engine ('cpu') serves every call.", RuntimeWarning,
+                          stacklevel=2)
+        return why  # already "native kernels unavailable: <the reason>"
 
     def forward(self, spec: AttentionSpec, out, lse):
         kwargs = self._call_arguments(spec)
