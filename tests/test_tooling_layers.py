@@ -18,7 +18,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tileattn"
 TOOLING = ("tileattn.bench", "tileattn.tuning", "tileattn.contest", "tileattn.contest_baseline",
-           "tileattn.contest_baseline_decode", "tileattn.cli", "tileattn.measure", "tileattn.__main__")
+           "tileattn.contest_baseline_decode", "tileattn.cli", "tileattn.measure", "tileattn.__main__",
+           "tileattn.decode_bench")
 #: The one cycle left is the engine registry: dispatch loads the built-in backends, which register
 #: themselves with dispatch (dispatch, backends, backends.cpu, backends.native,
 #: backends.reference_backend, backends.triton). Anything larger means a new cycle.

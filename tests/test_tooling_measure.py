@@ -113,3 +113,15 @@ def test_machine_probes_describe_this_machine():
     assert (l2 is None) == ("no cache information" in source)
     assert measure.available_memory("cpu") is None or measure.available_memory("cpu") > 1 << 20
     assert measure.gpus() == [] or all("name" in g for g in measure.gpus())
+
+
+def test_memory_bandwidth_is_positive_finite_and_cached_per_process():
+    import math
+
+    small = measure.memory_bandwidth(threads=1, size_bytes=8 << 20, reps=2)
+    assert math.isfinite(small) and small > 0
+    first = measure.memory_bandwidth()
+    assert math.isfinite(first) and first > 0
+    assert measure.memory_bandwidth() == first  # measured once per process and thread count
+    with pytest.raises(ValueError, match="threads"):
+        measure.memory_bandwidth(threads=0)

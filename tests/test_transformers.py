@@ -109,3 +109,39 @@ def test_patch_sdpa_inside_a_transformers_model():
             patched = sdpa(input_ids=ids, attention_mask=attention_mask).logits
     keep = attention_mask.bool()
     assert (patched - expected)[keep].abs().max() < 1e-4
+
+
+def _eager_and_ours(name):
+    tt.register()
+    config = _configs()[name]
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tileattn")
+    ours.load_state_dict(eager.state_dict())
+    return eager.eval(), ours.eval()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_greedy_tokens_match_eager_with_dynamic_and_static_caches(name, cache):
+    # decode steps: one query against the cache (a static cache: its full length, the mask hides the rest)
+    eager, ours = _eager_and_ours(name)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                  pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
+def test_continuous_batching_is_refused_naming_it():
+    eager, ours = _eager_and_ours("llama")
+    config = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with pytest.raises(ValueError, match="tileattn is not supported for continuous batching"):
+        ours.generate_batch(inputs=[[1, 2, 3]], generation_config=config)
+    # were it reached (under a name transformers lets through), the paged cache's keywords are refused
+    q = torch.randn(1, 4, 1, 16)
+    kv = torch.randn(1, 4, 3, 16)
+    with pytest.raises(NotImplementedError, match="continuous batching.*generate_batch"):
+        tt.tileattn_attention_forward(ours.model.layers[0].self_attn, q, kv, kv, None, block_table=torch.zeros(1, 1))

@@ -23,7 +23,7 @@ import torch
 from . import ops
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail
-from .spec import AttentionSpec, build_spec, check_bool
+from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values
 
 
 def flash_attention(
@@ -118,13 +118,16 @@ def flash_attention(
     check_bool("return_lse", return_lse)
     plain = (mask is None and bias is None and alibi_slopes is None and sinks is None and dropout_p == 0
              and seed is None and generator is None and cu_seqlens_q is None and cu_seqlens_k is None
-             and max_seqlen_q is None and max_seqlen_k is None and seqused_k is None and block_table is None)
-    key = _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend) \
-        if plain else None
+             and max_seqlen_q is None and max_seqlen_k is None)
+    key = _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
+                    seqused_k, block_table) if plain else None
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None:
-        # A call shape seen before: its validation and engine choice stand; only the tensors change.
-        spec, engine = plan[0].rebound(q, k, v), plan[1]
+        # A call shape seen before: its validation and engine choice stand; only the tensors change
+        # (and the values of seqused_k / block_table, checked again).
+        spec, engine = plan[0].rebound(q, k, v, seqused_k, block_table), plan[1]
+        if seqused_k is not None or block_table is not None:
+            spec = check_sequence_values(spec)
     else:
         spec = build_spec(
             q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window, align=align,
@@ -148,19 +151,30 @@ _PLANS: dict = {}
 _PLAN_LIMIT = 256
 
 
-def _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend):
+def _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
+              seqused_k=None, block_table=None):
     """Everything validation and dispatch read of a plain call, or None when the call is not one a
-    plan may serve (not tensors, a traced call, unhashable arguments: the full path then decides)."""
+    plan may serve (not tensors, a traced call, unhashable arguments: the full path then decides).
+    Of ``seqused_k`` and ``block_table`` (padded layouts) the key holds what validation reads but
+    their values, which a served call checks again."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or torch.compiler.is_compiling():
         return None
     if q.is_nested or k.is_nested or v.is_nested or not (q.layout is k.layout is v.layout is torch.strided):
         return None
     if not (window is None or type(window) is tuple):
         return None
+    index = []
+    for t in (seqused_k, block_table):
+        if t is not None:
+            if type(t) is not torch.Tensor or t.is_nested or t.layout is not torch.strided or layout == "TND":
+                return None
+            index.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            index.append(None)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
            v.dtype, v.device, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
-           os.environ.get("TILEATTN_BACKEND"), grad, registry_version())
+           os.environ.get("TILEATTN_BACKEND"), grad, registry_version(), *index)
     try:
         hash(key)
     except TypeError:

@@ -14,7 +14,8 @@ memory", and read the machine the same way. Tooling only: the engines never impo
   process's resident-set high-water mark ``VmHWM``, reset to the current resident size through
   ``/proc/self/clear_refs`` after handing free heap pages back to the kernel (``malloc_trim``), so
   it sees every allocation (PyTorch, NumPy, numba), not only PyTorch's.
-* **Machine**: CPU model, usable cores, SIMD flags, L2 size, memory, GPUs.
+* **Machine**: CPU model, usable cores, SIMD flags, L2 size, memory, GPUs, and the measured
+  streaming read bandwidth (:func:`memory_bandwidth`), the yardstick of bandwidth-bound decode.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .tunecache import cpu_model, usable_cores
 __all__ = [
     "median", "spread_pct", "TimingStats", "time_call", "Step", "time_interleaved", "median_times",
     "proc_status_bytes", "peak_memory", "cpu_model", "usable_cores", "cpu_flags", "cache_size", "l2_per_core",
-    "available_memory", "gpus", "SIMD_FLAGS",
+    "available_memory", "gpus", "SIMD_FLAGS", "memory_bandwidth",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -299,3 +300,48 @@ def gpus() -> List[dict]:
                 "shared_memory_per_block_optin": getattr(p, "shared_memory_per_block_optin", None),
             })
     return found
+
+
+#: threads -> measured GB/s, one measurement per process and thread count.
+_BANDWIDTH: Dict[int, float] = {}
+
+
+def memory_bandwidth(threads: Optional[int] = None, size_bytes: Optional[int] = None, reps: int = 7) -> float:
+    """Measured streaming read bandwidth of this machine in GB/s (1e9 bytes per second).
+
+    A sum over an fp32 buffer much larger than the last-level cache (twice its size, between 256 MiB
+    and 1 GiB, at most a quarter of the available memory), on ``threads`` torch threads (default:
+    every usable core); the median of ``reps`` timed passes after one untimed pass. Cached per
+    process and thread count when ``size_bytes`` is left to the default.
+    """
+    threads = usable_cores() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"tileattn: argument 'threads': got {threads}; expected a positive int or None")
+    if reps < 1:
+        raise ValueError(f"tileattn: argument 'reps': got {reps}; expected a positive int")
+    cached = size_bytes is None
+    if cached and threads in _BANDWIDTH:
+        return _BANDWIDTH[threads]
+    if size_bytes is None:
+        size_bytes = min(max(2 * (cache_size(3) or 0), 256 * 2**20), 2**30)
+        free = available_memory()
+        if free:
+            size_bytes = max(16 * 2**20, min(size_bytes, free // 4))
+    if size_bytes < 4:
+        raise ValueError(f"tileattn: argument 'size_bytes': got {size_bytes}; expected at least 4 bytes")
+    buf = torch.ones(size_bytes // 4, dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf.sum()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            buf.sum()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    gbps = buf.numel() * 4 / statistics.median(times) / 1e9
+    if cached:
+        _BANDWIDTH[threads] = gbps
+    return gbps

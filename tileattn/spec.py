@@ -129,15 +129,24 @@ class AttentionSpec:
                 return m
         return None
 
-    def rebound(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "AttentionSpec":
-        """This validated call with other q, k, v of the same shapes, strides, dtypes and devices
-        (and no tensor modifiers): what a repeated call shape reuses instead of validating again.
-        Derived geometry (``sequences``) is shared, as it depends only on the shapes."""
+    def rebound(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Optional[torch.Tensor] = None,
+                block_table: Optional[torch.Tensor] = None) -> "AttentionSpec":
+        """This validated call with other q, k, v (and ``seqused_k``/``block_table``, padded layouts)
+        of the same shapes, strides, dtypes and devices, and no tensor modifiers: what a repeated
+        call shape (a decode loop) reuses instead of validating again. The values of ``seqused_k``
+        and ``block_table`` are not checked here: :func:`check_sequence_values` does that. Derived
+        geometry (``sequences``) is shared when it depends only on the shapes."""
         spec = object.__new__(AttentionSpec)
         spec.__dict__.update(self.__dict__)
-        heads_kv = self.heads_kv if self.layout in ("BSH", "SBH") else None
-        spec.__dict__.update(q=q, k=k, v=v, q_c=to_canonical(q, self.layout, self.heads_q),
-                             k_c=to_canonical(k, self.layout, heads_kv), v_c=to_canonical(v, self.layout, heads_kv))
+        if block_table is not None:
+            k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            heads_kv = self.heads_kv if self.layout in ("BSH", "SBH") else None
+            k_c, v_c = to_canonical(k, self.layout, heads_kv), to_canonical(v, self.layout, heads_kv)
+        spec.__dict__.update(q=q, k=k, v=v, q_c=to_canonical(q, self.layout, self.heads_q), k_c=k_c, v_c=v_c,
+                             seqused_k=seqused_k, block_table=block_table)
+        if seqused_k is not None:
+            spec.__dict__.pop("sequences", None)  # depends on the values of seqused_k
         return spec
 
     def without(self, kind: str) -> "AttentionSpec":

@@ -126,13 +126,31 @@ def device_name(device) -> str:
 
 
 def cache_key(backend: str, inp) -> str:
-    return "|".join(
+    device = inp.device
+    memo = None
+    if device.type == "cpu":
+        # A decode loop asks for the same key every step: the string is built once per call shape.
+        memo = (backend, inp.dtype, inp.head_dim, bool(inp.causal), max(inp.seqlen_q, inp.seqlen_k))
+        key = _KEYS.get(memo)
+        if key is not None:
+            return key
+    key = "|".join(
         str(x)
         for x in (
-            device_name(inp.device), backend, str(inp.dtype).replace("torch.", ""), inp.head_dim,
+            device_name(device), backend, str(inp.dtype).replace("torch.", ""), inp.head_dim,
             bool(inp.causal), seqlen_bucket(max(inp.seqlen_q, inp.seqlen_k)),
         )
     )
+    if memo is not None:
+        if len(_KEYS) >= 1024:
+            _KEYS.clear()
+        _KEYS[memo] = key
+    return key
+
+
+#: (backend, dtype, head dim, causal, longest length) -> the key of a CPU call (the CPU's name and
+#: core count are fixed for the process).
+_KEYS: Dict[tuple, str] = {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,10 @@ def add_parser(subparsers):
     from ..bench import MODES, PROVIDERS
 
     p = subparsers.add_parser("bench", help=HELP, description=HELP + ".")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="readme, llama-7b or quick; options below override it")
+    p.add_argument("--preset", choices=sorted(PRESETS) + ["decode"],
+                   help="readme, llama-7b, quick or decode (one query token against a KV cache: "
+                        "--batch and --seqlens (cache lengths), --dtype, --reps, --warmup, --csv, --json, --quiet "
+                        "apply); options below override it")
     p.add_argument("--batch", type=int_arg(1), help="batch size")
     p.add_argument("--heads", type=int_arg(1), help="number of heads")
     p.add_argument("--seqlens", help="comma-separated sequence lengths, e.g. 512,1024")
@@ -112,6 +115,10 @@ def case_bytes(s: dict, itemsize: int) -> int:
 def run(args) -> int:
     from .. import bench as B
 
+    if args.preset == "decode":
+        from .bench_decode import run_decode
+
+        return run_decode(args)
     check_writable(args.csv, "--csv")
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot", ".png")

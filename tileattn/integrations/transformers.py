@@ -226,7 +226,20 @@ def _describe(value):
     return repr(value) if len(repr(value)) <= 60 else type(value).__name__
 
 
+#: Keywords only transformers' continuous batching (``generate_batch``, ``ContinuousBatchingManager``,
+#: its ``PagedAttentionCache``) passes: it hands attention implementations a paged cache of its own.
+CONTINUOUS_BATCHING_KWARGS = ("block_table", "k_cache", "v_cache", "read_index", "write_index")
+
+
 def _check_other_kwargs(module, kwargs):
+    paged = [name for name in CONTINUOUS_BATCHING_KWARGS if kwargs.get(name) is not None]
+    if paged:
+        raise NotImplementedError(
+            f"tileattn (transformers attention): got {', '.join(repr(n) for n in paged)}, the paged cache of "
+            "transformers' continuous batching (generate_batch / ContinuousBatchingManager), which the tileattn "
+            "attention implementation does not support (transformers 5.24 only runs 'paged|eager', 'sdpa' and "
+            "flash implementations there). Use model.generate() with a DynamicCache or a static cache, or "
+            "tileattn.flash_attention(..., block_table=, seqused_k=) / flash_attn_with_kvcache on your own pool.")
     for name, value in kwargs.items():
         if value is None or name in HARMLESS_KWARGS:
             continue

@@ -48,6 +48,11 @@ class NativeBackend(Backend):
 
     def forward(self, spec: AttentionSpec, out, lse):
         kwargs = self._call_arguments(spec)
+        if not self._long(spec):
+            # a decode step: tens of microseconds of C, no Ctrl-C hook (it would cost a few more)
+            kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
+                            out, lse, **kwargs)
+            return
         with self._interruptible(spec) as cancel:
             kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
                             out, lse, cancel=cancel, **kwargs)
@@ -65,10 +70,16 @@ class NativeBackend(Backend):
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
         """The kernels' keywords for a validated call."""
+        tuned = lookup("native", spec) or {}
+        if not spec.modifiers:
+            # the common decode/prefill call: no modifier to read
+            return dict(scale=spec.scale, bottom_right=spec.align == "bottom_right",
+                        shift=spec.align if isinstance(spec.align, int) else 0, cu_seqlens_q=spec.cu_seqlens_q,
+                        cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k, block_table=spec.block_table,
+                        block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0))
         band, mask, bias = spec.modifier("band"), spec.modifier("mask"), spec.modifier("bias")
         softcap, alibi, dropout = spec.modifier("softcap"), spec.modifier("alibi"), spec.modifier("dropout")
         full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
-        tuned = lookup("native", spec) or {}
         return dict(
             scale=spec.scale,
             left=-1 if band is None or band.left is None else band.left,
@@ -84,12 +95,17 @@ class NativeBackend(Backend):
         )
 
     @staticmethod
+    def _long(spec: AttentionSpec) -> bool:
+        """A call long enough, from the main thread, to be worth arming the Ctrl-C hook around."""
+        return spec.batch * spec.heads_q * spec.seqlen_q * max(spec.seqlen_k, 1) >= _INTERRUPTIBLE_WORK and \
+            threading.current_thread() is threading.main_thread()
+
+    @staticmethod
     @contextlib.contextmanager
     def _interruptible(spec: AttentionSpec):
         """Yield a CancelFlag armed for Ctrl-C around a long call from the main thread (else None); a
         call stopped by Ctrl-C ends in KeyboardInterrupt, as a Python loop would."""
-        work = spec.batch * spec.heads_q * spec.seqlen_q * max(spec.seqlen_k, 1)
-        if work < _INTERRUPTIBLE_WORK or threading.current_thread() is not threading.main_thread():
+        if not NativeBackend._long(spec):
             yield None
             return
         flag = kernels.CancelFlag()
