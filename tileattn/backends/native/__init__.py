@@ -48,11 +48,6 @@ class NativeBackend(Backend):
 
     def forward(self, spec: AttentionSpec, out, lse):
         kwargs = self._call_arguments(spec)
-        if not self._long(spec):
-            # a decode step: tens of microseconds of C, no Ctrl-C hook (it would cost a few more)
-            kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
-                            out, lse, **kwargs)
-            return
         with self._interruptible(spec) as cancel:
             kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
                             out, lse, cancel=cancel, **kwargs)
@@ -95,19 +90,20 @@ class NativeBackend(Backend):
         )
 
     @staticmethod
-    def _long(spec: AttentionSpec) -> bool:
-        """A call long enough, from the main thread, to be worth arming the Ctrl-C hook around."""
-        return spec.batch * spec.heads_q * spec.seqlen_q * max(spec.seqlen_k, 1) >= _INTERRUPTIBLE_WORK and \
-            threading.current_thread() is threading.main_thread()
+    def _interruptible(spec: AttentionSpec):
+        """A context yielding a CancelFlag armed for Ctrl-C around a long call from the main thread;
+        for a short one (a decode step: tens of microseconds of C) a no-op context yielding None,
+        which costs less than arming the hook would."""
+        long = spec.batch * spec.heads_q * spec.seqlen_q * max(spec.seqlen_k, 1) >= _INTERRUPTIBLE_WORK
+        if long and threading.current_thread() is threading.main_thread():
+            return NativeBackend._armed()
+        return contextlib.nullcontext()
 
     @staticmethod
     @contextlib.contextmanager
-    def _interruptible(spec: AttentionSpec):
-        """Yield a CancelFlag armed for Ctrl-C around a long call from the main thread (else None); a
-        call stopped by Ctrl-C ends in KeyboardInterrupt, as a Python loop would."""
-        if not NativeBackend._long(spec):
-            yield None
-            return
+    def _armed():
+        """Ctrl-C sets the kernels' cancel flag; a call stopped by it ends in KeyboardInterrupt, as a
+        Python loop would."""
         flag = kernels.CancelFlag()
         try:
             with flag.on_sigint():
