@@ -4,6 +4,7 @@
     python benchmarks/bench_native.py --only grid,decode # some sections
     python benchmarks/bench_native.py --reps 9 --out benchmarks/results/native_full   # also CSV + JSON
     python benchmarks/bench_native.py --threads 1 --cpu-time   # one core, CPU time: robust to other jobs
+    python benchmarks/bench_native.py --only machine,isa --reps 5 --out benchmarks/results/native_isa
 
 Sections:
 
@@ -11,6 +12,10 @@ Sections:
   and read), the yardsticks of the other sections
 * ``grid``: fp32, B=1, H=8, S in {1024, 4096}, D in {64, 128}, causal and not; forward and
   forward+backward
+* ``fwd``: the grid's forward half only
+* ``isa``: ``machine`` and ``fwd`` again under each build variant (avx512, avx2, generic; forced with
+  ``TILEATTN_NATIVE_ISA``), one child process per variant; each row's ``pct_of_peak`` is against that
+  variant's own FMA probe (its vector width), the JSON's ``info["isa_variants"]`` holds the probes
 * ``lowp``: bf16 and fp16, S=2048, D=128, forward and forward+backward
 * ``decode``: one query token against a KV cache (B=1, Hq=8, Hkv=2, D=64) for 128..4096 cached keys:
   the whole call, Python included
@@ -36,19 +41,22 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tileattn.backends.native import build as native_build
 from tileattn.backends.native import kernels as nk
 from tileattn.measure import peak_memory
 
-SECTIONS = ("machine", "grid", "lowp", "decode", "cache", "memory")
+SECTIONS = ("machine", "grid", "fwd", "isa", "lowp", "decode", "cache", "memory")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FIELDS = ("section", "case", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim",
+FIELDS = ("section", "isa", "case", "dtype", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim",
           "causal", "mode", "provider", "reps", "median_ms", "spread_pct", "gflops", "pct_of_peak", "tokens_per_s",
           "gb_per_s", "vs_sdpa")
 
@@ -181,20 +189,45 @@ def run_prefill(section, cases, args, rows, info):
             med, spread = summarize(ts)
             gf = flops / med / 1e9
             peak = _peak(info)
-            rows.append(dict(section=section, case=f"{dtype_name}-s{s}-d{d}{'-causal' if causal else ''}",
-                             dtype=dtype_name, batch=1, heads_q=8, heads_kv=8, seqlen_q=s, seqlen_k=s, head_dim=d,
+            rows.append(dict(section=section, isa=info["isa"],
+                             case=f"{dtype_name}-s{s}-d{d}{'-causal' if causal else ''}", dtype=dtype_name,
+                             batch=1, heads_q=8, heads_kv=8, seqlen_q=s, seqlen_k=s, head_dim=d,
                              causal=causal, mode=mode, provider=p, reps=len(ts), median_ms=med * 1e3,
                              spread_pct=spread, gflops=gf, pct_of_peak=gf / peak * 100 if peak else None,
                              vs_sdpa=base / med))
             _print(rows[-1])
 
 
-def section_grid(args, rows, info):
-    cases = [("fp32", s, d, c, m) for m in ("fwd", "fwd+bwd") for s in (1024, 4096) for d in (64, 128)
-             for c in (False, True)]
+def grid_cases(args, modes):
     if args.quick:
-        cases = [("fp32", 256, 64, c, m) for m in ("fwd", "fwd+bwd") for c in (False, True)]
-    run_prefill("grid", cases, args, rows, info)
+        return [("fp32", 256, 64, c, m) for m in modes for c in (False, True)]
+    return [("fp32", s, d, c, m) for m in modes for s in (1024, 4096) for d in (64, 128) for c in (False, True)]
+
+
+def section_grid(args, rows, info):
+    run_prefill("grid", grid_cases(args, ("fwd", "fwd+bwd")), args, rows, info)
+
+
+def section_fwd(args, rows, info):
+    run_prefill("fwd", grid_cases(args, ("fwd",)), args, rows, info)
+
+
+def section_isa(args, rows, info):
+    """The forward grid under each build variant, in child processes (the variant is chosen when the
+    library is loaded, once per process)."""
+    info["isa_variants"] = {}
+    for isa in native_build.ISAS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "isa"
+            cmd = [sys.executable, os.path.abspath(__file__), "--only", "machine,fwd", "--reps", str(args.reps),
+                   "--out", str(out), "--threads", str(torch.get_num_threads())] + (["--quick"] if args.quick else [])
+            print(f"isa: {isa}", flush=True)
+            subprocess.run(cmd, env=dict(os.environ, **{native_build.ISA_ENV: isa}), check=True)
+            child = json.loads(out.with_suffix(".json").read_text())
+        info["isa_variants"][isa] = {k: child["info"].get(k) for k in
+                                     ("isa", "flags", "fma_peak_1core", "fma_peak_all", "threads", "load_before")}
+        for r in child["rows"]:
+            rows.append(dict(r, section="isa", isa=isa))
 
 
 def section_lowp(args, rows, info):
@@ -215,8 +248,9 @@ def run_decode(section, cases, args, rows, info):
         base = statistics.median(times["sdpa"])
         for p, ts in times.items():
             med, spread = summarize(ts)
-            rows.append(dict(section=section, case=f"{dtype_name}-b{b}-h{hq}/{hkv}-k{sk}-d{d}", dtype=dtype_name,
-                             batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_k=sk, head_dim=d, causal=False,
+            rows.append(dict(section=section, isa=info["isa"], case=f"{dtype_name}-b{b}-h{hq}/{hkv}-k{sk}-d{d}",
+                             dtype=dtype_name, batch=b, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_k=sk,
+                             head_dim=d, causal=False,
                              mode="decode", provider=p, reps=len(ts), median_ms=med * 1e3, spread_pct=spread,
                              tokens_per_s=b / med, gb_per_s=kv_bytes / med / 1e9, vs_sdpa=base / med))
             _print(rows[-1])
@@ -274,10 +308,16 @@ def geomean(xs):
 
 def summary(rows):
     lines = []
-    for section, mode in (("grid", "fwd"), ("grid", "fwd+bwd"), ("lowp", "fwd"), ("lowp", "fwd+bwd")):
+    for section, mode in (("grid", "fwd"), ("grid", "fwd+bwd"), ("fwd", "fwd"), ("lowp", "fwd"), ("lowp", "fwd+bwd")):
         r = [x["vs_sdpa"] for x in rows if x["section"] == section and x["mode"] == mode and x["provider"] == "native"]
         if r:
             lines.append(f"{section} {mode}: geomean {geomean(r):.2f}x SDPA (min {min(r):.2f}x, max {max(r):.2f}x)")
+    for isa in native_build.ISAS:
+        r = [x for x in rows if x["section"] == "isa" and x["isa"] == isa and x["provider"] == "native"]
+        if r:
+            lines.append(f"isa {isa} fwd: {min(x['gflops'] for x in r):.0f}-{max(x['gflops'] for x in r):.0f} "
+                         f"GFLOP/s, {min(x['pct_of_peak'] for x in r):.0f}-{max(x['pct_of_peak'] for x in r):.0f}% "
+                         f"of its FMA peak, geomean {geomean(x['vs_sdpa'] for x in r):.2f}x SDPA")
     for x in rows:
         if x["section"] == "decode" and x["provider"] == "native":
             lines.append(f"decode {x['case']}: {x['vs_sdpa']:.2f}x SDPA ({x['median_ms'] * 1e3:.0f} us)")

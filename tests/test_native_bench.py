@@ -30,3 +30,18 @@ def test_quick_run_writes_every_row(tmp_path):
     doc = json.loads(out.with_suffix(".json").read_text())
     assert doc["info"]["isa"] == nk.build_info()["isa"] and "memory_extra_mib_h4" in doc["info"]
     assert any(line.startswith("grid fwd: geomean") for line in doc["summary"])
+
+
+def test_isa_section_runs_every_variant(tmp_path):
+    from tileattn.backends.native import build
+
+    out = tmp_path / "native_isa"
+    rows = bench_native.main(["--quick", "--reps", "1", "--only", "isa", "--out", str(out)])
+    # per variant: the forward grid's 2 quick shapes, two providers each
+    assert [r["isa"] for r in rows] == [isa for isa in build.ISAS for _ in range(4)]
+    assert all(r["section"] == "isa" and r["pct_of_peak"] > 0 for r in rows)
+    doc = json.loads(out.with_suffix(".json").read_text())
+    variants = doc["info"]["isa_variants"]
+    assert sorted(variants) == sorted(build.ISAS) and all(variants[i]["isa"] == i for i in build.ISAS)
+    assert all(variants[i]["fma_peak_1core"] > 0 for i in build.ISAS)
+    assert sum(line.startswith("isa ") for line in doc["summary"]) == len(build.ISAS)
