@@ -122,3 +122,29 @@ def strided_view(x: torch.Tensor, layout: str, num_heads: int) -> torch.Tensor:
     assert not view.is_contiguous() and view.stride(-1) == 1
     assert torch.equal(view, x.detach())
     return view.requires_grad_(x.requires_grad)
+
+
+def rotary_oracle(x, positions, cos, sin, interleaved):
+    """x (S, H, D) rotated at positions (S,) as complex rotations of dimension pairs, in fp64."""
+    rd = 2 * cos.shape[1]
+    x = x.double()
+    if interleaved:
+        pairs = x[..., :rd].unflatten(-1, (rd // 2, 2))
+        z = torch.complex(pairs[..., 0], pairs[..., 1])
+    else:
+        z = torch.complex(x[..., : rd // 2], x[..., rd // 2:rd])
+    z = z * torch.complex(cos[positions].double(), sin[positions].double())[:, None, :]
+    head = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((head, x[..., rd:]), -1)
+
+
+def training_step(models, ids, attention_mask, labels):
+    """(losses, parameter gradients) of one training step of each Hugging Face model on the batch."""
+    losses, grads = [], []
+    for model in models:
+        model.train()
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    return losses, grads

@@ -22,21 +22,9 @@ import tileattn.compat.flash_attn as flash_attn
 from tileattn.compat.flash_attn import kvcache
 from tileattn.testing import judge
 
+from conftest import rotary_oracle
+
 MODES = ("contiguous", "batch_idx", "leftpad", "batch_idx+leftpad", "paged")
-
-
-def _rotary_oracle(x, positions, cos, sin, interleaved):
-    """x (S, H, D) rotated at positions (S,) as complex rotations of dimension pairs, in fp64."""
-    rd = 2 * cos.shape[1]
-    x = x.double()
-    if interleaved:
-        pairs = x[..., :rd].unflatten(-1, (rd // 2, 2))
-        z = torch.complex(pairs[..., 0], pairs[..., 1])
-    else:
-        z = torch.complex(x[..., : rd // 2], x[..., rd // 2:rd])
-    z = z * torch.complex(cos[positions].double(), sin[positions].double())[:, None, :]
-    head = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
-    return torch.cat((head, x[..., rd:]), -1)
 
 
 def _case(index):
@@ -94,10 +82,10 @@ def test_kvcache_matches_reference_on_flash_attns_pattern(mode, new_kv, rotary, 
         angle = torch.rand(capacity if paged else seqlen_k, rotary_dim // 2, generator=g) * 2 * math.pi
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
         inter = rotary == "interleaved"
-        q_ro = torch.stack([_rotary_oracle(q[b], torch.arange(n, n + seqlen_q) if causal or local
+        q_ro = torch.stack([rotary_oracle(q[b], torch.arange(n, n + seqlen_q) if causal or local
                                            else torch.full((seqlen_q,), int(n)), cos, sin, inter)
                             for b, n in enumerate(lens)]).to(dtype)
-        k_ro = torch.stack([_rotary_oracle(k_new[b], torch.arange(n, n + seqlen_new), cos, sin, inter)
+        k_ro = torch.stack([rotary_oracle(k_new[b], torch.arange(n, n + seqlen_new), cos, sin, inter)
                             for b, n in enumerate(lens)]).to(dtype)
     rows = batch_idx.long() if has_batch_idx else torch.arange(batch)
     k_ref, v_ref = k_cache[rows].clone(), v_cache[rows].clone()

@@ -9,6 +9,8 @@ import tileattn.compat.flash_attn as flash_attn
 from tileattn.compat.flash_attn import flash_attn_interface
 from tileattn.testing import check_against_reference
 
+from conftest import rotary_oracle
+
 
 def _rand(*shape, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed + sum(shape))
@@ -190,20 +192,6 @@ def test_kvcache_refuses_paged_leftpad_and_orphan_rotary():
                                            rotary_sin=torch.zeros(8, 2))
 
 
-def _rotary_oracle(x, positions, cos, sin, interleaved):
-    """Rotary embedding as a complex rotation of dimension pairs, x (S, H, D), positions (S,)."""
-    rd = 2 * cos.shape[1]
-    x = x.double()
-    if interleaved:
-        pairs = x[..., :rd].unflatten(-1, (rd // 2, 2))
-        z = torch.complex(pairs[..., 0], pairs[..., 1])
-    else:
-        z = torch.complex(x[..., : rd // 2], x[..., rd // 2:rd])
-    z = z * torch.complex(cos[positions].double(), sin[positions].double())[:, None, :]
-    head = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
-    return torch.cat((head, x[..., rd:]), -1)
-
-
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 def test_kvcache_rotary_matches_explicit_rotation(interleaved, causal):
@@ -218,10 +206,10 @@ def test_kvcache_rotary_matches_explicit_rotation(interleaved, causal):
     out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                              cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved)
     for i, n in enumerate(lens.tolist()):
-        k_rot = _rotary_oracle(k_new[i], torch.arange(n, n + 3), cos, sin, interleaved)
+        k_rot = rotary_oracle(k_new[i], torch.arange(n, n + 3), cos, sin, interleaved)
         torch.testing.assert_close(k_cache[i, n:n + 3], k_rot)
         q_pos = torch.arange(n, n + 3) if causal else torch.full((3,), n)
-        q_rot = _rotary_oracle(q[i], q_pos, cos, sin, interleaved)
+        q_rot = rotary_oracle(q[i], q_pos, cos, sin, interleaved)
         keys = torch.cat([before[i, :n], k_rot])[None]
         vals = torch.cat([v_cache[i, :n], v_new[i]])[None]
         torch.testing.assert_close(out[i:i + 1], tileattn.reference(q_rot[None], keys, vals, layout="BSND", causal=causal))
@@ -376,8 +364,8 @@ def test_kvcache_rotary_table_length_is_flash_attns_rule():
     out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                              cache_seqlens=lens)
     for i, n in enumerate(lens.tolist()):
-        k_rot = _rotary_oracle(k_new[i], torch.arange(n, n + 1), cos, sin, True)
-        q_rot = _rotary_oracle(q[i], torch.full((4,), n), cos, sin, True)
+        k_rot = rotary_oracle(k_new[i], torch.arange(n, n + 1), cos, sin, True)
+        q_rot = rotary_oracle(q[i], torch.full((4,), n), cos, sin, True)
         keys = torch.cat([before[i, :n], k_rot])[None]
         torch.testing.assert_close(out[i:i + 1], tileattn.reference(q_rot[None], keys, v_cache[i:i + 1, :n + 1],
                                                                     layout="BSND"))

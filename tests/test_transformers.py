@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'transformers')")
 
 import tileattn.integrations.transformers as tt  # noqa: E402
+from conftest import training_step  # noqa: E402
 
 VOCAB = 96
 
@@ -73,13 +74,7 @@ def test_training_step_matches_sdpa(name):
     sdpa, ours = _pair(name)
     ids, attention_mask = _batch()
     labels = ids.masked_fill(attention_mask == 0, -100)
-    losses, grads = [], []
-    for model in (sdpa, ours):
-        model.train()
-        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    losses, grads = training_step((sdpa, ours), ids, attention_mask, labels)
     assert abs(losses[0] - losses[1]) < 1e-5
     assert grads[0].keys() == grads[1].keys() and grads[0]
     worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'transformers')")
 
 import tileattn.integrations.transformers as tt  # noqa: E402
+from conftest import training_step  # noqa: E402
 
 VOCAB = 96
 #: fp32 logits: eager and tileattn differ by rounding, observed <= 3e-6 of the largest logit.
@@ -245,13 +246,7 @@ def test_sparse_and_sink_models_training_step_matches_eager(model_type):
     # Nothing reads those rows except the loss term predicting the first real token: leave it out.
     predicted_from_padding = torch.nn.functional.pad(attention_mask[:, :-1] == 0, (1, 0))
     labels = ids.masked_fill((attention_mask == 0) | predicted_from_padding, -100)
-    losses, grads = [], []
-    for model in (eager, ours):
-        model.train()
-        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    losses, grads = training_step((eager, ours), ids, attention_mask, labels)
     assert abs(losses[0] - losses[1]) < 1e-5
     assert grads[0].keys() == grads[1].keys()
     if model_type == "gpt_oss":
