@@ -12,8 +12,12 @@ Every call becomes one ``flash_attention(..., seqused_k=, block_table=)`` call:
 * query rows past ``actual_seq_lengths`` are not computed (output 0, LSE -inf): the valid rows
   are gathered into a packed (TND) query once;
 * ``atten_mask`` (1 = masked out) and ``pse_shift`` (added after scaling) become a bool mask /
-  bias over the padded positions; a paged cache is then gathered into a padded one first, as
-  tileattn takes no mask or bias with a paged cache;
+  bias over the padded positions (a paged cache's logical positions 0 .. max_blocks * block_size - 1,
+  read in place);
+* ``block_table``: the blocks a sequence reads (the first ceil(actual_seq_lengths_kv[b] / block_size)
+  of row b) must be blocks of the cache, else an error names ``block_table``; the slots after them
+  are never read, as on the NPU, and may hold anything (-1 padding as CANN's PagedAttention
+  documents, or 0 as vLLM pads): one check, :func:`_read_blocks`, for every path;
 * int8 caches with ``antiquant_scale``/``antiquant_offset`` (or the per-tensor key_/value_ forms)
   are dequantised as documented, ``(x + offset) * scale``; full int8 quantisation
   (``dequant_scale1``, ``quant_scale2``, ...) is refused by name.
@@ -292,13 +296,13 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
                 fail(fn, names.kv_lens, f"{len(cu_k) - 1} entries", f"{batch}, one per sequence")
             lk = [b - a for a, b in zip(cu_k, cu_k[1:])]
     else:
-        if paged and block_table.shape[0] != batch:
-            fail(fn, "block_table", f"{block_table.shape[0]} rows", f"{batch}, one per batch")
         lq = (_per_batch(names, names.q_lens, q_lens, batch, sq) if sq > 1 else None) or [sq] * batch
         lk = _per_batch(names, names.kv_lens, kv_lens, batch, capacity)
     if paged and lk is None:
         fail(fn, names.kv_lens, None, "the cached length of every sequence (required with block_table)")
     lk = lk or [capacity] * batch
+    if paged:
+        block_table = _read_blocks(fn, block_table, lk, k.shape[1], k.shape[0])
     decode = not varlen and sq == 1
 
     # The pattern: a band, and with a real atten_mask or pse_shift, an explicit mask and bias.
@@ -329,13 +333,11 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
     rows = None  # positions of the packed query rows in a padded query that had shorter actual lengths
     if keep is not None or bias is not None:
         # An explicit mask/bias addresses padded positions: one padded call, the exact per-batch
-        # region (lengths, band) folded into the mask. A paged cache is gathered first.
-        if paged:
-            k, v = _gather_pages(k, block_table), _gather_pages(v, block_table)
-            if q_layout == "BNSD":
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
+        # region (lengths, band) folded into the mask; a paged cache is read in place.
         reg = region(band, torch.tensor(lq, device=device), torch.tensor(lk, device=device), sq, capacity)
         kwargs.update(layout=q_layout, mask=reg if keep is None else reg & keep, bias=bias)
+        if paged:
+            kwargs.update(block_table=block_table, seqused_k=i32(lk))
     else:
         full_k = lk if varlen else [capacity] * batch
         if not varlen and any(n != sq for n in lq):
@@ -364,10 +366,25 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
         out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
     return _finish(out, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_lse)
 
-def _gather_pages(pool, block_table):
-    """A paged pool (blocks, block_size, N, D) gathered into a padded (B, max_blocks * block_size, N, D) cache."""
-    idx = block_table.long().clamp(0, pool.shape[0] - 1)
-    return pool[idx].flatten(1, 2)
+def _read_blocks(fn, block_table, lengths, block_size, blocks):
+    """``block_table`` as tileattn reads it: every slot a sequence reads (its first
+    ceil(lengths[b] / block_size)) must hold a block of the cache, named in the error otherwise; the
+    slots past them, never read on the NPU either, are set to block 0 in a small copy of the table
+    when they hold anything else (-1 padding, stale ids)."""
+    if block_table.shape[0] != len(lengths):
+        fail(fn, "block_table", f"{block_table.shape[0]} rows", f"{len(lengths)}, one per sequence")
+    device = block_table.device
+    read = torch.arange(block_table.shape[1], device=device)[None, :] < \
+        torch.tensor([-(-n // block_size) for n in lengths], device=device)[:, None]
+    outside = (block_table < 0) | (block_table >= blocks)
+    bad = read & outside
+    if bool(bad.any()):
+        b, slot = (int(i) for i in bad.nonzero()[0])
+        fail(fn, "block_table", f"block_table[{b}][{slot}] = {int(block_table[b, slot])}",
+             f"a block index in [0, {blocks}) (the cache's blocks) in each slot sequence {b} reads (its first "
+             f"{-(-lengths[b] // block_size)}, for {lengths[b]} keys of blocks of {block_size}); later slots are "
+             "not read")
+    return torch.where(outside, 0, block_table) if bool(outside.any()) else block_table
 
 
 def _pack(q, k, v, q_layout, lq, paged):
