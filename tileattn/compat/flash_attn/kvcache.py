@@ -138,6 +138,21 @@ class _Cache:
                      "an entry of k_cache (dim 0)")
         self.rows = cache_batch_idx
 
+    def check_capacity(self, used, new):
+        """Every sequence's ``used`` keys (its cache_seqlens plus the ``new`` appended ones) fit: in a
+        paged cache, in the pages its row of the block table addresses (named, as flash-attn's error)."""
+        bad = [(b, n) for b, n in enumerate(used) if n > self.capacity]
+        if not bad:
+            return
+        b, n = bad[0]
+        if self.table is not None:
+            _fail(_FN, "block_table", f"{self.table.shape[1]} pages of {self.page_size} positions per sequence, "
+                  f"{self.capacity} keys", f"pages for cache_seqlens[{b}] + {new} new keys = {n} keys (or a "
+                  "shorter cache_seqlens)")
+        _fail(_FN, "cache_seqlens", f"{n - new} for sequence {b}",
+              f"a length leaving room for the {new} new keys (the cache's capacity per sequence is {self.capacity})"
+              if new else f"a length up to the cache's capacity per sequence, {self.capacity}")
+
     def row_index(self, batch):
         """(B,) int64 cache entry of each sequence of a contiguous cache."""
         if self.rows is not None:
@@ -266,8 +281,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lengths, lengths_t = None, None
     else:
         lengths, lengths_t = _lengths("cache_seqlens", cache_seqlens, batch, "the current cache lengths", q.device)
-        _check_range("cache_seqlens", lengths, [0] * batch, [cache.capacity] * batch,
-                     "a length (the cache's capacity per sequence is the upper bound)")
+        negative = [(b, n) for b, n in enumerate(lengths) if n < 0]
+        if negative:
+            _fail(_FN, "cache_seqlens", f"{negative[0][1]} for sequence {negative[0][0]}", "a length >= 0")
     if (k is None) != (v is None):
         _fail(_FN, "k/v", "only one of them", "both new k and v, or neither")
     rotary = rotary_cos is not None or rotary_sin is not None
@@ -288,10 +304,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if t.dtype != q.dtype or t.device != q.device:
                 _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"q's dtype {q.dtype} on {q.device}",
                       FlashAttnTypeError)
-        _check_range("cache_seqlens", lengths, [0] * batch, [cache.capacity - new] * batch,
-                     f"a length leaving room for the {new} new keys (the cache's capacity per sequence is "
-                     f"{cache.capacity})")
     used = [cache.capacity] * batch if lengths is None else [n + new for n in lengths]
+    cache.check_capacity(used, new)
     pads = None
     if cache_leftpad is not None:
         if cache.table is not None:
