@@ -257,10 +257,34 @@ def test_fia_masks_pse_and_sliding_window_decode():
                                                        input_layout="BSND", scale=0.3, atten_mask=dmask,
                                                        actual_seq_lengths_kv=lk)
     assert_fa_rule("decode mask", out, q1, k, v, [1, 1], lk, 0.3, lambda b, a, c: ~dmask[b, :c][None])
-    out, _ = torch_npu.npu_fused_infer_attention_score(q1, k, v, num_heads=N, num_key_value_heads=NKV,
-                                                       input_layout="BSND", scale=0.3, pre_tokens=3,
-                                                       actual_seq_lengths_kv=lk)
-    assert_fa_rule("window", out, q1, k, v, [1, 1], lk, 0.3, lambda b, a, c: keep_of(4, a, c, 3, None))
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])
+def test_pre_and_next_tokens_have_no_effect_at_decode_outside_tnd(layout):
+    """torch_npu: pre_tokens/next_tokens are ignored at Q_S = 1 (FIA and v2 docs); the whole cache up
+    to actual_seq_lengths_kv is attended, with a warning; a sliding-window decode is TND + sparse_mode 4."""
+    q, k, v = _bsnd(sq=1, sk=9)
+    lk = [9, 6]
+    conv = {"BSH": lambda t: t.flatten(2), "BSND": lambda t: t, "BNSD": lambda t: t.transpose(1, 2)}[layout]
+    back = {"BSH": lambda t: t.unflatten(-1, (N, D)), "BSND": lambda t: t, "BNSD": lambda t: t.transpose(1, 2)}[layout]
+    torch_npu.reset_warnings()
+    with pytest.warns(UserWarning, match="no effect at Q_S = 1"):
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            conv(q), conv(k), conv(v), num_heads=N, num_key_value_heads=NKV, input_layout=layout, scale=0.3,
+            pre_tokens=3, next_tokens=0, actual_seq_lengths_kv=lk)
+    assert_fa_rule("decode, pre_tokens ignored", back(out), q, k, v, [1, 1], lk, 0.3, lambda b, a, c: None)
+    out2, _ = torch_npu.npu_fused_infer_attention_score_v2(
+        conv(q), conv(k), conv(v), num_query_heads=N, num_key_value_heads=NKV, input_layout=layout, softmax_scale=0.3,
+        pre_tokens=3, actual_seq_kvlen=lk)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # TND, one query per sequence: sparse_mode=4 with pre_tokens is the sliding window
+    packed = lambda t, n: torch.cat([t[b, :n[b]] for b in range(B)])  # noqa: E731
+    out3, _ = torch_npu.npu_fused_infer_attention_score(
+        packed(q, [1, 1]), packed(k, lk), packed(v, lk), num_heads=N, num_key_value_heads=NKV, input_layout="TND",
+        scale=0.3, atten_mask=TRIU, sparse_mode=4, pre_tokens=3, next_tokens=0, actual_seq_lengths=[1, 2],
+        actual_seq_lengths_kv=[9, 15])
+    assert_fa_rule("TND sliding-window decode", out3[:, None], q, k, v, [1, 1], lk, 0.3,
+                   lambda b, a, c: keep_of(4, a, c, 3, 0))
 
 
 def test_fia_v2_names_learnable_sink_and_int8_cache():

@@ -35,7 +35,7 @@ import torch
 from ..api import flash_attention
 from ._common import (
     FLOAT_DTYPES, UNBOUNDED, NpuTypeError, band_side, check_float, check_int, check_tensor, core_errors, fail,
-    int_list, refuse,
+    int_list, refuse, warn_once,
 )
 from ._plan import Band, band_call, region
 
@@ -150,11 +150,16 @@ def _keep_from_mask(names, mask, decode, batch, sq, sk):
 
 def _band(fn, sparse_mode, pre, nxt, decode, atten_mask) -> Optional[Band]:
     """The band of the call (None: none). Modes 2-4 need the 2048x2048 template (torch_npu raises
-    without it). At Q_S = 1 the sparse mode does not apply; pre/next tokens there are read as a
-    window ending at the newest key, as vllm-ascend's sliding-window decode uses them."""
+    without it). At Q_S = 1 outside TND neither the sparse mode nor pre/next tokens apply (torch_npu
+    documents both as having no effect there): a sliding-window decode is TND with sparse_mode=4."""
     lo, hi = (None if band_side(pre) is None else -pre), band_side(nxt)
     if decode:
-        return None if (lo, hi) == (None, None) else Band("bottom_right", lo, hi)
+        if (lo, hi) != (None, None):
+            warn_once(("decode-band", fn), f"{fn}: pre_tokens/next_tokens have no effect at Q_S = 1 outside "
+                      "input_layout 'TND' (torch_npu documents them as ignored there): every cached key up to "
+                      "actual_seq_lengths_kv is attended; for a sliding-window decode pass input_layout='TND' "
+                      "with sparse_mode=4 and the 2048x2048 template.")
+        return None
     if sparse_mode in (2, 3, 4):
         if atten_mask is None or tuple(atten_mask.shape)[-2:] != (2048, 2048) or atten_mask.dim() > 4 \
                 or any(n != 1 for n in atten_mask.shape[:-2]):
