@@ -32,6 +32,7 @@ from .inference import (
     _LAYOUTS, _flag, _output_shapes, fused_v1, fused_v2, npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
 )
+from .install import beside_stand_in
 
 __all__ = ["_npu_fused_infer_attention_score_get_max_workspace",
            "_npu_fused_infer_attention_score_v2_get_max_workspace",
@@ -84,7 +85,7 @@ def _out_overload(op, run):
     out_overload.__name__, out_overload.__qualname__ = "out", name
     out_overload.__doc__ = (f"torch_npu's ``{name}``: :func:`{op.__name__}` written into ``out=[attention_out, "
                             "softmax_lse]`` (see :mod:`tileattn.npu.graph`).")
-    return out_overload
+    return beside_stand_in(out_overload)
 
 
 npu_fused_infer_attention_score.out = _out_overload(npu_fused_infer_attention_score, fused_v1)

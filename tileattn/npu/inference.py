@@ -40,6 +40,7 @@ from ._common import (
     int_list, refuse, warn_once,
 )
 from ._plan import Band, band_call, region
+from .install import beside_stand_in
 
 __all__ = ["npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2", "npu_prompt_flash_attention",
            "npu_incre_flash_attention"]
@@ -507,6 +508,7 @@ def _refuse_given(fn, given: dict, what: str, instead: str):
             refuse(fn, f"argument '{name}' ({what})", instead)
 
 
+@beside_stand_in
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
                                     actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,
                                     dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
@@ -556,6 +558,7 @@ def _flag(fn, name, value) -> bool:
     return value
 
 
+@beside_stand_in
 def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
                                        atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None, block_table=None,
                                        dequant_scale_query=None, dequant_scale_key=None, dequant_offset_key=None,
@@ -604,6 +607,7 @@ def fused_v2(args: dict, fn="npu_fused_infer_attention_score_v2", out=None, dry_
                   out=out, dry_run=dry_run)
 
 
+@beside_stand_in
 def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mask=None, atten_mask=None,
                                actual_seq_lengths=None, deq_scale1=None, quant_scale1=None, deq_scale2=None,
                                quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
@@ -627,6 +631,7 @@ def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mas
                   want_lse=False)[0]
 
 
+@beside_stand_in
 def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift=None, atten_mask=None,
                               actual_seq_lengths=None, dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
                               quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None,
