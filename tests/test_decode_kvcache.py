@@ -273,3 +273,106 @@ def test_new_keys_of_another_dtype_are_refused():
         flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new.double(), v_new, cache_seqlens=2)
     with pytest.raises(TypeError, match="'k_cache'"):
         flash_attn.flash_attn_with_kvcache(q, k_cache.half(), v_cache, cache_seqlens=2)
+
+
+def _pool_of(cache, page):
+    """A contiguous (B, cap, Hk, D) cache as a pool of pages with a shuffled block table."""
+    batch, cap = cache.shape[:2]
+    order = torch.randperm(batch * cap // page, generator=torch.Generator().manual_seed(3))
+    pool = torch.empty(batch * cap // page, page, *cache.shape[2:])
+    pool[order] = cache.reshape(batch * cap // page, page, *cache.shape[2:])
+    return pool, order.view(batch, cap // page).int()
+
+
+def _bad_call(case):
+    """(arguments of flash_attn_with_kvcache, the argument the error must name, exception type, an
+    environment variable to set) for one bad call that appends new keys."""
+    q, k_cache, v_cache, k_new, v_new = _inputs(seed=11)
+    lens = torch.tensor([3, 9, 0], dtype=torch.int32)
+    kw = dict(cache_seqlens=lens)
+    angles = torch.arange(24.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001])
+    rotary = dict(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+    name, exc, env = None, ValueError, None
+    if case == "query heads not divisible by kv heads":
+        q, name = q[:, :, :3], "k_cache"
+    elif case.startswith("softmax_scale"):
+        kw["softmax_scale"], name = float(case.split()[-1]), "softmax_scale"
+    elif case.startswith("softcap"):
+        kw["softcap"], name = float(case.split()[-1]), "softcap"
+    elif case == "a window beyond int64":
+        kw["window_size"], name = (2**70, 0), "window_size"
+    elif case == "a window beyond 2**62":
+        kw["window_size"], name = (2**62 + 1, 0), "window_size"
+    elif case == "alibi_slopes on another device":
+        kw["alibi_slopes"], name = torch.ones(4, device="meta"), "alibi_slopes"
+    elif case == "an int dtype":
+        q, k_cache, v_cache, k_new, v_new = ((t * 8).to(torch.int32) for t in (q, k_cache, v_cache, k_new, v_new))
+        name, exc = "q", TypeError
+    elif case == "rotary tables on another device":
+        kw.update(rotary_cos=angles.cos().to("meta"), rotary_sin=angles.sin().to("meta"))
+        name = "rotary_cos"
+    elif case == "rotary tables shorter than the cache":
+        kw.update(rotary_cos=rotary["rotary_cos"][:20], rotary_sin=rotary["rotary_sin"][:20])
+        name = "rotary_cos"
+    elif case == "cache_seqlens leaving no room":
+        kw["cache_seqlens"], name = torch.tensor([3, 24, 0], dtype=torch.int32), "cache_seqlens"
+    elif case == "a page the block_table does not have":
+        k_cache, table = _pool_of(k_cache, 8)
+        v_cache, _ = _pool_of(v_cache, 8)
+        table[1, 1] = 99
+        kw["block_table"], name = table, "block_table"
+    elif case == "cache_batch_idx out of range":
+        kw["cache_batch_idx"], name = torch.tensor([2, 0, 3], dtype=torch.int32), "cache_batch_idx"
+    elif case == "cache_leftpad past cache_seqlens":
+        kw["cache_leftpad"], name = torch.tensor([0, 10, 0], dtype=torch.int32), "cache_leftpad"
+    elif case == "num_splits negative":
+        kw["num_splits"], name = -1, "num_splits"
+    elif case == "an unknown backend in TILEATTN_BACKEND (refused by the core after validation)":
+        env, name = "no_such_engine", "backend"
+    elif case == "a v_cache that cannot be written (after k_cache was)":
+        with torch.inference_mode():  # not writable in place outside inference mode
+            v_cache = v_cache.clone()
+        name, exc = None, RuntimeError
+    return (q, k_cache, v_cache, k_new, v_new), kw, name, exc, env
+
+
+BAD_CALLS = ["query heads not divisible by kv heads", "softmax_scale nan", "softmax_scale inf", "softcap inf",
+             "softcap nan", "softcap -1", "a window beyond int64", "a window beyond 2**62",
+             "alibi_slopes on another device", "an int dtype", "rotary tables on another device",
+             "rotary tables shorter than the cache", "cache_seqlens leaving no room",
+             "a page the block_table does not have", "cache_batch_idx out of range",
+             "cache_leftpad past cache_seqlens", "num_splits negative",
+             "an unknown backend in TILEATTN_BACKEND (refused by the core after validation)",
+             "a v_cache that cannot be written (after k_cache was)"]
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_a_call_that_fails_leaves_the_caches_byte_identical(monkeypatch, case):
+    """flash_attn_with_kvcache writes the new keys in place: after any error, k_cache, v_cache and
+    cache_seqlens hold exactly the bytes they held before (flash-attn's own arguments are checked
+    before the write; a failure after it takes the new keys out again)."""
+    (q, k_cache, v_cache, k_new, v_new), kw, name, exc, env = _bad_call(case)
+    if env is not None:
+        monkeypatch.setenv("TILEATTN_BACKEND", env)
+    before = [t.clone() for t in (k_cache, v_cache, kw["cache_seqlens"])]
+    with pytest.raises(exc, match=None if name is None else f"argument '{name}'") as info:
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kw)
+    if name is not None and name != "backend":
+        assert isinstance(info.value, RuntimeError) and "flash_attn_with_kvcache" in str(info.value)
+    for now, then in zip((k_cache, v_cache, kw["cache_seqlens"]), before):
+        assert torch.equal(now.contiguous().view(torch.uint8), then.contiguous().view(torch.uint8))
+
+
+def test_an_interrupted_call_takes_the_new_keys_out_again(monkeypatch):
+    """Even a KeyboardInterrupt during the attention (after the write) leaves the caches as they were."""
+    q, k_cache, v_cache, k_new, v_new = _inputs(seed=12)
+    before = k_cache.clone(), v_cache.clone()
+
+    def interrupted(*args, **kwargs):
+        assert not torch.equal(k_cache, before[0])  # the new keys were written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvcache, "flash_attention", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=5)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -412,6 +412,21 @@ def test_kvcache_block_table_errors_name_block_table_and_are_runtime_errors():
     assert isinstance(info.value, RuntimeError)
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache_lengths_beyond_what_the_block_table_addresses_name_block_table(append):
+    """flash-attn's tests expect an error naming block_table when cache_seqlens (+ the new keys) go
+    past the pages a sequence's row of the block table addresses."""
+    q, pool_k, pool_v = _rand(2, 1, 2, 8), _rand(6, 4, 2, 8, seed=1), _rand(6, 4, 2, 8, seed=2)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)  # 8 keys per sequence
+    new = dict(k=_rand(2, 1, 2, 8, seed=3), v=_rand(2, 1, 2, 8, seed=4)) if append else {}
+    fits = torch.tensor([3, 7 if append else 8], dtype=torch.int32)
+    flash_attn.flash_attn_with_kvcache(q, pool_k.clone(), pool_v.clone(), cache_seqlens=fits, block_table=table,
+                                       **new)
+    with pytest.raises(ValueError, match="argument 'block_table'.*8 keys.*cache_seqlens\\[1\\]") as info:
+        flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=fits + 1, block_table=table, **new)
+    assert isinstance(info.value, RuntimeError)
+
+
 def test_varlen_paged_cache_says_what_is_unsupported_first():
     q = _rand(6, 2, 8)
     pool_k, pool_v = _rand(4, 4, 2, 8, seed=1), _rand(4, 4, 2, 8, seed=2)  # a paged cache is 4-d

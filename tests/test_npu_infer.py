@@ -133,7 +133,7 @@ def test_fia_decode_with_paged_cache(kv_layout):
     ifa = torch_npu.npu_incre_flash_attention(*args, num_heads=N, num_key_value_heads=NKV, input_layout=layout,
                                               scale_value=0.3, block_table=table, block_size=4, actual_seq_lengths=lk)
     torch.testing.assert_close(ifa, out)
-    # a (B, KV_S) decode mask over a paged cache (the cache is gathered for the mask)
+    # a (B, KV_S) decode mask over a paged cache (read in place, indexed by logical key position)
     dmask = torch.zeros(B, table.shape[1] * 4, dtype=torch.bool)
     dmask[0, 1], dmask[1, 5] = True, True
     out, _ = torch_npu.npu_fused_infer_attention_score(*args, num_heads=N, num_key_value_heads=NKV,
@@ -141,6 +141,71 @@ def test_fia_decode_with_paged_cache(kv_layout):
                                                        actual_seq_lengths_kv=lk, atten_mask=dmask)
     got = out.unflatten(-1, (N, D)) if layout == "BSH" else out.transpose(1, 2)
     assert_fa_rule("paged + mask", got, q, k_pad, v_pad, [1, 1], lk, 0.3, lambda b, a, c: ~dmask[b, :c][None])
+
+
+@pytest.mark.parametrize("kv_layout", ["BSH", "BNSD"])
+def test_fia_prefill_mask_and_pse_read_a_paged_cache_in_place(monkeypatch, kv_layout):
+    """atten_mask and pse_shift over a paged cache: one core call on the pool itself (no gathered copy),
+    the mask/bias indexed by logical key position."""
+    lk, lq = [10, 7], [3, 2]
+    pool_k, pool_v, table, k_pad, v_pad = _pool(lk, kv_layout=kv_layout)
+    q = _rand(B, 3, N, D, seed=12)
+    capacity = table.shape[1] * 4
+    mask = torch.rand(B, 1, 3, capacity, generator=torch.Generator().manual_seed(2)) > 0.7
+    pse = _rand(B, N, 3, capacity, seed=13)
+    seen = []
+
+    def spy(q_, k_, v_, **kwargs):
+        seen.append((k_.data_ptr(), kwargs.get("block_table") is not None))
+        return tileattn.flash_attention(q_, k_, v_, **kwargs)
+
+    monkeypatch.setattr(tileattn.npu.inference, "flash_attention", spy)
+    args = (q.transpose(1, 2), pool_k, pool_v) if kv_layout == "BNSD" else (q.flatten(2), pool_k, pool_v)
+    out, lse = torch_npu.npu_fused_infer_attention_score(
+        *args, num_heads=N, num_key_value_heads=NKV, input_layout=kv_layout, scale=0.3, block_table=table,
+        block_size=4, actual_seq_lengths=lq, actual_seq_lengths_kv=lk, atten_mask=mask, pse_shift=pse,
+        softmax_lse_flag=True)
+    assert seen == [(pool_k.data_ptr(), True)]
+    got = out.transpose(1, 2) if kv_layout == "BNSD" else out.unflatten(-1, (N, D))
+    keep = lambda b, a, c: ~mask[b, 0, :a, :c]  # noqa: E731
+    assert_fa_rule("paged prefill + mask + pse", got, q, k_pad, v_pad, lq, lk, 0.3, keep, bias=pse)
+    _, want_lse = oracle(q, k_pad, v_pad, lq, lk, 0.3, keep, bias=pse)
+    torch.testing.assert_close(lse[..., 0].double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", ["none", "atten_mask", "pse_shift"])
+@pytest.mark.parametrize("op", ["fia", "ifa"])
+def test_block_table_is_checked_alike_with_or_without_a_mask(extra, op):
+    """Every slot a sequence reads must hold a block of the cache (an entry 9 in an 8-block pool, or -5,
+    used to be clamped to a real page when a mask or pse was given); the slots past them are not read
+    (torch_npu: block ids are the caller's to keep valid; CANN's PagedAttention pads with -1)."""
+    lk = [10, 5]  # 3 and 2 blocks of 4 are read
+    pool_k, pool_v = _rand(8, 4, NKV * D, seed=21), _rand(8, 4, NKV * D, seed=22)
+    q = _rand(B, 1, N * D, seed=23)
+    kw = {"none": {}, "atten_mask": dict(atten_mask=torch.zeros(B, 12, dtype=torch.bool)),
+          "pse_shift": dict(pse_shift=torch.zeros(B, N, 1, 12))}[extra]
+
+    def call(rows):
+        table = torch.tensor(rows, dtype=torch.int32)
+        if op == "fia":
+            return torch_npu.npu_fused_infer_attention_score(
+                q, pool_k, pool_v, num_heads=N, num_key_value_heads=NKV, input_layout="BSH", scale=0.3,
+                block_table=table, block_size=4, actual_seq_lengths_kv=lk, **kw)[0]
+        return torch_npu.npu_incre_flash_attention(
+            q, pool_k, pool_v, num_heads=N, num_key_value_heads=NKV, input_layout="BSH", scale_value=0.3,
+            block_table=table, block_size=4, actual_seq_lengths=lk, **kw)
+
+    for rows, bad in (([[0, 1, 9], [2, 3, 0]], "block_table\\[0\\]\\[2\\] = 9"),
+                      ([[0, 1, 2], [-5, 3, 0]], "block_table\\[1\\]\\[0\\] = -5")):
+        with pytest.raises(ValueError, match="argument 'block_table'.*" + bad) as info:
+            call(rows)
+        assert isinstance(info.value, RuntimeError)
+    padded = call([[0, 1, 2], [3, 4, -1]])
+    torch.testing.assert_close(padded, call([[0, 1, 2], [3, 4, 7]]), rtol=0, atol=0)
+    k_pad = pool_k[torch.tensor([[0, 1, 2], [3, 4, 0]])].flatten(1, 2).unflatten(-1, (NKV, D))
+    v_pad = pool_v[torch.tensor([[0, 1, 2], [3, 4, 0]])].flatten(1, 2).unflatten(-1, (NKV, D))
+    assert_fa_rule("-1 padding", padded.unflatten(-1, (N, D)), q.unflatten(-1, (N, D)), k_pad, v_pad, [1, 1], lk,
+                   0.3, lambda b, a, c: None)
 
 
 def test_fia_tnd_prefill_over_paged_cache_like_vllm_ascend():
@@ -192,10 +257,34 @@ def test_fia_masks_pse_and_sliding_window_decode():
                                                        input_layout="BSND", scale=0.3, atten_mask=dmask,
                                                        actual_seq_lengths_kv=lk)
     assert_fa_rule("decode mask", out, q1, k, v, [1, 1], lk, 0.3, lambda b, a, c: ~dmask[b, :c][None])
-    out, _ = torch_npu.npu_fused_infer_attention_score(q1, k, v, num_heads=N, num_key_value_heads=NKV,
-                                                       input_layout="BSND", scale=0.3, pre_tokens=3,
-                                                       actual_seq_lengths_kv=lk)
-    assert_fa_rule("window", out, q1, k, v, [1, 1], lk, 0.3, lambda b, a, c: keep_of(4, a, c, 3, None))
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])
+def test_pre_and_next_tokens_have_no_effect_at_decode_outside_tnd(layout):
+    """torch_npu: pre_tokens/next_tokens are ignored at Q_S = 1 (FIA and v2 docs); the whole cache up
+    to actual_seq_lengths_kv is attended, with a warning; a sliding-window decode is TND + sparse_mode 4."""
+    q, k, v = _bsnd(sq=1, sk=9)
+    lk = [9, 6]
+    conv = {"BSH": lambda t: t.flatten(2), "BSND": lambda t: t, "BNSD": lambda t: t.transpose(1, 2)}[layout]
+    back = {"BSH": lambda t: t.unflatten(-1, (N, D)), "BSND": lambda t: t, "BNSD": lambda t: t.transpose(1, 2)}[layout]
+    torch_npu.reset_warnings()
+    with pytest.warns(UserWarning, match="no effect at Q_S = 1"):
+        out, _ = torch_npu.npu_fused_infer_attention_score(
+            conv(q), conv(k), conv(v), num_heads=N, num_key_value_heads=NKV, input_layout=layout, scale=0.3,
+            pre_tokens=3, next_tokens=0, actual_seq_lengths_kv=lk)
+    assert_fa_rule("decode, pre_tokens ignored", back(out), q, k, v, [1, 1], lk, 0.3, lambda b, a, c: None)
+    out2, _ = torch_npu.npu_fused_infer_attention_score_v2(
+        conv(q), conv(k), conv(v), num_query_heads=N, num_key_value_heads=NKV, input_layout=layout, softmax_scale=0.3,
+        pre_tokens=3, actual_seq_kvlen=lk)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    # TND, one query per sequence: sparse_mode=4 with pre_tokens is the sliding window
+    packed = lambda t, n: torch.cat([t[b, :n[b]] for b in range(B)])  # noqa: E731
+    out3, _ = torch_npu.npu_fused_infer_attention_score(
+        packed(q, [1, 1]), packed(k, lk), packed(v, lk), num_heads=N, num_key_value_heads=NKV, input_layout="TND",
+        scale=0.3, atten_mask=TRIU, sparse_mode=4, pre_tokens=3, next_tokens=0, actual_seq_lengths=[1, 2],
+        actual_seq_lengths_kv=[9, 15])
+    assert_fa_rule("TND sliding-window decode", out3[:, None], q, k, v, [1, 1], lk, 0.3,
+                   lambda b, a, c: keep_of(4, a, c, 3, 0))
 
 
 def test_fia_v2_names_learnable_sink_and_int8_cache():

@@ -548,6 +548,25 @@ def test_paged_kv_cache(monkeypatch, sq):
 
 
 @interpreted
+@pytest.mark.parametrize("sq", [1, 5])
+def test_paged_kv_cache_with_a_mask_and_a_bias(sq):
+    """A bool mask and a float bias over a paged cache, indexed by logical key position (the torch_npu
+    dialect's atten_mask / pse_shift with block_table): the prefill kernel, even for one query."""
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=sq, sk=40, d=16, layout="BSND", seed=40 + sq)
+    pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 8, seed=sq)
+    gen = torch.Generator().manual_seed(sq)
+    mask = torch.rand(2, 1, sq, 40, generator=gen) > 0.3
+    bias = torch.randn(1, 4, sq, 40, generator=gen)
+    used = torch.tensor([40, 19], dtype=torch.int32)
+    check(q, pool_k, pool_v, grad=False, layout="BSND", block_table=table, seqused_k=used, mask=mask, bias=bias,
+          causal=True)
+    out = tileattn.flash_attention(q, pool_k, pool_v, layout="BSND", block_table=table, seqused_k=used, mask=mask,
+                                   bias=bias, backend="triton")
+    ref = tileattn.flash_attention(q, k, v, layout="BSND", seqused_k=used, mask=mask, bias=bias, backend="triton")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@interpreted
 def test_varlen_queries_over_a_paged_cache():
     cu_q = torch.tensor([0, 1, 1, 3], dtype=torch.int32)  # 1, 0 and 2 queries
     gen = torch.Generator().manual_seed(32)

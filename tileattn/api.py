@@ -85,8 +85,9 @@ def flash_attention(
         window: ``(left, right)`` sliding window; ``None`` or a negative value = unbounded side.
         align: "bottom_right" (default), "top_left" or an int diagonal offset (see above).
         mask: bool tensor broadcastable to (B, Hq, Sq, Sk); **True = take part** (SDPA convention).
-        bias: float tensor broadcastable to (B, Hq, Sq, Sk), added to the scores; when it requires
-            grad its gradient is returned, reduced over its broadcast dimensions.
+            With a paged cache Sk = max_blocks * block_size, column j being the sequence's key j.
+        bias: float tensor broadcastable to (B, Hq, Sq, Sk) (Sk as for ``mask``), added to the scores;
+            when it requires grad its gradient is returned, reduced over its broadcast dimensions.
         alibi_slopes: fp32 (Hq,) or (B, Hq).
         softcap: > 0 replaces scores by ``softcap * tanh(scores / softcap)``.
         dropout_p: probability of dropping an attention weight (training); kept weights are scaled

@@ -445,7 +445,9 @@ def build_spec(
         _check_index_tensor("seqused_k", seqused_k, (batch,), device, "keys used by each sequence")
 
     full = (batch, hq, sq, sk)
-    per_sequence = "layout='TND'" if layout == "TND" else ("a paged cache" if paged else None)
+    # A paged cache is padded in the key dimension (capacity = max_blocks * block_size), so a mask
+    # or bias over it is indexed by logical key position; packed sequences have no such dimension.
+    per_sequence = "layout='TND'" if layout == "TND" else None
     found = [
         Softcap.from_args(softcap),
         Alibi.from_args(alibi_slopes, batch, hq, device),

@@ -5,7 +5,9 @@ layer on CPU or GPU:
 
 * training: :func:`npu_fusion_attention`, :func:`npu_fusion_attention_grad` and their ``_v2``;
 * inference: :func:`npu_fused_infer_attention_score` (and ``_v2``), :func:`npu_prompt_flash_attention`,
-  :func:`npu_incre_flash_attention`;
+  :func:`npu_incre_flash_attention`; graph mode (:mod:`.graph`): ``npu_fused_infer_attention_score.out``
+  (and ``_v2.out``), ``_npu_fused_infer_attention_score_get_max_workspace`` and
+  ``_npu_fused_infer_attention_score_infer_output`` (and their ``_v2``);
 * merging partial results: :func:`npu_attention_update`, :func:`npu_ring_attention_update`;
 * running a script written for torch_npu unchanged: :func:`install` (``import torch_npu`` then
   resolves here) or ``python -m tileattn.npu script.py``.
@@ -20,6 +22,10 @@ from .fusion import npu_fusion_attention, npu_fusion_attention_grad, npu_fusion_
 from .inference import (
     npu_fused_infer_attention_score, npu_fused_infer_attention_score_v2, npu_incre_flash_attention,
     npu_prompt_flash_attention,
+)
+from .graph import (
+    _npu_fused_infer_attention_score_get_max_workspace, _npu_fused_infer_attention_score_infer_output,
+    _npu_fused_infer_attention_score_v2_get_max_workspace, _npu_fused_infer_attention_score_v2_infer_output,
 )
 from .install import device, install, installed, uninstall
 from .update import npu_attention_update, npu_ring_attention_update

@@ -29,6 +29,7 @@ from ._common import (
     fail, int_list, is_int, refuse, warn_once,
 )
 from ._plan import Band, Geometry, PadIndex, Piece, band_call, region
+from .install import beside_stand_in
 from ._stats import lse_from_stats, stats_from_lse
 
 __all__ = ["npu_fusion_attention", "npu_fusion_attention_grad", "npu_fusion_attention_v2",
@@ -524,6 +525,7 @@ def _forward(fn, query, key, value, head_num, input_layout, *, pse, padding_mask
     return out, softmax_max, softmax_sum, query.new_empty((0,)), seed, offset, call.numels
 
 
+@beside_stand_in
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
                          scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
                          prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
@@ -544,6 +546,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                     softmax_layout=softmax_layout, sink=sink)
 
 
+@beside_stand_in
 def npu_fusion_attention_v2(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
                             query_rope=None, key_rope=None, scale=1.0, keep_prob=1.0, pre_tokens=2147483647,
                             next_tokens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
@@ -632,6 +635,7 @@ def _split_rope(dq, dk, d, query, key, call):
     return dq[..., :d], dq[..., d:], dk[..., :d], dk[..., d:]
 
 
+@beside_stand_in
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
                               attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
@@ -657,6 +661,7 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     return grads if sink is not None else grads[:4]
 
 
+@beside_stand_in
 def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                                  atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
                                  attention_in=None, query_rope=None, key_rope=None, scale_value=1.0, keep_prob=1.0,

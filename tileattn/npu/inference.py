@@ -12,8 +12,12 @@ Every call becomes one ``flash_attention(..., seqused_k=, block_table=)`` call:
 * query rows past ``actual_seq_lengths`` are not computed (output 0, LSE -inf): the valid rows
   are gathered into a packed (TND) query once;
 * ``atten_mask`` (1 = masked out) and ``pse_shift`` (added after scaling) become a bool mask /
-  bias over the padded positions; a paged cache is then gathered into a padded one first, as
-  tileattn takes no mask or bias with a paged cache;
+  bias over the padded positions (a paged cache's logical positions 0 .. max_blocks * block_size - 1,
+  read in place);
+* ``block_table``: the blocks a sequence reads (the first ceil(actual_seq_lengths_kv[b] / block_size)
+  of row b) must be blocks of the cache, else an error names ``block_table``; the slots after them
+  are never read, as on the NPU, and may hold anything (-1 padding as CANN's PagedAttention
+  documents, or 0 as vLLM pads): one check, :func:`_read_blocks`, for every path;
 * int8 caches with ``antiquant_scale``/``antiquant_offset`` (or the per-tensor key_/value_ forms)
   are dequantised as documented, ``(x + offset) * scale``; full int8 quantisation
   (``dequant_scale1``, ``quant_scale2``, ...) is refused by name.
@@ -24,16 +28,19 @@ These ops are inference-only in torch_npu and run without autograd here.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from ..api import flash_attention
+from ..spec import build_spec
 from ._common import (
     FLOAT_DTYPES, UNBOUNDED, NpuTypeError, band_side, check_float, check_int, check_tensor, core_errors, fail,
-    int_list, refuse,
+    int_list, refuse, warn_once,
 )
 from ._plan import Band, band_call, region
+from .install import beside_stand_in
 
 __all__ = ["npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2", "npu_prompt_flash_attention",
            "npu_incre_flash_attention"]
@@ -146,11 +153,16 @@ def _keep_from_mask(names, mask, decode, batch, sq, sk):
 
 def _band(fn, sparse_mode, pre, nxt, decode, atten_mask) -> Optional[Band]:
     """The band of the call (None: none). Modes 2-4 need the 2048x2048 template (torch_npu raises
-    without it). At Q_S = 1 the sparse mode does not apply; pre/next tokens there are read as a
-    window ending at the newest key, as vllm-ascend's sliding-window decode uses them."""
+    without it). At Q_S = 1 outside TND neither the sparse mode nor pre/next tokens apply (torch_npu
+    documents both as having no effect there): a sliding-window decode is TND with sparse_mode=4."""
     lo, hi = (None if band_side(pre) is None else -pre), band_side(nxt)
     if decode:
-        return None if (lo, hi) == (None, None) else Band("bottom_right", lo, hi)
+        if (lo, hi) != (None, None):
+            warn_once(("decode-band", fn), f"{fn}: pre_tokens/next_tokens have no effect at Q_S = 1 outside "
+                      "input_layout 'TND' (torch_npu documents them as ignored there): every cached key up to "
+                      "actual_seq_lengths_kv is attended; for a sliding-window decode pass input_layout='TND' "
+                      "with sparse_mode=4 and the 2048x2048 template.")
+        return None
     if sparse_mode in (2, 3, 4):
         if atten_mask is None or tuple(atten_mask.shape)[-2:] != (2048, 2048) or atten_mask.dim() > 4 \
                 or any(n != 1 for n in atten_mask.shape[:-2]):
@@ -243,7 +255,10 @@ def _query(names, query, query_rope, layout_in, heads):
 
 def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, block_table, block_size, num_heads,
            num_kv_heads, scale, pre_tokens, next_tokens, input_layout, sparse_mode, inner_precise, want_lse,
-           sinks=None, antiquant=None, query_rope=None, key_rope=None):
+           sinks=None, antiquant=None, query_rope=None, key_rope=None, out=None, dry_run=False):
+    """The op's ``(attention_out, softmax_lse)``; with ``out`` (the graph-mode ``.out`` overloads) the
+    caller's two tensors, written in place once everything is checked; with ``dry_run`` (the
+    workspace queries) nothing is computed: the call is only checked, the core's checks included."""
     fn = names.fn
     if not isinstance(input_layout, str) or input_layout.upper() not in _LAYOUTS:
         fail(fn, "input_layout", repr(input_layout), "one of " + ", ".join(repr(x) for x in _LAYOUTS))
@@ -269,6 +284,8 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
     q, q_layout = _query(names, query, query_rope, layout_in, heads)
     paged = block_table is not None
     k, v = _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_heads, q.shape[-1], antiquant)
+    if out is not None:
+        _check_out(fn, out, query, value, input_layout.upper(), paged, heads, kv_heads, want_lse)
     varlen = q_layout == "TND"
     batch = None if varlen else q.shape[0]
     sq = None if varlen else q.shape[1 if q_layout == "BSND" else 2]
@@ -292,13 +309,13 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
                 fail(fn, names.kv_lens, f"{len(cu_k) - 1} entries", f"{batch}, one per sequence")
             lk = [b - a for a, b in zip(cu_k, cu_k[1:])]
     else:
-        if paged and block_table.shape[0] != batch:
-            fail(fn, "block_table", f"{block_table.shape[0]} rows", f"{batch}, one per batch")
         lq = (_per_batch(names, names.q_lens, q_lens, batch, sq) if sq > 1 else None) or [sq] * batch
         lk = _per_batch(names, names.kv_lens, kv_lens, batch, capacity)
     if paged and lk is None:
         fail(fn, names.kv_lens, None, "the cached length of every sequence (required with block_table)")
     lk = lk or [capacity] * batch
+    if paged:
+        block_table = _read_blocks(fn, block_table, lk, k.shape[1], k.shape[0])
     decode = not varlen and sq == 1
 
     # The pattern: a band, and with a real atten_mask or pse_shift, an explicit mask and bias.
@@ -329,13 +346,11 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
     rows = None  # positions of the packed query rows in a padded query that had shorter actual lengths
     if keep is not None or bias is not None:
         # An explicit mask/bias addresses padded positions: one padded call, the exact per-batch
-        # region (lengths, band) folded into the mask. A paged cache is gathered first.
-        if paged:
-            k, v = _gather_pages(k, block_table), _gather_pages(v, block_table)
-            if q_layout == "BNSD":
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
+        # region (lengths, band) folded into the mask; a paged cache is read in place.
         reg = region(band, torch.tensor(lq, device=device), torch.tensor(lk, device=device), sq, capacity)
         kwargs.update(layout=q_layout, mask=reg if keep is None else reg & keep, bias=bias)
+        if paged:
+            kwargs.update(block_table=block_table, seqused_k=i32(lk))
     else:
         full_k = lk if varlen else [capacity] * batch
         if not varlen and any(n != sq for n in lq):
@@ -360,14 +375,69 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
             kwargs["block_table"] = block_table
         if paged or used != full_k:
             kwargs["seqused_k"] = i32(used)
+    if dry_run:
+        with core_errors(fn):
+            build_spec(q, k, v, **kwargs)
+        return None
     with core_errors(fn), torch.no_grad():
-        out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
-    return _finish(out, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_lse)
+        result, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+    result, lse = _finish(result, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_lse)
+    if out is None:
+        return result, lse
+    out[0].copy_(result)
+    if want_lse:
+        out[1].copy_(lse)
+    return out[0], out[1]
 
-def _gather_pages(pool, block_table):
-    """A paged pool (blocks, block_size, N, D) gathered into a padded (B, max_blocks * block_size, N, D) cache."""
-    idx = block_table.long().clamp(0, pool.shape[0] - 1)
-    return pool[idx].flatten(1, 2)
+
+def _output_shapes(query, value, layout, paged, heads, kv_heads):
+    """The shapes of ``attention_out`` and of ``softmax_lse`` (when asked for) of a call with these
+    (already checked) tensors, as torch_npu derives them from query and value alone."""
+    layout_in, layout_out = _LAYOUTS[layout]
+    hidden = value.dim() == 3 and (paged or layout_in == "BSH")  # (..., H): heads * head dim
+    dv = value.shape[2] // kv_heads if hidden else value.shape[-1]
+    if layout_in in ("TND", "NTD"):
+        t, n = query.shape[:2] if layout_in == "TND" else query.shape[1::-1]
+        return {"TND": (t, n, dv), "NTD": (n, t, dv)}[layout_out], (t, n, 1)
+    b, s = query.shape[0], query.shape[2 if layout_in == "BNSD" else 1]
+    shape = {"BSH": (b, s, heads * dv), "BSND": (b, s, heads, dv), "BNSD": (b, heads, s, dv),
+             "NBSD": (heads, b, s, dv)}[layout_out]
+    return shape, (b, heads, s, 1)
+
+
+def _check_out(fn, out, query, value, layout, paged, heads, kv_heads, want_lse):
+    """The ``.out`` overloads' tensors: ``attention_out`` of the result's shape, dtype and device;
+    ``softmax_lse`` fp32 of the LSE's shape when it is asked for (otherwise not written)."""
+    out_shape, lse_shape = _output_shapes(query, value, layout, paged, heads, kv_heads)
+    attention_out, softmax_lse = out
+    for name, t, shape, dtype in (("attention_out", attention_out, out_shape, query.dtype),
+                                  ("softmax_lse", softmax_lse, lse_shape if want_lse else None, torch.float32)):
+        if not isinstance(t, torch.Tensor):
+            fail(fn, name, type(t).__name__, "a torch.Tensor", NpuTypeError)
+        if t.device != query.device:
+            fail(fn, name, f"device {t.device}", f"query's device {query.device}")
+        if shape is not None and (tuple(t.shape) != shape or t.dtype != dtype):
+            fail(fn, name, f"shape {tuple(t.shape)}, dtype {t.dtype}", f"shape {shape}, dtype {dtype}")
+
+def _read_blocks(fn, block_table, lengths, block_size, blocks):
+    """``block_table`` as tileattn reads it: every slot a sequence reads (its first
+    ceil(lengths[b] / block_size)) must hold a block of the cache, named in the error otherwise; the
+    slots past them, never read on the NPU either, are set to block 0 in a small copy of the table
+    when they hold anything else (-1 padding, stale ids)."""
+    if block_table.shape[0] != len(lengths):
+        fail(fn, "block_table", f"{block_table.shape[0]} rows", f"{len(lengths)}, one per sequence")
+    device = block_table.device
+    read = torch.arange(block_table.shape[1], device=device)[None, :] < \
+        torch.tensor([-(-n // block_size) for n in lengths], device=device)[:, None]
+    outside = (block_table < 0) | (block_table >= blocks)
+    bad = read & outside
+    if bool(bad.any()):
+        b, slot = (int(i) for i in bad.nonzero()[0])
+        fail(fn, "block_table", f"block_table[{b}][{slot}] = {int(block_table[b, slot])}",
+             f"a block index in [0, {blocks}) (the cache's blocks) in each slot sequence {b} reads (its first "
+             f"{-(-lengths[b] // block_size)}, for {lengths[b]} keys of blocks of {block_size}); later slots are "
+             "not read")
+    return torch.where(outside, 0, block_table) if bool(outside.any()) else block_table
 
 
 def _pack(q, k, v, q_layout, lq, paged):
@@ -438,6 +508,7 @@ def _refuse_given(fn, given: dict, what: str, instead: str):
             refuse(fn, f"argument '{name}' ({what})", instead)
 
 
+@beside_stand_in
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
                                     actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,
                                     dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
@@ -454,25 +525,31 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     decode (Q_S = 1) alike. ``softmax_lse`` is the natural-log LSE, (B, N, Q_S, 1) or (T, N, 1) for
     TND, when ``softmax_lse_flag`` is set, else a (1,) zero tensor. See the module docstring for the
     translation; refused arguments name themselves."""
-    fn = "npu_fused_infer_attention_score"
-    _refuse_given(fn, dict(zip(_FULL_QUANT, (dequant_scale1, quant_scale1, dequant_scale2, quant_scale2,
-                                             quant_offset2))),
+    return fused_v1(dict(locals()))  # locals() here: exactly the op's arguments, by name
+
+
+def fused_v1(args: dict, fn="npu_fused_infer_attention_score", out=None, dry_run=False):
+    """:func:`npu_fused_infer_attention_score` on its arguments by name (also its ``.out`` overload and
+    workspace query: :mod:`.graph`); ``out``/``dry_run`` as for :func:`_infer`."""
+    a = SimpleNamespace(**args)
+    _refuse_given(fn, dict(zip(_FULL_QUANT, (a.dequant_scale1, a.quant_scale1, a.dequant_scale2, a.quant_scale2,
+                                             a.quant_offset2))),
                   "int8 query/output quantisation", "dequantise before the call and quantise after it")
-    _refuse_given(fn, dict(zip(_PREFIX, (key_shared_prefix, value_shared_prefix, actual_shared_prefix_len))),
+    _refuse_given(fn, dict(zip(_PREFIX, (a.key_shared_prefix, a.value_shared_prefix, a.actual_shared_prefix_len))),
                   "a shared system prefix", "concatenate the prefix into key/value")
-    _refuse_given(fn, dict(query_padding_size=query_padding_size, kv_padding_size=kv_padding_size),
+    _refuse_given(fn, dict(query_padding_size=a.query_padding_size, kv_padding_size=a.kv_padding_size),
                   "left padding", "pass right-padded tensors with actual_seq_lengths/actual_seq_lengths_kv")
-    _refuse_given(fn, dict(key_rope_antiquant_scale=key_rope_antiquant_scale), "reserved in torch_npu", "pass None")
-    antiquant = dict(antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset, antiquant_mode=antiquant_mode,
-                     key_antiquant_scale=key_antiquant_scale, key_antiquant_offset=key_antiquant_offset,
-                     value_antiquant_scale=value_antiquant_scale, value_antiquant_offset=value_antiquant_offset,
-                     key_antiquant_mode=key_antiquant_mode, value_antiquant_mode=value_antiquant_mode)
-    return _infer(_Names(fn), query, key, value, pse_shift=pse_shift, atten_mask=atten_mask,
-                  q_lens=actual_seq_lengths, kv_lens=actual_seq_lengths_kv, block_table=block_table,
-                  block_size=block_size, num_heads=num_heads, num_kv_heads=num_key_value_heads, scale=scale,
-                  pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout, sparse_mode=sparse_mode,
-                  inner_precise=inner_precise, want_lse=_flag(fn, "softmax_lse_flag", softmax_lse_flag),
-                  antiquant=antiquant, query_rope=query_rope, key_rope=key_rope)
+    _refuse_given(fn, dict(key_rope_antiquant_scale=a.key_rope_antiquant_scale), "reserved in torch_npu", "pass None")
+    antiquant = {name: args[name] for name in (
+        "antiquant_scale", "antiquant_offset", "antiquant_mode", "key_antiquant_scale", "key_antiquant_offset",
+        "value_antiquant_scale", "value_antiquant_offset", "key_antiquant_mode", "value_antiquant_mode")}
+    return _infer(_Names(fn), a.query, a.key, a.value, pse_shift=a.pse_shift, atten_mask=a.atten_mask,
+                  q_lens=a.actual_seq_lengths, kv_lens=a.actual_seq_lengths_kv, block_table=a.block_table,
+                  block_size=a.block_size, num_heads=a.num_heads, num_kv_heads=a.num_key_value_heads, scale=a.scale,
+                  pre_tokens=a.pre_tokens, next_tokens=a.next_tokens, input_layout=a.input_layout,
+                  sparse_mode=a.sparse_mode, inner_precise=a.inner_precise,
+                  want_lse=_flag(fn, "softmax_lse_flag", a.softmax_lse_flag), antiquant=antiquant,
+                  query_rope=a.query_rope, key_rope=a.key_rope, out=out, dry_run=dry_run)
 
 
 def _flag(fn, name, value) -> bool:
@@ -481,42 +558,56 @@ def _flag(fn, name, value) -> bool:
     return value
 
 
+@beside_stand_in
 def npu_fused_infer_attention_score_v2(query, key, value, *, query_rope=None, key_rope=None, pse_shift=None,
                                        atten_mask=None, actual_seq_qlen=None, actual_seq_kvlen=None, block_table=None,
                                        dequant_scale_query=None, dequant_scale_key=None, dequant_offset_key=None,
                                        dequant_scale_value=None, dequant_offset_value=None,
                                        dequant_scale_key_rope=None, quant_scale_out=None, quant_offset_out=None,
-                                       learnable_sink=None, num_query_heads=1, num_key_value_heads=0,
-                                       softmax_scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
-                                       input_layout="BSH", sparse_mode=0, block_size=0, query_quant_mode=0,
-                                       key_quant_mode=0, value_quant_mode=0, inner_precise=0,
+                                       quant_scale_p=None, learnable_sink=None, num_query_heads=1,
+                                       num_key_value_heads=0, softmax_scale=1.0, pre_tokens=2147483647,
+                                       next_tokens=2147483647, input_layout="BSH", sparse_mode=0, block_size=0,
+                                       query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
                                        return_softmax_lse=False, query_dtype=None, key_dtype=None, value_dtype=None,
                                        query_rope_dtype=None, key_rope_dtype=None, key_shared_prefix_dtype=None,
                                        value_shared_prefix_dtype=None, dequant_scale_query_dtype=None,
                                        dequant_scale_key_dtype=None, dequant_scale_value_dtype=None,
-                                       dequant_scale_key_rope_dtype=None):
+                                       dequant_scale_key_rope_dtype=None, out_dtype=None):
     """``npu_fused_infer_attention_score`` with v2's names (``num_query_heads``, ``softmax_scale``,
     ``actual_seq_qlen``/``actual_seq_kvlen``, ``return_softmax_lse``, ``dequant_scale_key``/...
     for the int8 cache) and ``learnable_sink`` ((N,) sink logits; the LSE includes them). The
-    ``*_dtype`` arguments are reserved in torch_npu and have no effect."""
-    fn = "npu_fused_infer_attention_score_v2"
-    _refuse_given(fn, dict(dequant_scale_query=dequant_scale_query, quant_scale_out=quant_scale_out,
-                           quant_offset_out=quant_offset_out, dequant_scale_key_rope=dequant_scale_key_rope),
+    ``*_dtype`` arguments are reserved in torch_npu and have no effect; ``out_dtype`` (the output
+    dtype of int8/fp8 inputs) and the reserved ``quant_scale_p`` are refused unless None."""
+    return fused_v2(dict(locals()))  # locals() here: exactly the op's arguments, by name
+
+
+def fused_v2(args: dict, fn="npu_fused_infer_attention_score_v2", out=None, dry_run=False):
+    """:func:`npu_fused_infer_attention_score_v2` on its arguments by name (as :func:`fused_v1`)."""
+    a = SimpleNamespace(**args)
+    _refuse_given(fn, dict(dequant_scale_query=a.dequant_scale_query, quant_scale_out=a.quant_scale_out,
+                           quant_offset_out=a.quant_offset_out, dequant_scale_key_rope=a.dequant_scale_key_rope),
                   "int8 query/output quantisation", "dequantise before the call and quantise after it")
-    if query_quant_mode not in (0,):
-        refuse(fn, f"query_quant_mode={query_quant_mode}", "pass a float query")
-    antiquant = dict(key_antiquant_scale=dequant_scale_key, key_antiquant_offset=dequant_offset_key,
-                     value_antiquant_scale=dequant_scale_value, value_antiquant_offset=dequant_offset_value,
-                     key_antiquant_mode=key_quant_mode, value_antiquant_mode=value_quant_mode)
+    _refuse_given(fn, dict(quant_scale_p=a.quant_scale_p), "reserved in torch_npu", "pass None")
+    if a.out_dtype is not None:
+        refuse(fn, f"out_dtype={a.out_dtype!r} (the output dtype of int8/fp8 inputs)",
+               "pass None: the output has the query's dtype")
+    if a.query_quant_mode not in (0,):
+        refuse(fn, f"query_quant_mode={a.query_quant_mode}", "pass a float query")
+    antiquant = dict(key_antiquant_scale=a.dequant_scale_key, key_antiquant_offset=a.dequant_offset_key,
+                     value_antiquant_scale=a.dequant_scale_value, value_antiquant_offset=a.dequant_offset_value,
+                     key_antiquant_mode=a.key_quant_mode, value_antiquant_mode=a.value_quant_mode)
     return _infer(_Names(fn, "actual_seq_qlen", "actual_seq_kvlen", "num_query_heads", "softmax_scale",
-                         "return_softmax_lse"), query, key, value, pse_shift=pse_shift, atten_mask=atten_mask,
-                  q_lens=actual_seq_qlen, kv_lens=actual_seq_kvlen, block_table=block_table, block_size=block_size,
-                  num_heads=num_query_heads, num_kv_heads=num_key_value_heads, scale=softmax_scale,
-                  pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout, sparse_mode=sparse_mode,
-                  inner_precise=inner_precise, want_lse=_flag(fn, "return_softmax_lse", return_softmax_lse),
-                  sinks=learnable_sink, antiquant=antiquant, query_rope=query_rope, key_rope=key_rope)
+                         "return_softmax_lse"), a.query, a.key, a.value, pse_shift=a.pse_shift,
+                  atten_mask=a.atten_mask, q_lens=a.actual_seq_qlen, kv_lens=a.actual_seq_kvlen,
+                  block_table=a.block_table, block_size=a.block_size, num_heads=a.num_query_heads,
+                  num_kv_heads=a.num_key_value_heads, scale=a.softmax_scale, pre_tokens=a.pre_tokens,
+                  next_tokens=a.next_tokens, input_layout=a.input_layout, sparse_mode=a.sparse_mode,
+                  inner_precise=a.inner_precise, want_lse=_flag(fn, "return_softmax_lse", a.return_softmax_lse),
+                  sinks=a.learnable_sink, antiquant=antiquant, query_rope=a.query_rope, key_rope=a.key_rope,
+                  out=out, dry_run=dry_run)
 
 
+@beside_stand_in
 def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mask=None, atten_mask=None,
                                actual_seq_lengths=None, deq_scale1=None, quant_scale1=None, deq_scale2=None,
                                quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
@@ -540,6 +631,7 @@ def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mas
                   want_lse=False)[0]
 
 
+@beside_stand_in
 def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift=None, atten_mask=None,
                               actual_seq_lengths=None, dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
                               quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None,

@@ -9,21 +9,35 @@ small device surface such scripts touch (what ``python -m tileattn.npu script.py
   counters (CUDA's when the target is a GPU, 0 on CPU). ``torch_npu.npu`` is the same object.
 * ``Tensor.npu()`` and ``Module.npu()``: move to the target device (CUDA when available, else CPU;
   ``install(device=...)`` chooses).
+* The NPU as a ``device=`` argument: ``"npu"``, ``"npu:<i>"`` and what ``torch.npu.current_device()``
+  returns (an int, 0 on CPU) resolve to the target device wherever torch takes a device:
+  ``torch.arange(n, device=torch.npu.current_device())``, ``torch.empty(..., device=f"npu:{i}")``,
+  ``x.to("npu")``, ``module.to("npu")``. Done by a :class:`torch.overrides.TorchFunctionMode` that
+  rewrites only those device arguments (every other call, plain ints such as ``device=0`` included,
+  passes through untouched), active in the thread that called :func:`install` (torch keeps such
+  modes per thread), and by ``Module.to``, whose device parsing no mode sees. The dialect's own ops
+  run with the mode set aside (:func:`beside_stand_in`), so it costs them nothing.
 
 Not provided, each raising an error that names it: other ``torch.npu``/``torch_npu`` attributes
-and submodules (``torch_npu.contrib``, ``torch.npu.Stream``, ...), and ``"npu"`` device strings
-(``torch.device("npu")``, ``.to("npu")``): torch itself rejects an unknown device type, naming it.
+and submodules (``torch_npu.contrib``, ``torch.npu.Stream``, ...), ``torch.device("npu")`` (a type
+torch builds itself: it rejects the unknown device type, naming it), and NPU device arguments in
+threads other than the installing one.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
+import re
 import sys
 import types
 from typing import Optional
 
 import torch
+from torch.overrides import (
+    TorchFunctionMode, _get_current_function_mode, _get_current_function_mode_stack, _pop_mode, _push_mode,
+)
 
 __all__ = ["install", "uninstall", "installed", "device"]
 
@@ -39,6 +53,83 @@ def device() -> torch.device:
 
 def _cuda() -> bool:
     return device().type == "cuda"
+
+
+class NpuIndex(int):
+    """What ``torch.npu.current_device()`` returns: an int (the NPU's index, as torch_npu's), which
+    the device stand-in recognises as the NPU when it is passed as a ``device=`` (a plain int means
+    CUDA to torch)."""
+
+
+_NPU_DEVICE = re.compile(r"npu(?::(\d+))?\Z")
+
+
+def resolve(dev):
+    """``dev`` as the device it stands for: the target device for an NPU device ("npu", "npu:<i>", an
+    :class:`NpuIndex`), keeping the index on CUDA; anything else unchanged."""
+    if isinstance(dev, NpuIndex):
+        index = int(dev)
+    elif isinstance(dev, str) and _NPU_DEVICE.match(dev):
+        index = _NPU_DEVICE.match(dev).group(1)
+        index = None if index is None else int(index)
+    else:
+        return dev
+    target = device()
+    if target.type != "cuda" or index is None:
+        return target
+    return torch.device("cuda", index)
+
+
+class _NpuDevices(TorchFunctionMode):
+    """Rewrites NPU device arguments (keyword ``device=``, or the first positional argument of
+    ``Tensor.to``) to the target device; every other call passes through untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs and "device" in kwargs:
+            kwargs = dict(kwargs, device=resolve(kwargs["device"]))
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], resolve(args[1])) + tuple(args[2:])
+        return func(*args, **(kwargs or {}))
+
+
+def _module_to(self, *args, **kwargs):
+    if "device" in kwargs:
+        kwargs["device"] = resolve(kwargs["device"])
+    return _STATE["saved"]["Module.to"](self, *(resolve(a) for a in args), **kwargs)
+
+
+def beside_stand_in(op):
+    """``op`` (a dialect op: every tensor it makes lives on its inputs' device) run with the device
+    stand-in's mode off while it is the innermost mode: each torch call inside would otherwise pay
+    the mode's Python dispatch (an attention call made about 1.6x slower)."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        mode = _STATE.get("mode")
+        if mode is None or _get_current_function_mode() is not mode:
+            return op(*args, **kwargs)
+        _pop_mode()
+        try:
+            return op(*args, **kwargs)
+        finally:
+            _push_mode(mode)
+
+    return run
+
+
+def _remove_mode(mode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack, leaving the modes pushed above it."""
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        raise RuntimeError("tileattn.npu.uninstall() must run in the thread that called install(): the NPU "
+                           "device stand-in is a torch-function mode of that thread.")
+    above = []
+    while True:
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)
 
 
 class _NpuDeviceModule(types.ModuleType):
@@ -58,7 +149,7 @@ class _NpuDeviceModule(types.ModuleType):
 
     @staticmethod
     def current_device() -> int:
-        return torch.cuda.current_device() if _cuda() else 0
+        return NpuIndex(torch.cuda.current_device() if _cuda() else 0)
 
     @staticmethod
     def set_device(dev) -> None:
@@ -149,6 +240,7 @@ def install(device: Optional[str] = None) -> None:
         "torch.npu": getattr(torch, "npu", None),
         "Tensor.npu": getattr(torch.Tensor, "npu", None),
         "Module.npu": getattr(torch.nn.Module, "npu", None),
+        "Module.to": torch.nn.Module.to,
     }
     finder = _RefuseSubmodules()
     _STATE["finder"] = finder
@@ -159,16 +251,22 @@ def install(device: Optional[str] = None) -> None:
     torch.npu = shim
     torch.Tensor.npu = _tensor_npu
     torch.nn.Module.npu = _module_npu
+    torch.nn.Module.to = _module_to
+    mode = _NpuDevices()
+    _push_mode(mode)
+    _STATE["mode"] = mode
     _STATE["installed"] = True
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: restore what ``torch_npu``, ``torch.npu``, ``Tensor.npu`` and
-    ``Module.npu`` were before."""
+    """Undo :func:`install`: restore what ``torch_npu``, ``torch.npu``, ``Tensor.npu``, ``Module.npu``
+    and ``Module.to`` were before, and end the device stand-in (from the thread that installed it)."""
     import tileattn.npu as dialect
 
     if not installed():
         return
+    _remove_mode(_STATE["mode"])
+    del _STATE["mode"]
     saved = _STATE.pop("saved")
     sys.meta_path.remove(_STATE.pop("finder"))
     for name, key in (("torch_npu", "module"), ("torch_npu.npu", "module_npu")):
@@ -177,7 +275,7 @@ def uninstall() -> None:
         else:
             sys.modules[name] = saved[key]
     for obj, attr, key in ((torch, "npu", "torch.npu"), (torch.Tensor, "npu", "Tensor.npu"),
-                           (torch.nn.Module, "npu", "Module.npu")):
+                           (torch.nn.Module, "npu", "Module.npu"), (torch.nn.Module, "to", "Module.to")):
         if saved[key] is None:
             if attr in vars(obj):
                 delattr(obj, attr)

@@ -10,6 +10,7 @@ import torch
 
 from ..merge import merge_attentions
 from ._common import NpuTypeError, check_layout, check_tensor, core_errors, fail, int_list
+from .install import beside_stand_in
 from ._stats import lse_from_stats, stats_from_lse
 
 __all__ = ["npu_attention_update", "npu_ring_attention_update"]
@@ -17,6 +18,7 @@ __all__ = ["npu_attention_update", "npu_ring_attention_update"]
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+@beside_stand_in
 def npu_attention_update(lse, local_out, update_type=0):
     """torch_npu's AttentionUpdate: ``lse`` is a list of fp32 (R,) LSEs, ``local_out`` the matching
     list of (R, D) partial outputs (R = batch * seq * heads rows). Returns ``(out, lse_out)``:
@@ -44,6 +46,7 @@ def npu_attention_update(lse, local_out, update_type=0):
     return out[0, 0], (merged[0, 0].to(lse[0].dtype) if update_type == 1 else None)
 
 
+@beside_stand_in
 def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max,
                               cur_softmax_sum, actual_seq_qlen=None, layout="SBH", softmax_layout=""):
     """MindSpeed's RingAttentionUpdate: merge two partial attentions by their statistics.

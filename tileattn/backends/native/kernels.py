@@ -23,7 +23,8 @@ Tensors (CPU; any strides with a unit last-dim stride; views are read and writte
 dtypes: q, k, v share one of fp32, fp64, bf16, fp16. ``out``, ``dq``, ``dk``, ``dv`` and ``dout``
 are that dtype or fp32 (fp64 inputs: fp64); ``lse`` and ``delta`` are fp32 (fp64 for fp64 inputs).
 ``mask`` is bool and ``bias`` any float dtype, both 4-d and broadcast to (B, Hq, Sq, Sk) (expanded
-views with stride 0 are read in place); ``dbias`` is an fp32 (fp64) 4-d buffer whose every dimension
+views with stride 0 are read in place; with paged KV, Sk = max_pages * page_size and column j is key
+j of the sequence, wherever its page lies; not with varlen q); ``dbias`` is an fp32 (fp64) 4-d buffer whose every dimension
 is the full one or 1, which the backward pass *adds* to, summing over its size-1 dimensions.
 ``alibi_slopes`` fp32 (Hq,) or (B, Hq). ``delta`` = rowsum(dout * out) - dlse, lse-shaped with
 lse's strides, computed by the caller; ``out`` is not read by the backward pass (pass it or None).
@@ -474,13 +475,13 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
         lib.pack("paged", loc, pages, page_size, block_table.shape[1], *block_table.stride(), 0)
     full = (batch, hq, sq, sk)
     if mask is not None:
-        if varlen or paged:
-            _fail("mask", "a mask with varlen or paged inputs", "no mask (sequences are already separated)")
+        if varlen:
+            _fail("mask", "a mask with varlen inputs", "no mask (sequences are already separated)")
         lib.pack("mask", loc, *_bcast4("mask", mask, full, (torch.bool,)))
         mask_ptr = mask.data_ptr()
     if bias is not None:
-        if varlen or paged:
-            _fail("bias", "a bias with varlen or paged inputs", "no bias")
+        if varlen:
+            _fail("bias", "a bias with varlen inputs", "no bias")
         lib.pack("bias", loc, *_bcast4("bias", bias, full, _DTYPES), _DTYPES[bias.dtype])
         bias_ptr = bias.data_ptr()
     if alibi_slopes is not None:

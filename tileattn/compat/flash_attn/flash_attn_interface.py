@@ -74,6 +74,10 @@ def _as_int(fn, name, value, expected="an int"):
     _fail(fn, name, _describe(value), f"{expected} (or a one-element integer tensor)", FlashAttnTypeError)
 
 
+#: The longest window side tileattn takes (a larger one is beyond any sequence: pass -1).
+_MAX_WINDOW = 2**62
+
+
 def _window(fn, window_size):
     """flash-attn's ``window_size`` pair as (left, right) ints; -1 (any negative) = unbounded."""
     expected = "a pair (left, right) of ints, -1 = unbounded"
@@ -85,7 +89,10 @@ def _window(fn, window_size):
         sides = None
     if sides is None or len(sides) != 2:
         _fail(fn, "window_size", _describe(window_size), expected, FlashAttnTypeError)
-    return tuple(_as_int(fn, "window_size", side, expected) for side in sides)
+    window = tuple(_as_int(fn, "window_size", side, expected) for side in sides)
+    if max(window) > _MAX_WINDOW:
+        _fail(fn, "window_size", window, "sides up to 2**62 (-1 = unbounded)")
+    return window
 
 
 def _check_rank(fn, name, t, rank, shape):
@@ -122,18 +129,20 @@ def _check_options(fn, dropout_p, softmax_scale, causal, window_size, softcap, d
         _fail(fn, "dropout_p", repr(dropout_p), "a float in [0, 1)")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)):
         _fail(fn, "softmax_scale", repr(softmax_scale), "None (= 1/sqrt(headdim)) or a float", FlashAttnTypeError)
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        _fail(fn, "softmax_scale", repr(softmax_scale), "None (= 1/sqrt(headdim)) or a finite float")
     if not isinstance(causal, bool):
         _fail(fn, "causal", repr(causal), "True or False", FlashAttnTypeError)
     window = _window(fn, window_size)
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or softcap < 0:
-        _fail(fn, "softcap", repr(softcap), "a float >= 0 (0 = off)")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 <= softcap < math.inf:
+        _fail(fn, "softcap", repr(softcap), "a finite float >= 0 (0 = off)")
     for name, flag in (("deterministic", deterministic), (return_name, return_probs)):
         if not isinstance(flag, bool):
             _fail(fn, name, repr(flag), "True or False", FlashAttnTypeError)
     return window
 
 
-def _check_alibi(fn, alibi_slopes, batch, heads):
+def _check_alibi(fn, alibi_slopes, batch, heads, device):
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
@@ -141,6 +150,8 @@ def _check_alibi(fn, alibi_slopes, batch, heads):
               FlashAttnTypeError)
     if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
         _fail(fn, "alibi_slopes", f"shape {tuple(alibi_slopes.shape)}", f"({heads},) or ({batch}, {heads})")
+    if alibi_slopes.device != device:
+        _fail(fn, "alibi_slopes", f"device {alibi_slopes.device}", f"q's device {device}")
 
 
 def _draw_seed(dropout_p):
@@ -200,7 +211,7 @@ def _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
                             return_attn_probs)
     _check_qkv(fn, q, k, v)
     batch = q.shape[0] if q.dim() == 4 else layout_kwargs["cu_seqlens_q"].numel() - 1
-    _check_alibi(fn, alibi_slopes, batch, q.shape[-2])
+    _check_alibi(fn, alibi_slopes, batch, q.shape[-2], q.device)
     seed = _draw_seed(dropout_p)
     kwargs = dict(scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
                   alibi_slopes=alibi_slopes, deterministic=deterministic, dropout_p=float(dropout_p),

@@ -20,6 +20,8 @@ Python loop over batch items or tokens.
 * New keys/values (``k``, ``v``) are written in place with one ``index_put_`` per cache at computed
   (row, position) or (page, slot) indices; rotary embedding (GPT-J interleaved or GPT-NeoX halves) is
   applied to them and to q in fp32 by gathering the cos/sin rows of every (sequence, token) at once.
+  Every argument is checked before the write; the slots it overwrites are copied first (S_new per
+  sequence) and put back if anything fails after it, so the caches are byte-identical after any error.
 * ``num_splits`` is flash-attn's hint for how many key chunks the GPU kernel computes in parallel. It
   is validated and not used: tileattn's decode paths (native split-KV, Triton flash-decoding) choose
   the chunks from the problem shape alone, so a result is bitwise the same whatever the hint, the
@@ -74,7 +76,7 @@ def _rotate(x, cos, sin, interleaved):
     return torch.cat((rotated.to(x.dtype), tail), dim=-1)
 
 
-def _check_rotary(rotary_cos, rotary_sin, head_dim, capacity, lengths, seqlen_q, local):
+def _check_rotary(rotary_cos, rotary_sin, head_dim, capacity, lengths, seqlen_q, local, device):
     """flash-attn's rule: cos/sin of shape (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim and
     seqlen_ro >= the cache's capacity per sequence (``seqlen_k`` of its kernel); nothing about
     seqlen_q, because non-causal, non-local queries are all rotated at ``cache_seqlens``. Causal or
@@ -83,6 +85,8 @@ def _check_rotary(rotary_cos, rotary_sin, head_dim, capacity, lengths, seqlen_q,
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
             _fail(_FN, name, _describe(t), "a float tensor (seqlen_ro, rotary_dim / 2)", FlashAttnTypeError)
+        if t.device != device:
+            _fail(_FN, name, f"device {t.device}", f"q's device {device}")
     if rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > head_dim:
         _fail(_FN, "rotary_cos/rotary_sin", f"shapes {tuple(rotary_cos.shape)}, {tuple(rotary_sin.shape)}",
               f"equal shapes (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim {head_dim}")
@@ -134,6 +138,21 @@ class _Cache:
                      "an entry of k_cache (dim 0)")
         self.rows = cache_batch_idx
 
+    def check_capacity(self, used, new):
+        """Every sequence's ``used`` keys (its cache_seqlens plus the ``new`` appended ones) fit: in a
+        paged cache, in the pages its row of the block table addresses (named, as flash-attn's error)."""
+        bad = [(b, n) for b, n in enumerate(used) if n > self.capacity]
+        if not bad:
+            return
+        b, n = bad[0]
+        if self.table is not None:
+            _fail(_FN, "block_table", f"{self.table.shape[1]} pages of {self.page_size} positions per sequence, "
+                  f"{self.capacity} keys", f"pages for cache_seqlens[{b}] + {new} new keys = {n} keys (or a "
+                  "shorter cache_seqlens)")
+        _fail(_FN, "cache_seqlens", f"{n - new} for sequence {b}",
+              f"a length leaving room for the {new} new keys (the cache's capacity per sequence is {self.capacity})"
+              if new else f"a length up to the cache's capacity per sequence, {self.capacity}")
+
     def row_index(self, batch):
         """(B,) int64 cache entry of each sequence of a contiguous cache."""
         if self.rows is not None:
@@ -158,7 +177,8 @@ class _Cache:
         return torch.where(in_use, table, 0)
 
     def write(self, starts, k_new, v_new):
-        """Store k_new/v_new (B, S_new, Hk, D) at positions starts[b] + i of each sequence, in place."""
+        """Store k_new/v_new (B, S_new, Hk, D) at positions starts[b] + i of each sequence, in place.
+        Returns what :meth:`restore` needs to put the overwritten slots back."""
         batch, new = k_new.shape[:2]
         positions = starts.long()[:, None] + torch.arange(new, device=starts.device)
         if self.table is None:
@@ -166,8 +186,20 @@ class _Cache:
         else:
             rows = torch.arange(batch, device=starts.device)[:, None]
             index = (self.table[rows, positions // self.page_size].long(), positions % self.page_size)
+        saved = (index, self.k[index], self.v[index])  # copies of the S_new slots per sequence
         self.k.index_put_(index, k_new)
-        self.v.index_put_(index, v_new)
+        try:
+            self.v.index_put_(index, v_new)
+        except BaseException:
+            self.restore(saved)
+            raise
+        return saved
+
+    def restore(self, saved):
+        """Undo :meth:`write`: the caches byte-identical to what they were before it."""
+        index, old_k, old_v = saved
+        self.k.index_put_(index, old_k)
+        self.v.index_put_(index, old_v)
 
 
 def _left_padded(cache, batch, pads, used, used_t, pads_t):
@@ -233,17 +265,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if v_cache.shape[:3] != k_cache.shape[:3]:
         _fail(_FN, "v_cache", f"shape {tuple(v_cache.shape)}",
               f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        _fail(_FN, "q", f"dtype {q.dtype}", "fp16, bf16 (flash-attn), fp32 or fp64", FlashAttnTypeError)
     batch, seqlen_q, heads, _ = q.shape
     if k_cache.shape[3] != q.shape[3]:
         _fail(_FN, "k_cache", f"head dim {k_cache.shape[3]}", f"q's head dim {q.shape[3]}")
-    _check_alibi(_FN, alibi_slopes, batch, heads)
+    if k_cache.shape[2] == 0 or heads % k_cache.shape[2]:
+        _fail(_FN, "k_cache", f"{k_cache.shape[2]} heads for {heads} query heads",
+              "a number of kv heads dividing the query heads (MQA/GQA)")
+    if 0 in (q.shape[3], v_cache.shape[3]):
+        _fail(_FN, "q/v_cache", f"head dims {q.shape[3]}/{v_cache.shape[3]}", "positive head dims")
+    _check_alibi(_FN, alibi_slopes, batch, heads, q.device)
     cache = _Cache(q, k_cache, v_cache, cache_batch_idx, block_table)
     if cache_seqlens is None:
         lengths, lengths_t = None, None
     else:
         lengths, lengths_t = _lengths("cache_seqlens", cache_seqlens, batch, "the current cache lengths", q.device)
-        _check_range("cache_seqlens", lengths, [0] * batch, [cache.capacity] * batch,
-                     "a length (the cache's capacity per sequence is the upper bound)")
+        negative = [(b, n) for b, n in enumerate(lengths) if n < 0]
+        if negative:
+            _fail(_FN, "cache_seqlens", f"{negative[0][1]} for sequence {negative[0][0]}", "a length >= 0")
     if (k is None) != (v is None):
         _fail(_FN, "k/v", "only one of them", "both new k and v, or neither")
     rotary = rotary_cos is not None or rotary_sin is not None
@@ -264,10 +304,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if t.dtype != q.dtype or t.device != q.device:
                 _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"q's dtype {q.dtype} on {q.device}",
                       FlashAttnTypeError)
-        _check_range("cache_seqlens", lengths, [0] * batch, [cache.capacity - new] * batch,
-                     f"a length leaving room for the {new} new keys (the cache's capacity per sequence is "
-                     f"{cache.capacity})")
     used = [cache.capacity] * batch if lengths is None else [n + new for n in lengths]
+    cache.check_capacity(used, new)
     pads = None
     if cache_leftpad is not None:
         if cache.table is not None:
@@ -284,31 +322,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache.table = cache.used_table(used)  # validated before anything is written
     local = causal or window != (-1, -1)
     if rotary:
-        _check_rotary(rotary_cos, rotary_sin, q.shape[3], cache.capacity, lengths, seqlen_q, local)
+        _check_rotary(rotary_cos, rotary_sin, q.shape[3], cache.capacity, lengths, seqlen_q, local, q.device)
     queries = q
-    if k is not None:
-        if rotary:
-            start = lengths_t.long()[:, None]
-            k_pos = start + torch.arange(new, device=q.device)
-            k = _rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], rotary_interleaved)
-            q_pos = start + torch.arange(seqlen_q, device=q.device) if local else start.expand(batch, seqlen_q)
-            queries = _rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], rotary_interleaved)
-        cache.write(lengths_t, k, v)
-    kwargs = dict(layout="BSND", scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
-                  alibi_slopes=alibi_slopes, return_lse=True)
-    used_t = None if lengths is None else (lengths_t + new if new else lengths_t)
-    keys, values = k_cache, v_cache
-    if pads is not None:
-        valid = [n - p for n, p in zip(used, pads)]
-        valid_t = (torch.full((batch,), cache.capacity, dtype=torch.int32, device=q.device)
-                   if used_t is None else used_t) - pads_t
-        keys, values, extra = _left_padded(cache, batch, pads, valid, valid_t, pads_t)
-    elif cache.table is not None:
-        extra = dict(block_table=cache.table, seqused_k=used_t)
-    elif cache.rows is not None:
-        # A contiguous cache is a pool of B_cache pages of S_cache slots; sequence b reads page idx[b].
-        extra = dict(block_table=cache.rows[:, None], seqused_k=used_t)
-    else:
-        extra = dict(seqused_k=used_t)
-    out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
+    if k is not None and rotary:
+        start = lengths_t.long()[:, None]
+        k_pos = start + torch.arange(new, device=q.device)
+        k = _rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], rotary_interleaved)
+        q_pos = start + torch.arange(seqlen_q, device=q.device) if local else start.expand(batch, seqlen_q)
+        queries = _rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], rotary_interleaved)
+    # Every argument flash-attn checks is checked above, before the caches change. Should the core
+    # still refuse the call (or the computation fail), the new keys are taken out again: the caches
+    # are byte-identical after any error.
+    saved = None if k is None else cache.write(lengths_t, k, v)
+    try:
+        kwargs = dict(layout="BSND", scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
+                      alibi_slopes=alibi_slopes, return_lse=True)
+        used_t = None if lengths is None else (lengths_t + new if new else lengths_t)
+        keys, values = k_cache, v_cache
+        if pads is not None:
+            valid = [n - p for n, p in zip(used, pads)]
+            valid_t = (torch.full((batch,), cache.capacity, dtype=torch.int32, device=q.device)
+                       if used_t is None else used_t) - pads_t
+            keys, values, extra = _left_padded(cache, batch, pads, valid, valid_t, pads_t)
+        elif cache.table is not None:
+            extra = dict(block_table=cache.table, seqused_k=used_t)
+        elif cache.rows is not None:
+            # A contiguous cache is a pool of B_cache pages of S_cache slots; sequence b reads page idx[b].
+            extra = dict(block_table=cache.rows[:, None], seqused_k=used_t)
+        else:
+            extra = dict(seqused_k=used_t)
+        out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
+    except BaseException:
+        if saved is not None:
+            cache.restore(saved)
+        raise
     return (out, lse) if return_softmax_lse else out
