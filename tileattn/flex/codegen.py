@@ -237,7 +237,6 @@ class _Emitter:
         if self.kind == "score" and not self.output.dtype.is_floating_point:
             raise Unsupported(f"the score_mod returns {self.output.dtype}, expected a floating-point score")
         self.real = real
-        self.reads = frozenset(name for node, name in zip(placeholders, names) if node.users and name != "score")
 
     def call(self, node):
         target = node.target
@@ -586,8 +585,8 @@ def _prologue(em: _Emitter):
 
 def _loop(em: _Emitter, body_lines):
     reads = [f"const int32_t in_{n} = {src}[r];" for n, src in (("b", "b"), ("h", "h"), ("q_idx", "q"))
-             if n in em.reads]
-    column = ["const int32_t in_kv_idx = kv[j];"] if "kv_idx" in em.reads else []
+             if n in em.traced.reads]
+    column = ["const int32_t in_kv_idx = kv[j];"] if "kv_idx" in em.traced.reads else []
     inner = "\n".join("            " + x for x in reads + body_lines)
     return ("    for (int64_t j = 0; j < cols; ++j) {\n" + "".join(f"        {x}\n" for x in column)
             + "        for (int64_t r = 0; r < rows; ++r) {\n" + inner + "\n        }\n    }\n")
@@ -631,7 +630,7 @@ def generate(traced: Traced, kind: str, capture_meta) -> Generated:
                      f"{real} *restrict ds, {_INDEX_ARGS}, double *const *cap_grad) {{\n" + prologue + grad_ptrs
                      + _loop(em, bwd) + _epilogue(em))
     return Generated(kind=kind, source="\n".join(parts), captures=traced.captures, checks=tuple(em.checks),
-                     reads=em.reads, grad_captures=grads)
+                     reads=traced.reads, grad_captures=grads)
 
 
 def _adjoint_types(em: _Emitter, needed):

@@ -53,24 +53,27 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _block_rows(block_mask) -> tuple:
+def block_grid(block_mask) -> tuple:
+    """(query-block rows, key-block columns) of a BlockMask's sequence lengths."""
     q_len, kv_len = block_mask.seq_lengths
     bq, bk = block_mask.BLOCK_SIZE
     return -(-q_len // bq), -(-kv_len // bk)
 
 
-def _check_block_mask(block_mask, query, key, batch, heads):
+def check_block_mask(block_mask, q_len, kv_len, batch, heads, device):
+    """Refuse a BlockMask that does not fit a call of these sizes (O(blocks) work)."""
     if getattr(block_mask.mask_mod, "__name__", "") == _SLICED_ERROR:
         raise RuntimeError("tileattn: argument 'block_mask' is a sliced BlockMask whose mask_mod was reset; set "
                            "block_mask.mask_mod from the original BlockMask (as PyTorch requires)")
-    if block_mask.kv_num_blocks.device != query.device:
+    if block_mask.kv_num_blocks.device != torch.device(device):
         raise RuntimeError(f"tileattn: argument 'block_mask' is on {block_mask.kv_num_blocks.device}; expected "
-                           f"{query.device}, the device of q/k/v.")
-    q_len, kv_len = block_mask.seq_lengths
-    if (query.size(-2), key.size(-2)) != (q_len, kv_len):
-        fail(ValueError, "block_mask", f"a mask created for q_len={q_len}, kv_len={kv_len} with q_len="
-             f"{query.size(-2)} and kv_len={key.size(-2)}", "a mask created for these lengths (or one cropped "
-             "with block_mask._adjust(q_len, kv_len))")
+                           f"{device}, the device of q/k/v.")
+    if (q_len, kv_len) != tuple(block_mask.seq_lengths):
+        fail(ValueError, "block_mask", f"a mask created for q_len={block_mask.seq_lengths[0]}, kv_len="
+             f"{block_mask.seq_lengths[1]} with q_len={q_len} and kv_len={kv_len}", "a mask created for these "
+             "lengths (or one cropped with block_mask._adjust(q_len, kv_len))")
+    if not all(isinstance(n, int) and n > 0 for n in block_mask.BLOCK_SIZE):
+        fail(ValueError, "block_mask", f"BLOCK_SIZE={block_mask.BLOCK_SIZE}", "two positive ints")
     nb = block_mask.kv_num_blocks
     if nb.dim() != 3:
         fail(ValueError, "block_mask", f"kv_num_blocks of shape {tuple(nb.shape)}", "(B, H, query blocks)")
@@ -78,12 +81,12 @@ def _check_block_mask(block_mask, query, key, batch, heads):
     if bm_b not in (1, batch) or bm_h not in (1, heads):
         fail(ValueError, "block_mask", f"B={bm_b}, H={bm_h} for a batch of {batch} with {heads} query heads",
              "B of 1 or the batch size and H of 1 or the number of query heads")
-    rows, cols = _block_rows(block_mask)
+    rows, cols = block_grid(block_mask)
     lists = [(block_mask.kv_num_blocks, block_mask.kv_indices)]
     if block_mask.full_kv_num_blocks is not None:
         lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
     for num, idx in lists:
-        if num.shape[-1] < rows or idx.shape[-2] < rows or num.shape[:2] != idx.shape[:2]:
+        if num.shape[-1] < rows or idx.shape[-2] < rows or not num.shape[:2] == idx.shape[:2] == nb.shape[:2]:
             fail(ValueError, "block_mask", f"block lists of shapes {tuple(num.shape)} / {tuple(idx.shape)}",
                  f"at least {rows} query-block rows (q_len {q_len} / Q_BLOCK_SIZE {block_mask.BLOCK_SIZE[0]})")
         valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., :rows, None]
@@ -130,7 +133,7 @@ def validate(query, key, value, block_mask=None, scale=None, enable_gqa=False, r
     if block_mask is not None and tuple(block_mask.BLOCK_SIZE) == (NO_MASK_BLOCK, NO_MASK_BLOCK):
         block_mask = None
     if block_mask is not None:
-        _check_block_mask(block_mask, query, key, batch, heads)
+        check_block_mask(block_mask, q_len, key.size(-2), batch, heads, query.device)
     if scale is not None and not isinstance(scale, (int, float)):
         fail(TypeError, "scale", type(scale).__name__, "a float or None")
     if return_lse and return_aux is not None:
@@ -188,7 +191,7 @@ def listed_blocks(num, indices, rows, cols):
 def visibility(block_mask, batch, heads, q_len, kv_len, device):
     """Bool (batch, heads, q_len, kv_len): which scores take part, per the block mask."""
     bq, bk = block_mask.BLOCK_SIZE
-    rows, cols = _block_rows(block_mask)
+    rows, cols = block_grid(block_mask)
 
     def expand(blocks):
         return blocks.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :q_len, :kv_len]

@@ -40,9 +40,17 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Traced:
+    kind: str                       #: "score" or "mask"
     graph: torch.fx.Graph           #: placeholders: [score,] b, h, q_idx, kv_idx, then captures
     captures: tuple                 #: for each capture placeholder, its position in structure()'s list
     constants: dict                 #: get_attr target -> the 0-d value of a tensor made inside the function
+
+    @property
+    def reads(self) -> frozenset:
+        """Which of b, h, q_idx, kv_idx the function reads."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        first = 1 if self.kind == "score" else 0
+        return frozenset(name for name, node in zip(INDEX_NAMES, placeholders[first:]) if node.users)
 
 
 def _code_globals(code: types.CodeType):
@@ -159,10 +167,10 @@ def trace(fn, kind: str, score_dtype, captures) -> Traced:
             raise Unsupported("the function branches on or reads a tensor's value in Python (if/bool/item/"
                               "min/max on a traced tensor); write it with torch.where/torch.minimum/...") from None
         raise Unsupported(f"tracing failed: {type(exc).__name__}: {text[:200]}") from None
-    return _lift(gm, captures)
+    return _lift(gm, kind, captures)
 
 
-def _lift(gm: torch.fx.GraphModule, captures) -> Traced:
+def _lift(gm: torch.fx.GraphModule, kind: str, captures) -> Traced:
     """Turn the graph's tensor constants that are captured tensors into placeholders; keep the value of
     0-d tensors the function creates; refuse any other constant tensor."""
     graph = gm.graph
@@ -194,4 +202,4 @@ def _lift(gm: torch.fx.GraphModule, captures) -> Traced:
                               "capture it in a closure")
     for target in lifted:
         delattr(gm, target)  # the graph must not keep the caller's tensors alive
-    return Traced(graph=graph, captures=tuple(positions), constants=constants)
+    return Traced(kind=kind, graph=graph, captures=tuple(positions), constants=constants)
