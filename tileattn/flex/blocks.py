@@ -83,7 +83,7 @@ class BlockMap:
 def _pack(keymajor: torch.Tensor) -> torch.Tensor:
     """(n, block_kv, block_q) 0/1 uint8 -> (n, block_kv, ceil(block_q / 8)) bits, LSB first."""
     n, bk, bq = keymajor.shape
-    padded = torch.nn.functional.pad(keymajor, (0, -bq % 8)).view(n, bk, -1, 8)
+    padded = torch.nn.functional.pad(keymajor, (0, -bq % 8)).view(n, bk, -(-bq // 8), 8)
     return (padded << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
 
 

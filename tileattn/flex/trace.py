@@ -50,7 +50,19 @@ class Traced:
         """Which of b, h, q_idx, kv_idx the function reads."""
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         first = 1 if self.kind == "score" else 0
-        return frozenset(name for name, node in zip(INDEX_NAMES, placeholders[first:]) if node.users)
+        return frozenset(name for name, node in zip(INDEX_NAMES, placeholders[first:])
+                         if any(not _reads_only_metadata(user, node) for user in node.users))
+
+
+#: ops that read only the dtype and device of their first argument (``b.new_zeros(())`` in or_masks)
+_METADATA_OPS = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like", "full_like",
+                 "empty_like"}
+
+
+def _reads_only_metadata(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    packet = getattr(user.target, "overloadpacket", None)
+    return (getattr(packet, "__name__", None) in _METADATA_OPS and user.args[:1] == (node,)
+            and node not in user.args[1:] and node not in user.kwargs.values())
 
 
 def _code_globals(code: types.CodeType):
