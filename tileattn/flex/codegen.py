@@ -34,6 +34,7 @@ Unsupported graphs raise :class:`~tileattn.flex.trace.Unsupported` naming the op
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class _Scalar:
     var: str                    #: C expression (a local variable or a literal)
     dtype: torch.dtype
     node: object = None         #: the graph node (None for literals)
+    deps: frozenset = frozenset()   #: what it varies with: "score", "row" (b, h, q_idx), "col" (kv_idx)
 
 
 @dataclass
@@ -107,6 +109,18 @@ class _View:
     capture: int
     dims: tuple                 #: remaining dimensions of the capture
     offset: str                 #: element offset expression (int64)
+    deps: frozenset = frozenset()
+
+
+def _section(deps) -> str:
+    """Where a value is computed: once per call, per row, per column, or per element."""
+    if "score" in deps or {"row", "col"} <= deps:
+        return "elem"
+    return "row" if "row" in deps else "col" if "col" in deps else "const"
+
+
+def _union(values) -> frozenset:
+    return frozenset().union(*(v.deps for v in values if v is not None))
 
 
 def _literal(value, dtype) -> str:
@@ -148,7 +162,9 @@ class _Emitter:
     def __init__(self, traced: Traced, kind: str, capture_meta):
         self.traced, self.kind = traced, kind
         self.capture_meta = capture_meta       # per capture placeholder: (dtype, ndim)
-        self.lines = []                        # statements of one element's forward
+        self.sections = {"const": [], "row": [], "col": [], "elem": []}   # statements, by where they run
+        self.ctypes = {}                       # bound variable -> its C type
+        self.row_vars = []                     # variables of the "row" section, in order
         self.values = {}                       # fx node -> _Scalar | _View
         self.records = []                      # (node, op, out _Scalar, inputs, extra) for the backward
         self.checks = []
@@ -187,10 +203,19 @@ class _Emitter:
             return _Scalar(_literal(arg, _dtype_of(arg)), _dtype_of(arg))
         raise Unsupported(f"{where} has an argument {arg!r} the compiler does not handle")
 
-    def bind(self, node, dtype, expr, op, inputs=(), extra=None) -> _Scalar:
+    def emit(self, line: str, deps, var=None):
+        """Add a statement where ``deps`` says it runs; ``var`` names the value it defines."""
+        section = _section(deps)
+        self.sections[section].append(line)
+        if var is not None and section == "row":
+            self.row_vars.append(var)
+
+    def bind(self, node, dtype, expr, op, inputs=(), extra=None, deps=None) -> _Scalar:
         var = self.fresh()
-        self.lines.append(f"const {self.ctype(dtype)} {var} = {expr};")
-        out = _Scalar(var, dtype, node)
+        deps = _union(inputs) if deps is None else deps
+        self.ctypes[var] = self.ctype(dtype)
+        self.emit(f"const {self.ctype(dtype)} {var} = {expr};", deps, var)
+        out = _Scalar(var, dtype, node, deps)
         self.records.append((node, op, out, tuple(inputs), extra))
         return out
 
@@ -205,7 +230,7 @@ class _Emitter:
             expr, out_dtype = f"({raw} != 0)", torch.bool
         else:
             expr, out_dtype = raw, dtype
-        return self.bind(None, out_dtype, expr, "load", extra=view)
+        return self.bind(None, out_dtype, expr, "load", extra=view, deps=view.deps)
 
     # ---- the graph ------------------------------------------------------------------------------
     def run(self):
@@ -213,9 +238,10 @@ class _Emitter:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         names = (["score"] if self.kind == "score" else []) + list(INDEX_NAMES)
         real = FLOATS.get(placeholders[0].meta["val"].dtype) if self.kind == "score" else None
+        origin = {"score": "score", "b": "row", "h": "row", "q_idx": "row", "kv_idx": "col"}
         for node, name in zip(placeholders, names):
             dtype = node.meta["val"].dtype
-            self.values[node] = _Scalar(f"in_{name}", dtype, node)
+            self.values[node] = _Scalar(f"in_{name}", dtype, node, frozenset((origin[name],)))
         for i, node in enumerate(placeholders[len(names):]):
             self.values[node] = _View(i, tuple(range(self.capture_meta[i][1])), "0")
         output = None
@@ -425,13 +451,13 @@ class _Emitter:
             lo, hi = (bound, None) if name == "clamp_min" else (None, bound)
         lo = None if lo is None else self.scalar(lo, where)
         hi = None if hi is None else self.scalar(hi, where)
-        expr = self.cast(a, out)
+        deps = _union([a, lo, hi])
         var = self.fresh("c")
-        self.lines.append(f"{self.ctype(out)} {var} = {expr};")
+        self.emit(f"{self.ctype(out)} {var} = {self.cast(a, out)};", deps)
         if lo is not None:
-            self.lines.append(f"{var} = ({var} < {self.cast(lo, out)}) ? {self.cast(lo, out)} : {var};")
+            self.emit(f"{var} = ({var} < {self.cast(lo, out)}) ? {self.cast(lo, out)} : {var};", deps)
         if hi is not None:
-            self.lines.append(f"{var} = ({var} > {self.cast(hi, out)}) ? {self.cast(hi, out)} : {var};")
+            self.emit(f"{var} = ({var} > {self.cast(hi, out)}) ? {self.cast(hi, out)} : {var};", deps)
         return self.bind(node, out, var, "clamp", [a, lo, hi])
 
     # ---- captured tensors -----------------------------------------------------------------------
@@ -456,24 +482,23 @@ class _Emitter:
             positions = dict(enumerate(indices))
         if len(positions) > len(base.dims):
             raise Unsupported(f"{where} uses more indices than the tensor has dimensions")
-        offset = base.offset
+        offset, deps = base.offset, base.deps
         for pos, index in positions.items():
             idx = self.scalar(index, where)
             if idx.dtype not in INTS or idx.dtype == torch.uint8:
                 raise Unsupported(f"{where} indexes with a {idx.dtype} value (only integer indices are compiled)")
-            dim = base.dims[pos]
+            dim, deps = base.dims[pos], deps | idx.deps
             size = f"cap{base.capture}_size{dim}"
-            i, ok = self.fresh("i"), self.fresh("ok")
+            i, ok, var = self.fresh("i"), self.fresh("ok"), self.fresh("off")
             flag = self.check(base.capture, dim, node.name)
-            self.lines += [f"int64_t {i} = (int64_t){idx.var};",
-                           f"{i} += ({i} < 0) ? {size} : 0;",
-                           f"const int {ok} = (uint64_t){i} < (uint64_t){size};",
-                           f"{flag} |= !{ok};",
-                           f"{i} = {ok} ? {i} : 0;"]
-            offset = f"({offset} + {i} * cap{base.capture}_stride{dim})"
-        var = self.fresh("off")
-        self.lines.append(f"const int64_t {var} = {offset};")
-        return _View(base.capture, tuple(d for p, d in enumerate(base.dims) if p not in positions), var)
+            for line in (f"int64_t {i} = (int64_t){idx.var};", f"{i} += ({i} < 0) ? {size} : 0;",
+                         f"const int {ok} = (uint64_t){i} < (uint64_t){size};", f"{flag} |= !{ok};",
+                         f"{i} = {ok} ? {i} : 0;"):
+                self.emit(line, deps)
+            self.emit(f"const int64_t {var} = {offset} + {i} * cap{base.capture}_stride{dim};", deps, var)
+            self.ctypes[var] = "int64_t"
+            offset = var
+        return _View(base.capture, tuple(d for p, d in enumerate(base.dims) if p not in positions), offset, deps)
 
 
 # ---- the derivative ------------------------------------------------------------------------------
@@ -570,6 +595,11 @@ _INDEX_ARGS = "const int32_t *restrict b, const int32_t *restrict h, const int32
               "const int32_t *restrict kv, const void *const *cap, const int64_t *cap_sizes"
 
 
+#: rows whose row-only values are computed ahead into stack arrays (per chunk of the tile's rows)
+ROW_CHUNK = 256
+_AT = "j * ld + r0 + r"   # the element's position in a key-major tile
+
+
 def _prologue(em: _Emitter):
     lines, base = [], 0
     for i, (dtype, ndim) in enumerate(em.capture_meta):
@@ -580,16 +610,40 @@ def _prologue(em: _Emitter):
             lines.append(f"const int64_t cap{i}_stride{d} = {nxt};")
         base += ndim
     lines += [f"int bad{k + 1} = 0;" for k in range(len(em.checks))]
-    return lines
+    return "".join(f"    {x}\n" for x in lines + em.sections["const"])
 
 
-def _loop(em: _Emitter, body_lines):
-    reads = [f"const int32_t in_{n} = {src}[r];" for n, src in (("b", "b"), ("h", "h"), ("q_idx", "q"))
-             if n in em.traced.reads]
-    column = ["const int32_t in_kv_idx = kv[j];"] if "kv_idx" in em.traced.reads else []
-    inner = "\n".join("            " + x for x in reads + body_lines)
-    return ("    for (int64_t j = 0; j < cols; ++j) {\n" + "".join(f"        {x}\n" for x in column)
-            + "        for (int64_t r = 0; r < rows; ++r) {\n" + inner + "\n        }\n    }\n")
+def _mentions(lines, name) -> bool:
+    return re.search(rf"\b{name}\b", "\n".join(lines)) is not None
+
+
+def _loop(em: _Emitter, head, tail):
+    """The loop nest. Per chunk of rows: values that vary only with the row (b, h, q_idx) are computed
+    once per row into arrays; per column, values that vary only with kv_idx; then the inner loop over
+    the chunk's rows (contiguous in the tile) computes the rest, ``head`` first and ``tail`` last."""
+    elem = head + em.sections["elem"] + tail
+    row_vars = [v for v in em.row_vars if _mentions(elem, v)]
+
+    def reads(lines, offset):
+        return [f"const int32_t in_{n} = {src}[{offset}r];" for n, src in (("b", "b"), ("h", "h"), ("q_idx", "q"))
+                if _mentions(lines, f"in_{n}")]
+
+    row = reads(em.sections["row"], "r0 + ") + em.sections["row"] + [f"row_{v}[r] = {v};" for v in row_vars]
+    col = (["const int32_t in_kv_idx = kv[j];"] if _mentions(em.sections["col"] + elem, "in_kv_idx") else []) \
+        + em.sections["col"]
+    inner = reads(elem, "r0 + ") + [f"const {em.ctypes[v]} {v} = row_{v}[r];" for v in row_vars] + elem
+
+    def block(lines, indent):
+        return "".join(" " * indent + x + "\n" for x in lines)
+
+    text = (f"    for (int64_t r0 = 0; r0 < rows; r0 += {ROW_CHUNK}) {{\n"
+            f"        const int64_t rn = rows - r0 < {ROW_CHUNK} ? rows - r0 : {ROW_CHUNK};\n"
+            + block([f"{em.ctypes[v]} row_{v}[{ROW_CHUNK}];" for v in row_vars], 8))
+    if row:
+        text += "        for (int64_t r = 0; r < rn; ++r) {\n" + block(row, 12) + "        }\n"
+    return (text + "        for (int64_t j = 0; j < cols; ++j) {\n" + block(col, 12)
+            + "            for (int64_t r = 0; r < rn; ++r) {\n" + block(inner, 16) + "            }\n"
+            + "        }\n    }\n")
 
 
 def _epilogue(em: _Emitter):
@@ -604,31 +658,31 @@ def generate(traced: Traced, kind: str, capture_meta) -> Generated:
             raise Unsupported(f"captured tensors of dtype {dtype} are not compiled")
     em = _Emitter(traced, kind, capture_meta)
     em.run()
-    prologue = "".join(f"    {x}\n" for x in _prologue(em))
+    prologue = _prologue(em)
     parts = [PRELUDE]
     if kind == "mask":
-        store = [f"out[j * ld + r] = (uint8_t){em.output.var};"]
+        store = [f"out[{_AT}] = (uint8_t){em.output.var};"]
         parts.append(f"int ta_flex_mask(int64_t rows, int64_t cols, int64_t ld, uint8_t *restrict out, "
-                     f"{_INDEX_ARGS}) {{\n" + prologue + _loop(em, em.lines + store) + _epilogue(em))
+                     f"{_INDEX_ARGS}) {{\n" + prologue + _loop(em, [], store) + _epilogue(em))
         grads = ()
     else:
         real = em.real
-        fwd = ["const %s in_score = s[j * ld + r];" % real] + em.lines + [f"s[j * ld + r] = ({real}){em.output.var};"]
+        head = [f"const {real} in_score = s[{_AT}];"]
         parts.append(f"int ta_flex_score_fwd(int64_t rows, int64_t cols, int64_t ld, {real} *restrict s, "
-                     f"{_INDEX_ARGS}) {{\n" + prologue + _loop(em, fwd) + _epilogue(em))
+                     f"{_INDEX_ARGS}) {{\n" + prologue
+                     + _loop(em, head, [f"s[{_AT}] = ({real}){em.output.var};"]) + _epilogue(em))
         body, needed, loads = _backward_lines(em)
         adjoints = [f"{FLOATS[t]} g_{v} = 0;" for v, t in _adjoint_types(em, needed)]
-        seed = [f"g_{em.output.var} += ({FLOATS[em.output.dtype]})ds[j * ld + r];"] if em.output.var in needed else []
+        seed = [f"g_{em.output.var} += ({FLOATS[em.output.dtype]})ds[{_AT}];"] if em.output.var in needed else []
         result = "g_in_score" if "in_score" in needed else "0"
         grads = tuple(sorted({view.capture for _, view in loads}))
         scatter = [f"if (grad{view.capture}) grad{view.capture}[{view.offset}] += (double)g_{out.var};"
                    for out, view in loads]
-        bwd = (["const %s in_score = s[j * ld + r];" % real] + em.lines + adjoints + seed + body
-               + [f"ds[j * ld + r] = ({real}){result};"] + scatter)
+        tail = adjoints + seed + body + [f"ds[{_AT}] = ({real}){result};"] + scatter
         grad_ptrs = "".join(f"    double *restrict grad{i} = cap_grad ? cap_grad[{i}] : 0;\n" for i in grads)
         parts.append(f"int ta_flex_score_bwd(int64_t rows, int64_t cols, int64_t ld, const {real} *restrict s, "
                      f"{real} *restrict ds, {_INDEX_ARGS}, double *const *cap_grad) {{\n" + prologue + grad_ptrs
-                     + _loop(em, bwd) + _epilogue(em))
+                     + _loop(em, head, tail) + _epilogue(em))
     return Generated(kind=kind, source="\n".join(parts), captures=traced.captures, checks=tuple(em.checks),
                      reads=traced.reads, grad_captures=grads)
 
