@@ -23,8 +23,9 @@ q_idx, kv_idx)`` with the call's own ``b`` and ``h``, other blocks are EMPTY. A 
 turns out all-true (all-false) over its in-range elements is promoted to FULL (demoted to EMPTY). Only
 PARTIAL blocks evaluate the mask: memory is O(blocks + partial blocks x block_q x block_kv / 8), never
 O(q_len x kv_len). The mask runs compiled (:func:`tileattn.flex.compiler.mask_program`) when it can,
-else through ``torch.vmap`` in chunks. A map is cached on the BlockMask object, keyed by (Bs, Hs) and
-guarded by the identity and version of its tensors and of the tensors the mask_mod captures.
+else through ``torch.vmap`` in chunks. A map is cached on the BlockMask object, keyed by the call's
+(batch, heads) and guarded by the mask_mod, the lengths and block size, and the identity and version
+of the block lists and of the tensors the mask_mod captures (a repeated call costs tens of microseconds).
 
 :func:`create_block_mask` builds a PyTorch ``BlockMask`` without materialising the (B, H, Q, KV) mask
 (PyTorch's does): the mask is evaluated one row of blocks at a time, and the map it yields is cached
@@ -80,11 +81,27 @@ class BlockMap:
         return dense[..., :self.q_len, :self.kv_len]
 
 
+#: multipliers for 0/1 bytes read 8 at a time as int64 words: the sum of the 8 bytes, or their bits
+#: (byte i -> bit i) gathered into the top byte (the products never carry into it)
+_SUM_BYTES = 0x0101010101010101
+_GATHER_BITS = 0x0102040810204080
+
+
+def _sum_bytes(x: torch.Tensor) -> torch.Tensor:
+    """int32 sums over the last dimension of a 0/1 uint8 tensor (eight bytes per int64 operation)."""
+    if x.shape[-1] % 8:
+        return x.sum(-1, dtype=torch.int32)
+    words = x.contiguous().view(torch.int64)
+    n = words.shape[-1]
+    group = max(d for d in range(1, 32) if n % d == 0)
+    lanes = words.view(*words.shape[:-1], n // group, group).sum(-1)       # each byte lane <= 31
+    return (((lanes * _SUM_BYTES) >> 56) & 0xFF).sum(-1, dtype=torch.int32)  # 8 lanes <= 248
+
+
 def _pack(keymajor: torch.Tensor) -> torch.Tensor:
     """(n, block_kv, block_q) 0/1 uint8 -> (n, block_kv, ceil(block_q / 8)) bits, LSB first."""
-    n, bk, bq = keymajor.shape
-    padded = torch.nn.functional.pad(keymajor, (0, -bq % 8)).view(n, bk, -(-bq // 8), 8)
-    return (padded << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    padded = torch.nn.functional.pad(keymajor, (0, -keymajor.shape[-1] % 8)).contiguous()
+    return (((padded.view(torch.int64) * _GATHER_BITS) >> 56) & 0xFF).to(torch.uint8)
 
 
 def _extent(n_blocks, block, length):
@@ -160,34 +177,48 @@ class _Evaluator:
         return values.expand(n * bq * bk).reshape(n, bq, bk).transpose(1, 2).to(torch.uint8)
 
 
+def _watched(block_mask, captures):
+    return [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices, *captures]
+
+
 def _guard(block_mask, captures):
-    tensors = [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-               block_mask.full_kv_indices, *captures]
-    return block_mask.mask_mod, tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+    """What a cached map depends on: the mask_mod, the lengths and block size, and the identity and
+    version of the block lists and of the tensors the mask_mod captures."""
+    return (block_mask.mask_mod, tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
+            tuple(None if t is None else (weakref.ref(t), t._version) for t in _watched(block_mask, captures)))
 
 
 def _guard_holds(guard, block_mask, captures) -> bool:
-    mask_mod, entries = guard
-    now = [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-           block_mask.full_kv_indices, *captures]
-    return mask_mod is block_mask.mask_mod and len(entries) == len(now) and all(
-        (e is None and t is None) or (e is not None and t is not None and e[0]() is t and e[1] == t._version)
-        for e, t in zip(entries, now))
+    mask_mod, lengths, block_size, entries = guard
+    now = _watched(block_mask, captures)
+    return (mask_mod is block_mask.mask_mod and lengths == tuple(block_mask.seq_lengths)
+            and block_size == tuple(block_mask.BLOCK_SIZE) and len(entries) == len(now)
+            and all((e is None and t is None) or (e is not None and t is not None and e[0]() is t and e[1] == t._version)
+                    for e, t in zip(entries, now)))
 
 
-def _cache_captures(evaluator):
+def _captures(mask_mod):
     """The tensors the mask_mod captures (for the cache guard), or None when they cannot be found."""
     try:
-        return structure(evaluator.mask_mod)[1]
+        return structure(mask_mod)[1]
     except Unsupported:
         return None
 
 
-def _store(block_mask, key, evaluator, block_map):
-    captures = _cache_captures(evaluator)
+def _cached(block_mask, captures, match):
+    """A cached map whose key satisfies ``match`` and whose guard holds, or None."""
+    if captures is None:
+        return None
+    for key, (guard, block_map) in block_mask.__dict__.get(_CACHE_ATTR, {}).items():
+        if match(key, block_map) and _guard_holds(guard, block_mask, captures):
+            return block_map
+    return None
+
+
+def _store(block_mask, key, captures, block_map):
     if captures is not None:
-        cache = block_mask.__dict__.setdefault(_CACHE_ATTR, {})
-        cache[key] = (_guard(block_mask, captures), block_map)
+        block_mask.__dict__.setdefault(_CACHE_ATTR, {})[key] = (_guard(block_mask, captures), block_map)
 
 
 def classify(block_mask, batch: int, heads: int, *, compiled: bool = True) -> BlockMap:
@@ -195,6 +226,11 @@ def classify(block_mask, batch: int, heads: int, *, compiled: bool = True) -> Bl
     heads (CPU masks). ``compiled=False`` evaluates the mask with torch.vmap even where it compiles."""
     if not isinstance(block_mask, BlockMask):
         fail(TypeError, "block_mask", type(block_mask).__name__, "a torch.nn.attention.flex_attention.BlockMask")
+    captures = _captures(block_mask.mask_mod)
+    key = (batch, heads, compiled)
+    found = _cached(block_mask, captures, lambda k, m: k == key)
+    if found is not None:
+        return found
     q_len, kv_len = block_mask.seq_lengths
     check_block_mask(block_mask, q_len, kv_len, batch, heads, "cpu")
     evaluator = _Evaluator(block_mask.mask_mod, compiled)
@@ -202,11 +238,10 @@ def classify(block_mask, batch: int, heads: int, *, compiled: bool = True) -> Bl
     bm_b, bm_h = block_mask.kv_num_blocks.shape[:2]
     bs = batch if bm_b == batch or "b" in reads else 1
     hs = heads if bm_h == heads or "h" in reads else 1
-    key = (bs, hs, evaluator.how == "compiled")
-    cached = block_mask.__dict__.get(_CACHE_ATTR, {}).get(key)
-    captures = _cache_captures(evaluator)
-    if cached is not None and captures is not None and _guard_holds(cached[0], block_mask, captures):
-        return cached[1]
+    found = _cached(block_mask, captures, lambda k, m: k[2] == compiled and tuple(m.states.shape[:2]) == (bs, hs))
+    if found is not None:  # made for another call size (or by create_block_mask) with the same (Bs, Hs)
+        _store(block_mask, key, captures, found)
+        return found
     bq, bk = block_mask.BLOCK_SIZE
     rows, cols = block_grid(block_mask)
     states = torch.zeros(bm_b, bm_h, rows, cols, dtype=torch.uint8)
@@ -224,7 +259,7 @@ def classify(block_mask, batch: int, heads: int, *, compiled: bool = True) -> Bl
         part = coords[start:start + chunk]
         tiles = evaluator.blocks(part, bq, bk, q_len, kv_len)
         tiles &= valid_k[part[:, 3]][:, :, None] & valid_q[part[:, 2]][:, None, :]
-        count = tiles.sum((1, 2), dtype=torch.int64)
+        count = _sum_bytes(tiles).sum(1)
         state = torch.where(count == 0, EMPTY, torch.where(count == full_count[part[:, 2], part[:, 3]], FULL,
                                                            PARTIAL)).to(torch.uint8)
         states[tuple(part.t())] = state
@@ -232,7 +267,7 @@ def classify(block_mask, batch: int, heads: int, *, compiled: bool = True) -> Bl
         kept_bits.append(_pack(tiles[still]))
         kept_coords.append(part[still])
     block_map = _finish(q_len, kv_len, bq, bk, states, kept_coords, kept_bits, evaluator.how)
-    _store(block_mask, key, evaluator, block_map)
+    _store(block_mask, key, captures, block_map)
     return block_map
 
 
@@ -266,7 +301,6 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     evaluator = _Evaluator(mask_mod, compiled)
     states = torch.empty(batch, heads, rows, cols, dtype=torch.uint8)
     kv = _clamped(0, cols * block_kv, KV_LEN)
-    valid_k = (torch.arange(cols * block_kv) < KV_LEN).to(torch.uint8)[:, None]
     extent_k = _extent(cols, block_kv, KV_LEN)
     step = max(1, CHUNK_ELEMENTS // (block_q * cols * block_kv))
     coords, bits = [], []
@@ -275,19 +309,20 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
                 tile = evaluator.tile(b, h, _clamped(r0 * block_q, (r1 - r0) * block_q, Q_LEN), kv)
-                tile &= valid_k & (torch.arange(r0 * block_q, r1 * block_q) < Q_LEN).to(torch.uint8)[None, :]
-                blocks = tile.view(cols, block_kv, r1 - r0, block_q).permute(2, 0, 1, 3)   # (r, cols, bk, bq)
-                count = blocks.sum((2, 3), dtype=torch.int64)
+                tile[KV_LEN:] = 0                       # key-major: rows of the tile are keys
+                tile[:, max(0, Q_LEN - r0 * block_q):] = 0
+                blocks = tile.view(cols, block_kv, r1 - r0, block_q)
+                count = _sum_bytes(blocks).sum(1).t()
                 full = _extent(rows, block_q, Q_LEN)[r0:r1, None] * extent_k[None, :]
                 state = torch.where(count == 0, EMPTY, torch.where(count == full, FULL, PARTIAL)).to(torch.uint8)
                 states[b, h, r0:r1] = state
                 where = (state == PARTIAL).nonzero()
-                bits.append(_pack(blocks[where[:, 0], where[:, 1]]))
+                bits.append(_pack(blocks[where[:, 1], :, where[:, 0]]))
                 coords.append(torch.cat([torch.tensor([[b, h]]).expand(len(where), 2),
                                          where + torch.tensor([r0, 0])], dim=1))
     block_map = _finish(Q_LEN, KV_LEN, block_q, block_kv, states, coords, bits, evaluator.how)
     (num, idx), (full_num, full_idx) = _lists(states, PARTIAL), _lists(states, FULL)
     block_mask = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv),
                                           mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
-    _store(block_mask, (batch, heads, evaluator.how == "compiled"), evaluator, block_map)
+    _store(block_mask, (batch, heads, compiled), _captures(mask_mod), block_map)
     return block_mask

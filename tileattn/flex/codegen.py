@@ -44,7 +44,6 @@ from .trace import INDEX_NAMES, Traced, Unsupported
 
 PRELUDE = (Path(__file__).resolve().parent / "cprelude.h").read_text()
 
-aten = torch.ops.aten
 FLOATS = {torch.float32: "float", torch.float64: "double"}
 INTS = {torch.int8: "int8_t", torch.int16: "int16_t", torch.int32: "int32_t", torch.int64: "int64_t",
         torch.uint8: "uint8_t"}
@@ -70,7 +69,7 @@ SHIFTS = {"__lshift__": "lshift", "bitwise_left_shift": "lshift", "__rshift__": 
 CONSTANT_MAKERS = {"scalar_tensor", "full", "new_full", "zeros", "ones", "new_zeros", "new_ones", "zeros_like",
                    "ones_like", "full_like"}
 
-#: op names the compiler accepts (for docs and tileattn.explain)
+#: aten op names (overload packets) the compiler translates; anything else is refused with its name
 SUPPORTED_OPS = tuple(sorted(
     PASS | set(UNARY_FLOAT) | set(ROUNDING) | set(COMPARE) | set(BITWISE) | set(LOGICAL) | set(SHIFTS)
     | CONSTANT_MAKERS | {"add", "sub", "rsub", "mul", "div", "floor_divide", "remainder", "fmod", "neg", "abs",
@@ -270,6 +269,8 @@ class _Emitter:
         name = name.rstrip("_") if name.endswith("_") and not name.startswith("__") else name
         val = node.meta.get("val")
         where = f"op {target} ({node.name})"
+        if name not in SUPPORTED_OPS:
+            raise Unsupported(f"{where} is not supported by the score_mod/mask_mod compiler")
         if name in ("index", "select"):
             return self.view_op(node, name, where)
         if not isinstance(val, torch.Tensor):
@@ -355,7 +356,7 @@ class _Emitter:
             a, b = self.scalar(args[0], where), self.scalar(args[1], where)
             return self.bind(node, out, f"{INT_PREFIX[out]}_{SHIFTS[name]}({self.cast(a, out)}, {self.cast(b, out)})",
                              name, [a, b])
-        raise Unsupported(f"{where} is not supported by the score_mod/mask_mod compiler")
+        raise AssertionError(f"SUPPORTED_OPS lists {name} without a translation")
 
     @staticmethod
     def suffix(dtype):
