@@ -329,3 +329,27 @@ def test_program_addresses_for_native_callers():
     addresses = {program.address("ta_flex_score_fwd"), program.address("ta_flex_score_bwd")}
     assert len(addresses) == 2 and all(isinstance(a, int) and a for a in addresses)
     assert program.dtype == torch.float64 and "double *restrict s" in program.generated.source
+
+
+def _scaled_by(score, b, h, q_idx, kv_idx, scales=None, shift=0.0):
+    return score * scales[h] + shift
+
+
+def test_partials_and_defaults_are_lifted():
+    """Tensors reached through functools.partial or default arguments are arguments too; numbers
+    there are part of the structure (a new value is a new program)."""
+    import functools
+
+    scales = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    program, captures = compiler.score_program(functools.partial(_scaled_by, scales=scales), torch.float64)
+    assert captures == (scales,)
+    run_score_tiles(functools.partial(_scaled_by, scales=scales), torch.float64, (scales,))
+    other = torch.rand(4, dtype=torch.float64)
+    assert compiler.score_program(functools.partial(_scaled_by, scales=other), torch.float64)[0] is program
+    assert compiler.score_program(functools.partial(_scaled_by, scales=other, shift=1.0), torch.float64)[0] \
+        is not program
+
+    def with_default(score, b, h, q_idx, kv_idx, table=other):
+        return score + table[h]
+
+    assert compiler.score_program(with_default, torch.float64)[1] == (other,)

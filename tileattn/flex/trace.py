@@ -172,7 +172,7 @@ def trace(fn, kind: str, score_dtype, captures) -> Traced:
     args = _fake_inputs(kind, score_dtype)
     try:
         with IndexByTensors():
-            gm = make_fx(fn, tracing_mode="real")(*args)
+            gm = make_fx(lambda *a: fn(*a), tracing_mode="real")(*args)  # any callable: make_fx reads signatures
     except Exception as exc:  # noqa: BLE001 - any tracing failure is a reason not to compile
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "DataDependent" in type(exc).__name__ or "data-dependent" in text or "_local_scalar_dense" in text:
