@@ -100,6 +100,9 @@ class Program:
         for t in (b, h, q, kv):
             if t.dtype != INDEX_DTYPE or not t.is_contiguous():
                 raise ValueError("tileattn.flex: b, h, q, kv must be contiguous int32 vectors")
+        want = torch.uint8 if self.kind == "mask" else self.dtype
+        if any(t.dtype != want or t.shape != (cols, ld) or not t.is_contiguous() for t in tiles):
+            raise ValueError(f"tileattn.flex: tiles must be contiguous {want} (cols, ld) tensors of one shape")
         if not (h.numel() == q.numel() == rows <= ld and kv.numel() == cols):
             raise ValueError("tileattn.flex: tile and index vectors disagree in size")
         pointers, sizes, tensors = self.pack(captures)
