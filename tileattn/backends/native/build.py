@@ -156,6 +156,14 @@ def _choose(cc: tuple):
     raise BuildError("no native variant can be built: " + "; ".join(reasons))
 
 
+def toolchain():
+    """``(compiler command, its version line, variant, flags)`` that :func:`build` compiles with on this
+    machine, for other C code compiled on first use (``tileattn.flex``); BuildError when there is none."""
+    cc = tuple(find_compiler())
+    isa, flags, _ = _choose(cc)
+    return cc, _compiler_version(cc), isa, flags
+
+
 def _source_digest() -> str:
     h = hashlib.sha256()
     for path in sorted(CSRC.glob("*.[ch]")):
