@@ -10,6 +10,8 @@ of ``cc``, ``gcc``, ``clang`` on ``PATH``) with ``-O3`` and the CPU's own instru
 
 The best variant the CPU supports is chosen, or the one named by ``TILEATTN_NATIVE_ISA``
 (``avx512``, ``avx2``, ``generic``; for tests and for machines whose compiler misreports).
+``TILEATTN_NATIVE_PROFILE=1`` builds the same variant with per-phase time-stamp counters
+(``-DTA_PROFILE=1``, csrc/profile.h) into its own cache folder; ``kernels.profile()`` reads them.
 
 The library lands in ``<cache>/native/<variant>-<key>/libtileattn_native.so`` where ``<cache>`` is
 ``$TILEATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/tileattn``, else ``~/.cache/tileattn``, and the key
@@ -41,6 +43,7 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIB_NAME = "libtileattn_native.so"
 ISA_ENV = "TILEATTN_NATIVE_ISA"
+PROFILE_ENV = "TILEATTN_NATIVE_PROFILE"
 ISAS = ("avx512", "avx2", "generic")
 #: translation units: (source, value of TA_REAL_BITS); the kernels are compiled once per real type
 UNITS = (("kernels.c", 32), ("kernels.c", 64))
@@ -192,9 +195,12 @@ def build() -> BuildInfo:
     cc = tuple(find_compiler())
     version = _compiler_version(cc)
     isa, flags, macros = _choose(cc)
+    profile = os.environ.get(PROFILE_ENV, "").strip() == "1"
+    if profile:
+        flags = flags + ("-DTA_PROFILE=1",)
     features = tuple(m for m in ISA_MACROS if m in macros)
     key = hashlib.sha256(json.dumps([_source_digest(), list(cc), version, list(flags), features]).encode())
-    folder = cache_dir() / f"{isa}-{key.hexdigest()[:20]}"
+    folder = cache_dir() / f"{isa}{'-profile' if profile else ''}-{key.hexdigest()[:20]}"
     lib = folder / LIB_NAME
     info = dict(compiler=" ".join(cc), compiler_version=version, isa=isa, flags=tuple(flags), path=str(lib),
                 features=features)

@@ -268,6 +268,20 @@ def fma_peak_gflops(threads=1) -> float:
     return _library().lib.ta_probe_fma_gflops(int(threads))
 
 
+def profile():
+    """The profiling build's counters since the last read (then cleared): {phase: TSC ticks} plus
+    ``calls`` and ``tasks`` (counts); None unless the library was built with TILEATTN_NATIVE_PROFILE=1.
+    ``region`` is the thread-ticks the parallel regions offered, ``task`` what the tasks used."""
+    lib = _library().lib
+    lib.ta_profile_read.restype = ctypes.c_int64
+    lib.ta_profile_names.restype = ctypes.c_char_p
+    names = lib.ta_profile_names().decode().strip(",").split(",")
+    buf = (ctypes.c_double * len(names))()
+    if lib.ta_profile_read(buf, len(names)) < 0:
+        return None
+    return dict(zip(names, buf))
+
+
 def supports(*, dtype, backward=False, features=()):
     """Reasons (a list of strings, empty when supported) why a call is not native."""
     why = []

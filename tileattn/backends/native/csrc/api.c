@@ -12,6 +12,7 @@
 #include "gemm.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
+#include "profile.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -140,6 +141,35 @@ int ta_amx_available(void) {
 }
 #endif
 
+/* --------------------------------------------------------------------------------------- profile */
+
+#define TA_PHASE_NAME(name) #name ","
+const char *ta_profile_names(void) { return TA_PHASES(TA_PHASE_NAME); }
+
+#ifdef TA_PROFILE
+__thread uint64_t ta_prof_local[TA_PH_COUNT];
+static uint64_t prof_total[TA_PH_COUNT];
+
+void ta_prof_flush(void) {
+    for (int i = 0; i < TA_PH_COUNT; i++) {
+        if (ta_prof_local[i]) __atomic_fetch_add(&prof_total[i], ta_prof_local[i], __ATOMIC_RELAXED);
+        ta_prof_local[i] = 0;
+    }
+}
+#endif
+
+/* The profiling build's counters (TSC ticks, or counts for calls/tasks) into out[0..n), cleared;
+ * returns how many phases there are, or -1 when the library was built without TA_PROFILE. */
+int64_t ta_profile_read(double *out, int64_t n) {
+#ifdef TA_PROFILE
+    for (int64_t i = 0; i < n && i < TA_PH_COUNT; i++) out[i] = (double)__atomic_exchange_n(&prof_total[i], 0, __ATOMIC_RELAXED);
+    return TA_PH_COUNT;
+#else
+    (void)out, (void)n;
+    return -1;
+#endif
+}
+
 /* ------------------------------------------------------------------------------- scratch, tasks */
 
 static __thread void *tls_buf[TA_SCRATCH_SLOTS];
@@ -181,10 +211,18 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
     if (nt > ntasks) nt = ntasks;
     if (work < TA_PARALLEL_MIN_WORK) nt = 1;
     int status = TA_OK;
+    TA_PROF_T(region);
+    TA_PROF_COUNT(calls, 1);
     if (nt <= 1) {
-        for (int64_t t = 0; t < ntasks && status == TA_OK; t++)
+        for (int64_t t = 0; t < ntasks && status == TA_OK; t++) {
+            TA_PROF_T(task);
             status = fn(a, plan, (const char *)tasks + (size_t)t * task_size);
+            TA_PROF(task, task);
+            TA_PROF_COUNT(tasks, 1);
+        }
         ta_scratch_trim();
+        TA_PROF(region, region);
+        TA_PROF_FLUSH();
         return status;
     }
     /* num_threads clause: the caller's OpenMP settings are left untouched */
@@ -193,10 +231,20 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < ntasks; t++) {
             if (__atomic_load_n(&status, __ATOMIC_RELAXED) != TA_OK) continue;
+            TA_PROF_T(task);
             record_status(&status, fn(a, plan, (const char *)tasks + (size_t)t * task_size));
+            TA_PROF(task, task);
+            TA_PROF_COUNT(tasks, 1);
+            TA_PROF_FLUSH();
         }
         ta_scratch_trim();
     }
+    /* thread-ticks the region offered: what the tasks did not use is imbalance and fork/join */
+    TA_PROF(region, region);
+#ifdef TA_PROFILE
+    ta_prof_local[TA_PH_region] *= (uint64_t)nt;
+#endif
+    TA_PROF_FLUSH();
     return status;
 }
 

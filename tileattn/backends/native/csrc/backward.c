@@ -24,6 +24,7 @@
 #include "amx.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
+#include "profile.h"
 #include "tile.h"
 
 typedef struct {
@@ -90,6 +91,7 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
 /* Describe and pack query block qb of kv head hk: q and dout both ways, lse2 and Delta per lane. */
 static void bwd_pack_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, int64_t hk, int64_t qb, ta_rows *R,
                        bwd_bufs *W) {
+    TA_PROF_T(pt);
     int64_t i0 = qb * P->bmq, nq = s->q_len - i0 < P->bmq ? s->q_len - i0 : P->bmq;
     ta_rows_init(R, W->rows_mem, a, s, hk, i0, nq);
 #ifdef TA_HAVE_AMX
@@ -114,6 +116,7 @@ static void bwd_pack_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, int
         R->lse2[r] = lse == -INFINITY ? (real)INFINITY : (real)(lse * TA_LOG2E);
         R->delta[r] = (real)delta;
     }
+    TA_PROF(pt, bwd_pack);
 }
 
 /* Add dS of panel p into the caller's fp32 (fp64) dbias, whose broadcast dimensions have stride 0. */
@@ -178,25 +181,34 @@ static void bwd_mods(const ta_args *a, const ta_rows *R, bwd_bufs *W, int64_t tp
 static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
                      int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW;
+    TA_PROF_T(pt);
     int flags = bwd_flags(a, P, R, j0, j1);
     if (flags < 0) return;
     int64_t ldk, ldv;
     const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, W->kbuf, &ldk);
     const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, W->vbuf, &ldv);
     real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
-    ta_gemm(n, npan, D, ta_opa_rows(K, ldk), W->Qt, D * PW, W->S, tp, 0, alpha, NULL);
-    ta_gemm(n, npan, Dv, ta_opa_rows(V, ldv), W->dOt, Dv * PW, W->dP, tp, 0, 1, NULL);
+    TA_PROF(pt, bwd_mods);
+    ta_gemm(n, npan, D, ta_opa_rows(K, ldk), W->Qt, D * PW, W->S, tp, 0, alpha, NULL, TA_NO_PF);
+    TA_PROF(pt, bwd_scores);
+    ta_gemm(n, npan, Dv, ta_opa_rows(V, ldv), W->dOt, Dv * PW, W->dP, tp, 0, 1, NULL, TA_NO_PF);
+    TA_PROF(pt, bwd_dp);
     if (flags) bwd_mods(a, R, W, tp, n, j0, flags);
+    TA_PROF(pt, bwd_mods);
     for (int64_t p = 0; p < npan; p++)
         bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
                   n, j0, 1, dK != NULL);
+    TA_PROF(pt, bwd_probs);
     /* now S holds P and dP holds dS */
     if (dK) {
         ta_gemm(n, dpanels(Dv), R->M, ta_opa_panels(a->dropout_p > 0 ? W->Z : W->S, tp), W->dOn, npan * PW * PW, dV,
-                tp, 1, 1, NULL);
-        ta_gemm(n, dpanels(D), R->M, ta_opa_panels(W->dP, tp), W->Qn, npan * PW * PW, dK, tp, 1, 1, NULL);
+                tp, 1, 1, NULL, TA_NO_PF);
+        TA_PROF(pt, bwd_dv);
+        ta_gemm(n, dpanels(D), R->M, ta_opa_panels(W->dP, tp), W->Qn, npan * PW * PW, dK, tp, 1, 1, NULL, TA_NO_PF);
+        TA_PROF(pt, bwd_dk);
     }
-    if (dQt) ta_gemm(D, npan, n, ta_opa_cols(K, ldk), W->dP, tp, dQt, P->dq_rows * PW, 1, 1, NULL);
+    if (dQt) ta_gemm(D, npan, n, ta_opa_cols(K, ldk), W->dP, tp, dQt, P->dq_rows * PW, 1, 1, NULL, TA_NO_PF);
+    TA_PROF(pt, bwd_dq);
 }
 
 #ifdef TA_HAVE_AMX
@@ -207,12 +219,16 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
                          int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW, lanes = npan * PW;
     const int64_t np = ta_round_up(n, 32), dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
+    TA_PROF_T(pt);
     int flags = bwd_flags(a, P, R, j0, j1);
     if (flags < 0) return;
     ta_amx_pack_rows(W->k2, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, np, dpad);
     ta_amx_pack_rows(W->v2, a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, np, dvpad);
+    TA_PROF(pt, bwd_pack);
     ta_amx_gemm(np, npan, dpad, W->k2, dpad, W->qt2, dpad * PW, W->S, tp, 0);
+    TA_PROF(pt, bwd_scores);
     ta_amx_gemm(np, npan, dvpad, W->v2, dvpad, W->dot2, dvpad * PW, W->dP, tp, 0);
+    TA_PROF(pt, bwd_dp);
     real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E), sc = alpha;
     if (flags) {
         for (int64_t p = 0; p < npan; p++)
@@ -220,14 +236,19 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
         bwd_mods(a, R, W, tp, n, j0, flags);
         sc = 1;
     }
+    TA_PROF(pt, bwd_mods);
     for (int64_t p = 0; p < npan; p++)
         bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
                   n, j0, sc, dK != NULL);
+    TA_PROF(pt, bwd_probs);
     if (dK) {
         ta_amx_rows_bf16(W->zb, a->dropout_p > 0 ? W->Z : W->S, tp, npan, n, np, R->M);
         ta_amx_rows_bf16(W->dsb, W->dP, tp, npan, n, np, R->M);
+        TA_PROF(pt, bwd_pack);
         ta_amx_gemm(np, dpanels(Dv), lanes, W->zb, lanes, W->don2, lanes * PW, dV, tp, 1);
+        TA_PROF(pt, bwd_dv);
         ta_amx_gemm(np, dpanels(D), lanes, W->dsb, lanes, W->qn2, lanes * PW, dK, tp, 1);
+        TA_PROF(pt, bwd_dk);
     }
     if (dQt) {
         for (int64_t p = 0; p < npan; p++) {
@@ -242,7 +263,9 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
                 }
         }
         ta_amx_pack_vt(W->kt2, np, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, dpad);
+        TA_PROF(pt, bwd_pack);
         ta_amx_gemm(dpad, npan, np, W->kt2, np, W->dsp, tp, dQt, P->dq_rows * PW, 1);
+        TA_PROF(pt, bwd_dq);
     }
 }
 #endif
@@ -261,6 +284,7 @@ static void bwd_tile_any(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
 /* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to `rows`. */
 static void bwd_store_kv(const ta_args *a, const ta_seq *s, int64_t hk, int64_t j0, int64_t n, int64_t rows,
                          const real *dK, const real *dV, int64_t tp, real *tmp) {
+    TA_PROF_T(pt);
     const real scale = (real)a->scale;
     for (int64_t j = 0; j < rows; j++) {
         for (int pass = 0; pass < 2; pass++) {
@@ -272,10 +296,12 @@ static void bwd_store_kv(const ta_args *a, const ta_seq *s, int64_t hk, int64_t 
             ta_store_row((char *)(pass ? a->dv : a->dk) + off * ta_elsize(a->dkv_dtype), tmp, w, a->dkv_dtype);
         }
     }
+    TA_PROF(pt, bwd_store);
 }
 
 static void bwd_store_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, const real *dQt,
                         real *tmp) {
+    TA_PROF_T(pt);
     const real scale = (real)a->scale;
     for (int64_t r = 0; r < R->M; r++) {
         const real *col = dQt + (r / PW) * P->dq_rows * PW + r % PW;
@@ -283,6 +309,7 @@ static void bwd_store_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, co
         int64_t off = s->dq0 + R->head[r] * a->dq_st[1] + R->row[r] * a->dq_st[2];
         ta_store_row((char *)a->dq + off * ta_elsize(a->dq_dtype), tmp, a->D, a->dq_dtype);
     }
+    TA_PROF(pt, bwd_store);
 }
 
 /* Key blocks [*kb0, *kb1) that query block qb sees, and query blocks that key block kb is seen by. */

@@ -21,6 +21,11 @@
  *
  * Epilogue options for the score GEMM: multiply by alpha (no accumulation) and fold the tile's
  * column maximum (the max over rows r, i.e. over keys, per query lane) into cmax.
+ *
+ * Prefetch: a GEMM can pull the rows the next one will read (the next tile's K or V, which come from
+ * L3 or memory: a head's K and V are larger than L2 at long sequences) into L2 while it computes,
+ * spread evenly over its register blocks. Without it the first panel of every tile waited on those
+ * rows: the two GEMMs of the forward ran at 75-84 % of the FMA peak at S=4096 instead of 88 %.
  */
 #ifndef TA_GEMM_H
 #define TA_GEMM_H
@@ -131,12 +136,33 @@ TA_MK_KIND(TA_A_ROWS)
 TA_MK_KIND(TA_A_COLS)
 TA_MK_KIND(TA_A_PANELS)
 
+/* Rows to prefetch into L2 during a GEMM: `rows` rows of `bytes` bytes, `ld` bytes apart. */
+typedef struct {
+    const char *p;
+    int64_t ld, bytes, rows;
+} ta_pf;
+
+static inline ta_pf ta_pf_rows(const real *p, int64_t ld, int64_t width, int64_t rows) {
+    return (ta_pf){(const char *)p, ld * (int64_t)sizeof(real), width * (int64_t)sizeof(real), p ? rows : 0};
+}
+#define TA_NO_PF ((ta_pf){NULL, 0, 0, 0})
+
 /* C = alpha * A B (accumulate = 0) or C += A B over npan panels; b_ps/c_ps: panel strides, C rows
- * are PW apart. cmax (npan * PW values) receives the column maximum when not NULL. */
+ * are PW apart. cmax (npan * PW values) receives the column maximum when not NULL; the rows of pf
+ * are prefetched into L2 on the way. */
 static void ta_gemm(int64_t M, int64_t npan, int64_t K, ta_opa A, const real *B, int64_t b_ps, real *C,
-                    int64_t c_ps, int accumulate, real alpha, real *cmax) {
+                    int64_t c_ps, int accumulate, real alpha, real *cmax, ta_pf pf) {
+    /* cache lines per prefetched row (one more for a row that does not start on a line) and how many
+     * to issue before each register block */
+    const int64_t lpr = (pf.bytes + 63) / 64 + 1, blocks = npan * ((M + TA_MR - 1) / TA_MR);
+    const int64_t per = pf.rows > 0 && blocks > 0 ? (pf.rows * lpr + blocks - 1) / blocks : 0;
+    int64_t pr = 0, pl = 0;
     for (int64_t p = 0; p < npan; p++) {
         for (int64_t r0 = 0; r0 < M;) {
+            for (int64_t i = 0; i < per && pr < pf.rows; i++) {
+                __builtin_prefetch(pf.p + pr * pf.ld + pl * 64, 0, 2);
+                if (++pl == lpr) pl = 0, pr++;
+            }
             int64_t left = M - r0;
             int mr = left >= TA_MR ? TA_MR : left >= 8 && TA_MR > 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
             const real *a = A.kind == TA_A_ROWS ? A.p + r0 * A.ld : A.kind == TA_A_COLS ? A.p + r0 : A.p + r0 * PW;

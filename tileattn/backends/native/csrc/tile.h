@@ -27,11 +27,13 @@ typedef struct {
     uint32_t *rkey;             /* dropout row key */
     int64_t *bias_row, *mask_row; /* offset of (b, h, i, 0) in the bias / mask */
     real *lse2, *delta;         /* backward: LSE in log2 units and Delta per lane */
+    int64_t *plo, *phi;         /* per panel: the lowest lo and the highest hi of its lanes */
 } ta_rows;
 
 static size_t ta_rows_bytes(int64_t npan) {
     int64_t n = npan * PW;
-    return (size_t)n * (4 * sizeof(int64_t) + 2 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) + 64;
+    return (size_t)n * (4 * sizeof(int64_t) + 2 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) +
+           (size_t)npan * 2 * sizeof(int64_t) + 64;
 }
 
 /* Carve the arrays out of `mem` (ta_rows_bytes(npan) bytes) and describe rows [i0, i0 + nq) of the
@@ -57,7 +59,9 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
     R->delta = (real *)m, m += n * sizeof(real);
     R->lo = (int32_t *)m, m += n * sizeof(int32_t);
     R->hi = (int32_t *)m, m += n * sizeof(int32_t);
-    R->rkey = (uint32_t *)m;
+    R->rkey = (uint32_t *)m, m += n * sizeof(uint32_t);
+    R->plo = (int64_t *)m, m += R->npan * sizeof(int64_t);
+    R->phi = (int64_t *)m;
     for (int64_t r = 0; r < n; r++) {
         int real_row = r < R->M;
         int64_t i = i0 + (real_row ? r / G : 0), h = hk * G + (real_row ? r % G : 0);
@@ -73,6 +77,22 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
         R->lse2[r] = 0;
         R->delta[r] = 0;
     }
+    for (int64_t p = 0; p < R->npan; p++) {
+        R->plo[p] = TA_NO_LIMIT, R->phi[p] = -1;
+        for (int64_t r = p * PW; r < (p + 1) * PW && r < R->M; r++) {
+            R->plo[p] = R->lo[r] < R->plo[p] ? R->lo[r] : R->plo[p];
+            R->phi[p] = R->hi[r] > R->phi[p] ? R->hi[r] : R->phi[p];
+        }
+    }
+}
+
+/* The keys of [j0, j1) that some lane of panel p sees (by the band), as [*k0, *k1) (empty: k0 == k1).
+ * On the causal diagonal a panel of 32 rows sees about half of a tile's keys; the keys it skips are
+ * hidden from every one of its lanes, so leaving them out changes no sum. */
+static inline void ta_panel_keys(const ta_rows *R, int64_t p, int64_t j0, int64_t j1, int64_t *k0, int64_t *k1) {
+    int64_t lo = R->plo[p] > j0 ? R->plo[p] : j0, hi = R->phi[p] + 1 < j1 ? R->phi[p] + 1 : j1;
+    *k0 = lo < hi ? lo : j0;
+    *k1 = lo < hi ? hi : j0;
 }
 
 /* ------------------------------------------------------------------------------------ conversion */
@@ -163,13 +183,15 @@ static const real *ta_kv_rows(const ta_args *a, const ta_seq *s, const void *bas
 /* What a tile needs beyond scale * q.k. */
 enum { TA_TILE_EDGE = 1, TA_TILE_MASK = 2, TA_TILE_MODS = 4 };
 
-/* Whether the band hides part of keys [j0, j1) from some lane (checked per lane; padding lanes
+/* Whether the band hides part of keys [j0, j1) from some lane of lanes [r0, r1) (padding lanes
  * never matter). */
-static int ta_tile_on_edge(const ta_rows *R, int64_t j0, int64_t j1) {
-    for (int64_t r = 0; r < R->M; r++)
+static int ta_lanes_on_edge(const ta_rows *R, int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
+    for (int64_t r = r0; r < r1 && r < R->M; r++)
         if (R->lo[r] > j0 || R->hi[r] < j1 - 1) return 1;
     return 0;
 }
+
+static int ta_tile_on_edge(const ta_rows *R, int64_t j0, int64_t j1) { return ta_lanes_on_edge(R, 0, R->M, j0, j1); }
 
 /* Bool-mask census of a tile: 0 = all visible, 1 = mixed, 2 = all hidden. */
 static int ta_mask_census(const ta_args *a, const ta_rows *R, int64_t j0, int64_t j1) {
