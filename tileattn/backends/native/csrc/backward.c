@@ -58,7 +58,7 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
     size_t rows_bytes = ta_round_up((int64_t)ta_rows_bytes(npan), 64);
     int64_t qside = lanes * (D + Dv) + lanes * PW * (dpanels(D) + dpanels(Dv));
     int64_t tiles = 4 * lanes * bn;
-    size_t nreal = (size_t)(qside + tiles + bn * (D + Dv) + wmax);
+    size_t nreal = (size_t)(qside + tiles + bn * (D + Dv) + PW * ta_round_up(wmax, PW));
     const int64_t dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
     size_t nhalf = P->amx ? (size_t)(2 * lanes * (dpad + dvpad) + bn * (2 * dpad + dvpad) + 3 * bn * lanes) : 0;
     char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + nhalf * 2 + 64);
@@ -281,16 +281,20 @@ static void bwd_tile_any(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
     bwd_tile(a, P, s, R, W, j0, j1, dK, dV, dQt);
 }
 
-/* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to `rows`. */
+/* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to
+ * `rows`. tmp holds one row of max(D, Dv) rounded up to PW. */
 static void bwd_store_kv(const ta_args *a, const ta_seq *s, int64_t hk, int64_t j0, int64_t n, int64_t rows,
                          const real *dK, const real *dV, int64_t tp, real *tmp) {
     TA_PROF_T(pt);
-    const real scale = (real)a->scale;
+    const vr scale = vset1((real)a->scale);
     for (int64_t j = 0; j < rows; j++) {
         for (int pass = 0; pass < 2; pass++) {
             int64_t w = pass ? a->Dv : a->D;
             const real *acc = pass ? dV : dK;
-            for (int64_t d = 0; d < w; d++) tmp[d] = j < n ? acc[(d / PW) * tp + j * PW + d % PW] * (pass ? 1 : scale) : 0;
+            for (int64_t d0 = 0; d0 < w; d0 += VW)
+                vstore(tmp + d0, j < n ? (pass ? vload(acc + (d0 / PW) * tp + j * PW + d0 % PW)
+                                               : vload(acc + (d0 / PW) * tp + j * PW + d0 % PW) * scale)
+                                       : vzero());
             const int64_t *st = pass ? a->dv_st : a->dk_st;
             int64_t off = (pass ? s->dv0 : s->dk0) + hk * st[1] + (j0 + j) * st[2];
             ta_store_row((char *)(pass ? a->dv : a->dk) + off * ta_elsize(a->dkv_dtype), tmp, w, a->dkv_dtype);
@@ -299,15 +303,20 @@ static void bwd_store_kv(const ta_args *a, const ta_seq *s, int64_t hk, int64_t 
     TA_PROF(pt, bwd_store);
 }
 
+/* dQ of the lanes of R from dQ^T (scaled), a panel at a time through tmp (PW rows). */
 static void bwd_store_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, const real *dQt,
                         real *tmp) {
     TA_PROF_T(pt);
-    const real scale = (real)a->scale;
-    for (int64_t r = 0; r < R->M; r++) {
-        const real *col = dQt + (r / PW) * P->dq_rows * PW + r % PW;
-        for (int64_t d = 0; d < a->D; d++) tmp[d] = col[d * PW] * scale;
-        int64_t off = s->dq0 + R->head[r] * a->dq_st[1] + R->row[r] * a->dq_st[2];
-        ta_store_row((char *)a->dq + off * ta_elsize(a->dq_dtype), tmp, a->D, a->dq_dtype);
+    const int64_t ld = ta_round_up(a->D, PW);
+    real scale[PW];
+    for (int64_t k = 0; k < PW; k++) scale[k] = (real)a->scale;
+    for (int64_t p = 0; p < R->npan; p++) {
+        int64_t nrows = R->M - p * PW < PW ? R->M - p * PW : PW;
+        ta_panel_to_rows(tmp, ld, nrows, dQt + p * P->dq_rows * PW, a->D, scale);
+        for (int64_t k = 0; k < nrows; k++) {
+            int64_t r = p * PW + k, off = s->dq0 + R->head[r] * a->dq_st[1] + R->row[r] * a->dq_st[2];
+            ta_store_row((char *)a->dq + off * ta_elsize(a->dq_dtype), tmp + k * ld, a->D, a->dq_dtype);
+        }
     }
     TA_PROF(pt, bwd_store);
 }
@@ -436,7 +445,7 @@ static int bwd_cost_desc(const void *x, const void *y) {
 
 /* dK/dV rows past a sequence's used keys (seqused_k) get zeros. */
 static void bwd_zero_unused(const ta_args *a) {
-    real *zero = (real *)calloc((size_t)(a->D > a->Dv ? a->D : a->Dv), sizeof(real));
+    real *zero = (real *)calloc((size_t)ta_round_up(a->D > a->Dv ? a->D : a->Dv, PW), sizeof(real));
     if (!zero) return;
     for (int64_t b = 0; b < a->B; b++) {
         ta_seq s;

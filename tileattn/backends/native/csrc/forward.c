@@ -142,30 +142,29 @@ static void fwd_softmax_pairs(const ta_args *a, const ta_rows *R, int64_t p, con
 }
 #endif
 
-/* out = acc / l (scaled by 1/(1-p) under dropout), lse = (m + log2 l) ln 2; rows that saw no key: 0, -inf. */
+/* out = acc / l (scaled by 1/(1-p) under dropout), lse = (m + log2 l) ln 2; rows that saw no key: 0,
+ * -inf. A panel at a time: scaled and transposed to rows in tmp (PW rows of Dv rounded up to VW). */
 static void fwd_finish(const ta_args *a, const ta_seq *s, const ta_rows *R, const real *acc, int64_t accr,
                        const real *m, const real *l, real *tmp) {
-    const int64_t Dv = a->Dv;
+    const int64_t Dv = a->Dv, ld = ta_round_up(Dv, VW);
     const double keep_scale = 1.0 / (1.0 - a->dropout_p);
-    for (int64_t r = 0; r < R->M; r++) {
-        const real *col = acc + (r / PW) * accr * PW + r % PW;
-        double lr = l[r], lse;
-        if (lr == 0) {
-            memset(tmp, 0, (size_t)Dv * sizeof(real));
-            lse = -INFINITY;
-        } else {
-            real inv = (real)(keep_scale / lr);
-            for (int64_t c = 0; c < Dv; c++) tmp[c] = col[c * PW] * inv;
-            lse = ((double)m[r] + log2(lr)) * TA_LN2;
+    for (int64_t p = 0; p < R->npan; p++) {
+        real inv[PW];
+        for (int64_t k = 0; k < PW; k++) inv[k] = l[p * PW + k] == 0 ? 0 : (real)(keep_scale / l[p * PW + k]);
+        int64_t nrows = R->M - p * PW < PW ? R->M - p * PW : PW;
+        ta_panel_to_rows(tmp, ld, nrows, acc + p * accr * PW, Dv, inv);
+        for (int64_t k = 0; k < nrows; k++) {
+            int64_t r = p * PW + k, h = R->head[r], i = R->row[r];
+            double lr = l[r], lse = lr == 0 ? -INFINITY : ((double)m[r] + log2(lr)) * TA_LN2;
+            if (lr == 0) memset(tmp + k * ld, 0, (size_t)Dv * sizeof(real));
+            ta_store_row((char *)a->out + (s->o0 + h * a->o_st[1] + i * a->o_st[2]) * ta_elsize(a->out_dtype),
+                         tmp + k * ld, Dv, a->out_dtype);
+            int64_t lo = s->l0 + h * a->lse_st[1] + i * a->lse_st[2];
+            if (TA_REAL_BITS == 64)
+                ((double *)a->lse)[lo] = lse;
+            else
+                ((float *)a->lse)[lo] = (float)lse;
         }
-        int64_t h = R->head[r], i = R->row[r];
-        ta_store_row((char *)a->out + (s->o0 + h * a->o_st[1] + i * a->o_st[2]) * ta_elsize(a->out_dtype), tmp, Dv,
-                     a->out_dtype);
-        int64_t lo = s->l0 + h * a->lse_st[1] + i * a->lse_st[2];
-        if (TA_REAL_BITS == 64)
-            ((double *)a->lse)[lo] = lse;
-        else
-            ((float *)a->lse)[lo] = (float)lse;
     }
 }
 
@@ -193,7 +192,7 @@ static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void 
     W->q2 = amx ? ta_round_up(D, 32) / 2 : (D + 1) / 2;
     const int64_t sp = W->sp, wmax = D > Dv ? D : Dv;
     size_t rows_bytes = ta_round_up((int64_t)ta_rows_bytes(npan), 64);
-    size_t nreal = (size_t)(lanes * (D + sp + W->accr + 3) + sp * (D + Dv) + wmax);
+    size_t nreal = (size_t)(lanes * (D + sp + W->accr + 3) + sp * (D + Dv) + PW * ta_round_up(wmax, VW));
     size_t nhalf = P->engine == FWD_F32 ? 0 : (size_t)(lanes * W->q2 * 2 + sp * W->q2 * 2 + lanes * sp + sp * W->accr);
     char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + nhalf * 2 + 128);
     if (!mem) return TA_ENOMEM;

@@ -51,6 +51,7 @@ typedef double real;
 typedef int64_t ireal; /* an integer as wide as real: lane masks and exponent bits */
 typedef uint64_t uireal;
 #define REAL_SUFFIX f64
+#define TA_REAL_BYTES 8
 #define REAL_MANT 52
 #define REAL_BIAS 1023
 #define REAL_ROUND_MAGIC 6755399441055744.0 /* 1.5 * 2^52 */
@@ -59,6 +60,7 @@ typedef float real;
 typedef int32_t ireal;
 typedef uint32_t uireal;
 #define REAL_SUFFIX f32
+#define TA_REAL_BYTES 4
 #define REAL_MANT 23
 #define REAL_BIAS 127
 #define REAL_ROUND_MAGIC 12582912.0f /* 1.5 * 2^23 */
@@ -138,6 +140,63 @@ TA_INLINE vr vmin_(vr a, vr b) { return vselect(a < b, a, b); }
  * the reference. */
 TA_INLINE vr vmax_keepnan(vr x, vr bound) { return vmax_(bound, x); }
 TA_INLINE vr vmin_keepnan(vr x, vr bound) { return vmin_(bound, x); }
+
+/* Transpose a VW x VW block held in VW vectors: x[i][j] <-> x[j][i]. log2(VW) butterfly stages; stage h
+ * swaps the off-diagonal h x h blocks of each pair of rows (i, i + h), one two-source shuffle per
+ * row (vpermt2ps, vunpck*, ... whatever the ISA has). The query-side packing and the writing of
+ * out/dQ use it instead of one scalar store per element. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define TA_HAVE_SHUFFLE 1
+#endif
+#endif
+#ifdef TA_HAVE_SHUFFLE
+#define TA_TSTAGE(h)                                                                             \
+    _Pragma("GCC unroll 16") for (int i = 0; i < VW; i++)                                        \
+        if (!(i & (h))) {                                                                        \
+            vr a_ = x[i], b_ = x[i + (h)];                                                       \
+            TA_TPAIR_##h                                                                         \
+        }
+#if TA_VBYTES / TA_REAL_BYTES == 2
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 2); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 3);
+#define TA_TSTAGES TA_TSTAGE(1)
+#elif TA_VBYTES / TA_REAL_BYTES == 4
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 4, 2, 6); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 5, 3, 7);
+#define TA_TPAIR_2 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 4, 5); \
+    x[i + 2] = __builtin_shufflevector(a_, b_, 2, 3, 6, 7);
+#define TA_TSTAGES TA_TSTAGE(1) TA_TSTAGE(2)
+#elif TA_VBYTES / TA_REAL_BYTES == 8
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 8, 2, 10, 4, 12, 6, 14); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 9, 3, 11, 5, 13, 7, 15);
+#define TA_TPAIR_2 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 8, 9, 4, 5, 12, 13); \
+    x[i + 2] = __builtin_shufflevector(a_, b_, 2, 3, 10, 11, 6, 7, 14, 15);
+#define TA_TPAIR_4 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 2, 3, 8, 9, 10, 11); \
+    x[i + 4] = __builtin_shufflevector(a_, b_, 4, 5, 6, 7, 12, 13, 14, 15);
+#define TA_TSTAGES TA_TSTAGE(1) TA_TSTAGE(2) TA_TSTAGE(4)
+#elif TA_VBYTES / TA_REAL_BYTES == 16
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#define TA_TPAIR_2 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); \
+    x[i + 2] = __builtin_shufflevector(a_, b_, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+#define TA_TPAIR_4 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27); \
+    x[i + 4] = __builtin_shufflevector(a_, b_, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+#define TA_TPAIR_8 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); \
+    x[i + 8] = __builtin_shufflevector(a_, b_, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#define TA_TSTAGES TA_TSTAGE(1) TA_TSTAGE(2) TA_TSTAGE(4) TA_TSTAGE(8)
+#endif
+TA_INLINE void vtranspose(vr x[VW]) { TA_TSTAGES }
+#else
+TA_INLINE void vtranspose(vr x[VW]) {
+    for (int i = 0; i < VW; i++)
+        for (int j = i + 1; j < VW; j++) {
+            real t = x[i][j];
+            x[i][j] = x[j][i];
+            x[j][i] = t;
+        }
+}
+#endif
 
 TA_INLINE vr vabs(vr x) { return vbits(vibits(x) & ~vibits(vset1((real)-0.0))); }
 

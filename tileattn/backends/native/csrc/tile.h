@@ -140,21 +140,72 @@ static void ta_store_row(void *dst, const real *src, int64_t n, int64_t dtype) {
 
 /* ---------------------------------------------------------------------------- query-side packing */
 
+/* Rows -> panel: dst[c][l] = rows[l][c] for the PW lanes l (a NULL row gives zeros) and c < width,
+ * VW x VW blocks at a time through registers. */
+static void ta_rows_to_panel(real *dst, const real *const *rows, int64_t width) {
+    for (int64_t l0 = 0; l0 < PW; l0 += VW)
+        for (int64_t c0 = 0; c0 < width; c0 += VW) {
+            const int64_t cn = width - c0 < VW ? width - c0 : VW;
+            vr x[VW];
+            for (int i = 0; i < VW; i++) {
+                const real *row = rows[l0 + i];
+                x[i] = vzero();
+                if (row && cn == VW)
+                    x[i] = vload(row + c0);
+                else if (row)
+                    memcpy(&x[i], row + c0, (size_t)cn * sizeof(real));
+            }
+            vtranspose(x);
+            for (int64_t j = 0; j < cn; j++) vstore(dst + (c0 + j) * PW + l0, x[j]);
+        }
+}
+
+/* Panel -> rows: rows[l][c] = src[c][l] * scale[l] for lanes l < nrows and c < width; rows are `ld`
+ * reals apart and hold at least round_up(width, VW) reals. */
+static void ta_panel_to_rows(real *rows, int64_t ld, int64_t nrows, const real *src, int64_t width,
+                             const real *scale) {
+    for (int64_t l0 = 0; l0 < PW && l0 < nrows; l0 += VW) {
+        const vr sc = vload(scale + l0);
+        for (int64_t c0 = 0; c0 < width; c0 += VW) {
+            vr x[VW];
+            for (int j = 0; j < VW; j++) x[j] = c0 + j < width ? vload(src + (c0 + j) * PW + l0) * sc : vzero();
+            vtranspose(x);
+            for (int64_t i = 0; i < VW && l0 + i < nrows; i++) vstore(rows + (l0 + i) * ld + c0, x[i]);
+        }
+    }
+}
+
 /* Rows of a q-like tensor (q, dout) for the lanes of R into panels, either transposed
  * ("T": dst[p][d][PW], the B operand of K q^T) or not ("N": dst[dp][r][PW] with the d axis cut
- * into panels, the B operand of dS^T q). `tmp` holds one row. Padding lanes / columns are zero. */
+ * into panels, the B operand of dS^T q). `tmp` holds PW rows of `width` (inputs that are not `real`
+ * are converted there first). Padding lanes / columns are zero. */
 static void ta_pack_rows(real *dst, int transposed, const void *base, int64_t dtype,
                          const int64_t st[3], int64_t seq_off, const ta_rows *R, int64_t width, real *tmp) {
-    int64_t n = R->npan * PW, wpan = (width + PW - 1) / PW;
-    memset(dst, 0, (size_t)(transposed ? R->npan * width * PW : wpan * n * PW) * sizeof(real));
-    for (int64_t r = 0; r < R->M; r++) {
-        ta_load_row(tmp, ta_at(base, seq_off + R->head[r] * st[1] + R->row[r] * st[2], dtype), width, dtype);
-        if (transposed) {
-            real *d = dst + (r / PW) * width * PW + r % PW;
-            for (int64_t c = 0; c < width; c++) d[c * PW] = tmp[c];
-        } else {
-            for (int64_t c = 0; c < width; c++) dst[(c / PW) * n * PW + r * PW + c % PW] = tmp[c];
+    const int64_t n = R->npan * PW, wpan = (width + PW - 1) / PW;
+    const int native = (TA_REAL_BITS == 64) ? dtype == TA_F64 : dtype == TA_F32;
+    if (!transposed) memset(dst, 0, (size_t)(wpan * n * PW) * sizeof(real));
+    for (int64_t p = 0; p < R->npan; p++) {
+        const real *rows[PW];
+        for (int64_t l = 0; l < PW; l++) {
+            int64_t r = p * PW + l;
+            rows[l] = NULL;
+            if (r >= R->M) continue;
+            const void *src = ta_at(base, seq_off + R->head[r] * st[1] + R->row[r] * st[2], dtype);
+            if (native) {
+                rows[l] = (const real *)src;
+            } else {
+                ta_load_row(tmp + l * width, src, width, dtype);
+                rows[l] = tmp + l * width;
+            }
         }
+        if (transposed) {
+            ta_rows_to_panel(dst + p * width * PW, rows, width);
+            continue;
+        }
+        for (int64_t l = 0; l < PW && rows[l]; l++)
+            for (int64_t c0 = 0; c0 < width; c0 += PW)
+                memcpy(dst + (c0 / PW) * n * PW + (p * PW + l) * PW, rows[l] + c0,
+                       (size_t)(width - c0 < PW ? width - c0 : PW) * sizeof(real));
     }
 }
 
