@@ -176,39 +176,93 @@ static void bwd_mods(const ta_args *a, const ta_rows *R, bwd_bufs *W, int64_t tp
     }
 }
 
+/* dV or dK (C, npan_out panels of PW channels, key rows) += T^T X, summed over the lanes of R: T is a
+ * tile's P/Z or dS panels (key rows from j0, panel stride tp), X the lane rows of Qn or dOn (panel
+ * stride x_ps). Each block of keys sums only over the panels whose key range [pk0, pk1) meets it
+ * (rows outside a panel's range are zero in T): on the causal diagonal the hidden half is skipped. */
+static void bwd_gemm_lanes(const ta_rows *R, int64_t j0, int64_t n, const real *T, int64_t tp, const real *X,
+                           int64_t x_ps, int64_t npan_out, real *C, const int64_t *pk0, const int64_t *pk1, ta_pfs *pf,
+                           int64_t budget) {
+    const int64_t blocks = npan_out * ((n + TA_MR - 1) / TA_MR), per = blocks > 0 ? (budget + blocks - 1) / blocks : 0;
+    for (int64_t op = 0; op < npan_out; op++)
+        for (int64_t r0 = 0; r0 < n;) {
+            ta_pfs_issue(pf, per);
+            int64_t left = n - r0;
+            int mr = left >= TA_MR ? TA_MR : left >= 8 && TA_MR > 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            int64_t qa = 0, qb = 0;
+            while (qa < R->npan && (pk1[qa] <= j0 + r0 || pk0[qa] >= j0 + r0 + mr)) qa++;
+            for (qb = qa; qb < R->npan && pk1[qb] > j0 + r0 && pk0[qb] < j0 + r0 + mr; qb++) {
+            }
+            int64_t lanes = (qb * PW < R->M ? qb * PW : R->M) - qa * PW;
+            if (lanes > 0)
+                ta_mk_TA_A_PANELS(mr, lanes, T + qa * tp + r0 * PW, tp, X + op * x_ps + qa * PW * PW,
+                                  C + op * tp + r0 * PW, 1, 1, NULL);
+            r0 += mr;
+        }
+}
+
 /* One tile: query block R against keys [j0, j1). Accumulates dK/dV (when dK is not NULL) and
- * dQ^T (when dQt is not NULL). */
+ * dQ^T (when dQt is not NULL). Each panel of lanes computes only the keys it can see (its scores,
+ * dP, probabilities and dQ); the other rows of its P and dS are zeroed for the dK/dV sums. pf: what
+ * the next tile reads (K and V rows, dK and dV accumulators), pulled into L2 during this one. */
 static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
-                     int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
+                     int64_t j0, int64_t j1, real *dK, real *dV, real *dQt, ta_pfs *pf) {
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW;
     TA_PROF_T(pt);
     int flags = bwd_flags(a, P, R, j0, j1);
     if (flags < 0) return;
-    int64_t ldk, ldv;
+    int64_t ldk, ldv, pk0[npan], pk1[npan];
+    /* the prefetches spread over every GEMM of the tile */
+    const int64_t budget = (ta_pfs_lines(pf) + 3 * npan + 1) / (3 * npan + 2);
     const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, W->kbuf, &ldk);
     const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, W->vbuf, &ldv);
     real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
+    real *Z = a->dropout_p > 0 ? W->Z : W->S;
     TA_PROF(pt, bwd_mods);
-    ta_gemm(n, npan, D, ta_opa_rows(K, ldk), W->Qt, D * PW, W->S, tp, 0, alpha, NULL, TA_NO_PF);
-    TA_PROF(pt, bwd_scores);
-    ta_gemm(n, npan, Dv, ta_opa_rows(V, ldv), W->dOt, Dv * PW, W->dP, tp, 0, 1, NULL, TA_NO_PF);
-    TA_PROF(pt, bwd_dp);
-    if (flags) bwd_mods(a, R, W, tp, n, j0, flags);
-    TA_PROF(pt, bwd_mods);
-    for (int64_t p = 0; p < npan; p++)
-        bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
-                  n, j0, 1, dK != NULL);
-    TA_PROF(pt, bwd_probs);
-    /* now S holds P and dP holds dS */
+    for (int64_t p = 0; p < npan; p++) {
+        ta_panel_keys(R, p, j0, j1, &pk0[p], &pk1[p]);
+        int64_t o = (pk0[p] - j0) * PW, m = pk1[p] - pk0[p];
+        if (m == 0) continue;
+        ta_gemm(m, 1, D, ta_opa_rows(K + (pk0[p] - j0) * ldk, ldk), W->Qt + p * D * PW, 0, W->S + p * tp + o, 0, 0,
+                alpha, NULL, pf, budget);
+        TA_PROF(pt, bwd_scores);
+        ta_gemm(m, 1, Dv, ta_opa_rows(V + (pk0[p] - j0) * ldv, ldv), W->dOt + p * Dv * PW, 0, W->dP + p * tp + o, 0,
+                0, 1, NULL, pf, budget);
+        TA_PROF(pt, bwd_dp);
+        int pflags = (flags & ~TA_TILE_EDGE) |
+                     (ta_lanes_on_edge(R, p * PW, (p + 1) * PW, pk0[p], pk1[p]) ? TA_TILE_EDGE : 0);
+        if (pflags) {
+            real cmax[PW];
+            for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
+            ta_score_mods(a, R, p, W->S + p * tp + o, m, pk0[p], pflags, cmax, a->softcap > 0 ? W->T + p * tp + o : NULL);
+        }
+        TA_PROF(pt, bwd_mods);
+        bwd_probs(a, s, R, p, W->S + p * tp + o, W->dP + p * tp + o, W->Z + p * tp + o,
+                  a->softcap > 0 ? W->T + p * tp + o : NULL, m, pk0[p], 1, dK != NULL);
+        TA_PROF(pt, bwd_probs);
+    }
+    /* now S holds P and dP holds dS, on each panel's key range */
     if (dK) {
-        ta_gemm(n, dpanels(Dv), R->M, ta_opa_panels(a->dropout_p > 0 ? W->Z : W->S, tp), W->dOn, npan * PW * PW, dV,
-                tp, 1, 1, NULL, TA_NO_PF);
+        for (int64_t p = 0; p < npan; p++) {
+            int64_t lo = pk1[p] > pk0[p] ? pk0[p] - j0 : n, hi = pk1[p] > pk0[p] ? pk1[p] - j0 : n;
+            memset(Z + p * tp, 0, (size_t)(lo * PW) * sizeof(real));
+            memset(Z + p * tp + hi * PW, 0, (size_t)((n - hi) * PW) * sizeof(real));
+            memset(W->dP + p * tp, 0, (size_t)(lo * PW) * sizeof(real));
+            memset(W->dP + p * tp + hi * PW, 0, (size_t)((n - hi) * PW) * sizeof(real));
+        }
+        TA_PROF(pt, bwd_probs);
+        bwd_gemm_lanes(R, j0, n, Z, tp, W->dOn, npan * PW * PW, dpanels(Dv), dV, pk0, pk1, pf, budget);
         TA_PROF(pt, bwd_dv);
-        ta_gemm(n, dpanels(D), R->M, ta_opa_panels(W->dP, tp), W->Qn, npan * PW * PW, dK, tp, 1, 1, NULL, TA_NO_PF);
+        bwd_gemm_lanes(R, j0, n, W->dP, tp, W->Qn, npan * PW * PW, dpanels(D), dK, pk0, pk1, pf, budget);
         TA_PROF(pt, bwd_dk);
     }
-    if (dQt) ta_gemm(D, npan, n, ta_opa_cols(K, ldk), W->dP, tp, dQt, P->dq_rows * PW, 1, 1, NULL, TA_NO_PF);
-    TA_PROF(pt, bwd_dq);
+    if (dQt) {
+        for (int64_t p = 0; p < npan; p++)
+            if (pk1[p] > pk0[p])
+                ta_gemm(D, 1, pk1[p] - pk0[p], ta_opa_cols(K + (pk0[p] - j0) * ldk, ldk),
+                        W->dP + p * tp + (pk0[p] - j0) * PW, 0, dQt + p * P->dq_rows * PW, 0, 1, 1, NULL, pf, budget);
+        TA_PROF(pt, bwd_dq);
+    }
 }
 
 #ifdef TA_HAVE_AMX
@@ -271,14 +325,14 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
 #endif
 
 static void bwd_tile_any(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
-                         int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
+                         int64_t j0, int64_t j1, real *dK, real *dV, real *dQt, ta_pfs *pf) {
 #ifdef TA_HAVE_AMX
     if (P->amx) {
         bwd_tile_amx(a, P, s, R, W, j0, j1, dK, dV, dQt);
         return;
     }
 #endif
-    bwd_tile(a, P, s, R, W, j0, j1, dK, dV, dQt);
+    bwd_tile(a, P, s, R, W, j0, j1, dK, dV, dQt, pf);
 }
 
 /* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to
@@ -341,6 +395,23 @@ static int64_t bwd_kb_size(const bwd_plan *P, const ta_seq *s, int64_t kb) {
     return j0 + P->bn < s->k_len ? P->bn : s->k_len - j0;
 }
 
+/* What the tile of key block kb reads from beyond L2: its K and V rows (fp32 inputs read in place)
+ * and, when given, its dK and dV accumulators (`acc` reals each). */
+static ta_pfs bwd_prefetch(const ta_args *a, const bwd_plan *P, const ta_seq *s, int64_t hk, int64_t kb,
+                           const real *dK, const real *dV, int64_t dk_len, int64_t dv_len) {
+    ta_pfs pf = {0};
+    int64_t j0 = kb * P->bn, n = bwd_kb_size(P, s, kb);
+    int native = (TA_REAL_BITS == 64) ? a->dtype == TA_F64 : a->dtype == TA_F32;
+    if (kb < 0 || n <= 0) return pf;
+    if (native) {
+        ta_pfs_add(&pf, ta_pf_rows((const real *)a->k + s->k0 + hk * a->k_st[1] + j0 * a->k_st[2], a->k_st[2], a->D, n));
+        ta_pfs_add(&pf, ta_pf_rows((const real *)a->v + s->v0 + hk * a->v_st[1] + j0 * a->v_st[2], a->v_st[2], a->Dv, n));
+    }
+    if (dK) ta_pfs_add(&pf, ta_pf_rows(dK, dk_len, dk_len, 1));
+    if (dV) ta_pfs_add(&pf, ta_pf_rows(dV, dv_len, dv_len, 1));
+    return pf;
+}
+
 /* Fused schedule: every (query block, key block) tile of the task's kv heads. */
 static int bwd_fused(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
     const int64_t Dpad = dpanels(a->D) * PW, Dvpad = dpanels(a->Dv) * PW, tp = P->bn * PW;
@@ -364,9 +435,17 @@ static int bwd_fused(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
                 memset(dQt, 0, (size_t)(R.npan * PW * P->dq_rows) * sizeof(real));
                 int64_t kb0, kb1;
                 bwd_kb_range(a, P, &s, qb, &kb0, &kb1);
-                for (int64_t kb = kb0; kb < kb1; kb++)
+                /* the tile after the last of this row of tiles is the first of the next query block */
+                int64_t nkb0 = -1, nkb1 = -1;
+                if ((qb + 1) * P->bmq < s.q_len) bwd_kb_range(a, P, &s, qb + 1, &nkb0, &nkb1);
+                for (int64_t kb = kb0; kb < kb1; kb++) {
+                    int64_t next = kb + 1 < kb1 ? kb + 1 : nkb0 < nkb1 ? nkb0 : -1;
+                    ta_pfs pf = bwd_prefetch(a, P, &s, hk, next, next >= 0 ? dKall + next * tp * Dpad / PW : NULL,
+                                             next >= 0 ? dVall + next * tp * Dvpad / PW : NULL, tp * Dpad / PW,
+                                             tp * Dvpad / PW);
                     bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb),
-                                 dKall + kb * tp * Dpad / PW, dVall + kb * tp * Dvpad / PW, dQt);
+                                 dKall + kb * tp * Dpad / PW, dVall + kb * tp * Dvpad / PW, dQt, &pf);
+                }
                 bwd_store_q(a, P, &s, &R, dQt, W.tmp);
             }
             for (int64_t kb = 0; kb < nkb; kb++)
@@ -397,7 +476,8 @@ static int bwd_kv(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
                 if (ta_cancelled(a)) return TA_CANCELLED;
                 ta_rows R;
                 bwd_pack_q(a, P, &s, hk, qb, &R, &W);
-                bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + n, dK, dV, NULL);
+                ta_pfs pf = {0};
+                bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + n, dK, dV, NULL, &pf);
             }
             bwd_store_kv(a, &s, hk, kb * P->bn, n, n, dK, dV, tp, W.tmp);
         }
@@ -419,7 +499,8 @@ static int bwd_q(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
     bwd_kb_range(a, P, &s, t->blk, &kb0, &kb1);
     for (int64_t kb = kb0; kb < kb1; kb++) {
         if (ta_cancelled(a)) return TA_CANCELLED;
-        bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb), NULL, NULL, dQt);
+        ta_pfs pf = bwd_prefetch(a, P, &s, t->hk, kb + 1 < kb1 ? kb + 1 : -1, NULL, NULL, 0, 0);
+        bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb), NULL, NULL, dQt, &pf);
     }
     bwd_store_q(a, P, &s, &R, dQt, W.tmp);
     return TA_OK;

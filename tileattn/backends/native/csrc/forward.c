@@ -286,12 +286,15 @@ static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, c
     const real *K = fwd_kv_direct(a, s, W, 0, hk, j0, &kld), *V = fwd_kv_direct(a, s, W, 1, hk, j0, &vld);
     if (!K) K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, hk, j0, n, D, W->kbuf, &kld);
     if (!V) V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, hk, j0, n, Dv, W->vbuf, &vld);
-    const real *nK = next_n > 0 ? fwd_kv_direct(a, s, W, 0, hk, j1, &nkld) : NULL;
-    const real *nV = next_n > 0 ? fwd_kv_direct(a, s, W, 1, hk, j1, &nvld) : NULL;
-    const int64_t share = (next_n + npan - 1) / npan;
+    ta_pfs pf = {0};
+    if (next_n > 0) {
+        const real *nK = fwd_kv_direct(a, s, W, 0, hk, j1, &nkld), *nV = fwd_kv_direct(a, s, W, 1, hk, j1, &nvld);
+        ta_pfs_add(&pf, ta_pf_rows(nK, nkld, D, next_n));
+        ta_pfs_add(&pf, ta_pf_rows(nV, nvld, Dv, next_n));
+    }
+    const int64_t budget = (ta_pfs_lines(&pf) + 2 * npan - 1) / (2 * npan);
     for (int64_t p = 0; p < npan; p++) {
-        int64_t k0, k1, pf0 = p * share < next_n ? p * share : next_n;
-        int64_t pfn = next_n - pf0 < share ? next_n - pf0 : share;
+        int64_t k0, k1;
         ta_panel_keys(R, p, j0, j1, &k0, &k1);
         if (k0 == k1) continue; /* no lane of the panel sees the tile */
         TA_PROF_T(pt);
@@ -300,14 +303,13 @@ static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, c
         for (int64_t r = 0; r < PW; r++) cmax[r] = -INFINITY;
         TA_PROF(pt, fwd_mods);
         ta_gemm(k1 - k0, 1, D, ta_opa_rows(K + (k0 - j0) * kld, kld), W->Qt + p * D * PW, 0, Sp, 0, 0, alpha,
-                pflags ? NULL : cmax, ta_pf_rows(nK ? nK + pf0 * nkld : NULL, nkld, D, pfn));
+                pflags ? NULL : cmax, &pf, budget);
         TA_PROF(pt, fwd_scores);
         if (pflags) ta_score_mods(a, R, p, Sp, k1 - k0, k0, pflags, cmax, NULL);
         TA_PROF(pt, fwd_mods);
         fwd_softmax(a, R, p, Sp, k1 - k0, k0, W->m, W->l, W->cmax, acc, Dv);
         TA_PROF(pt, fwd_softmax);
-        ta_gemm(Dv, 1, k1 - k0, ta_opa_cols(V + (k0 - j0) * vld, vld), Sp, 0, acc, 0, 1, 1, NULL,
-                ta_pf_rows(nV ? nV + pf0 * nvld : NULL, nvld, Dv, pfn));
+        ta_gemm(Dv, 1, k1 - k0, ta_opa_cols(V + (k0 - j0) * vld, vld), Sp, 0, acc, 0, 1, 1, NULL, &pf, budget);
         TA_PROF(pt, fwd_pv);
     }
 }
