@@ -268,6 +268,21 @@ def fma_peak_gflops(threads=1) -> float:
     return _library().lib.ta_probe_fma_gflops(int(threads))
 
 
+def exp2_rate() -> float:
+    """Elements per second of the kernels' exp2 (with the max subtraction and row sum of the softmax
+    pass) on one core: the second roof of attention, which shares the FMA ports."""
+    lib = _library().lib
+    lib.ta_probe_exp2_rate.restype = ctypes.c_double
+    return lib.ta_probe_exp2_rate()
+
+
+def amx_peak_gflops() -> float:
+    """Measured AMX bf16 peak of one core (GFLOP/s, tdpbf16ps in registers); 0.0 without AMX."""
+    lib = _library().lib
+    lib.ta_probe_amx_gflops.restype = ctypes.c_double
+    return lib.ta_probe_amx_gflops()
+
+
 def profile():
     """The profiling build's counters since the last read (then cleared): {phase: TSC ticks} plus
     ``calls`` and ``tasks`` (counts); None unless the library was built with TILEATTN_NATIVE_PROFILE=1.

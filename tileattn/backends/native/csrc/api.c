@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "amx.h"
 #include "gemm.h"
@@ -121,6 +122,31 @@ double ta_probe_fma_gflops(int64_t threads) {
     return best;
 }
 
+/* Elements per second that the kernels' exp2 (simd.h) turns out on one core, with the subtraction
+ * of the running max and the row sum the softmax pass does around it: the second roof of attention
+ * on a CPU, since exp2 runs on the same vector ports as the FMAs. Thread CPU time, best of five. */
+double ta_probe_exp2_rate(void) {
+    enum { N = 1024, ITERS = 400 };
+    static __thread real buf[N];
+    for (int i = 0; i < N; i++) buf[i] = (real)(-(i % 97) * 0.125);
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+        vr sum[4] = {vzero(), vzero(), vzero(), vzero()};
+        const vr m = vset1((real)0.5);
+        for (int it = 0; it < ITERS; it++)
+            for (int i = 0; i < N; i += 4 * VW)
+                for (int k = 0; k < 4; k++) sum[k] += vexp2(vload(buf + i + k * VW) - m);
+        __asm__ volatile("" : : "r"(sum) : "memory");
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double rate = t > 0 ? (double)N * ITERS / t : 0;
+        best = rate > best ? rate : best;
+    }
+    return best;
+}
+
 #ifdef TA_HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -140,6 +166,48 @@ int ta_amx_available(void) {
     return state;
 }
 #endif
+
+/* AMX bf16 peak of one core in GFLOP/s: tdpbf16ps on four accumulator tiles in registers (thread
+ * CPU time, best of five); 0 without AMX or without the kernel's permission. */
+double ta_probe_amx_gflops(void) {
+#ifdef TA_HAVE_AMX
+    enum { ITERS = 20000 };
+    if (!ta_amx_available()) return 0;
+    static __thread uint16_t a[16 * 32], b[16 * 32];
+    static __thread float c[16 * 16];
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    double best = 0;
+    ta_amx_begin();
+    for (int rep = 0; rep < 5; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a, 64);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b, 64);
+        for (int it = 0; it < ITERS; it++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, 64);
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double gflops = t > 0 ? 4.0 * ITERS * 16 * 16 * 32 * 2 / t * 1e-9 : 0;
+        best = gflops > best ? gflops : best;
+    }
+    ta_amx_end();
+    return best;
+#else
+    return 0;
+#endif
+}
 
 /* --------------------------------------------------------------------------------------- profile */
 
@@ -171,6 +239,19 @@ int64_t ta_profile_read(double *out, int64_t n) {
 }
 
 /* ------------------------------------------------------------------------------- scratch, tasks */
+
+int64_t ta_l2_bytes(void) {
+    static int64_t bytes;
+    int64_t b = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
+    if (b == 0) {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        b = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        if (b < (256 << 10) || b > (64 << 20)) b = 1 << 20;
+        __atomic_store_n(&bytes, b, __ATOMIC_RELAXED);
+    }
+    return b;
+}
 
 static __thread void *tls_buf[TA_SCRATCH_SLOTS];
 static __thread size_t tls_cap[TA_SCRATCH_SLOTS];

@@ -29,6 +29,7 @@ typedef struct {
 
 typedef struct {
     int64_t b, hk, i0, nqb, cost; /* query blocks [i0, i0 + nqb * bmq) of kv head hk of sequence b */
+    int64_t order;                /* position in (sequence, kv head, block) order */
 } fwd_task;
 
 /* Step 3: online softmax of one panel of a tile; S holds base-2 logits and receives P. */
@@ -441,9 +442,12 @@ static int fwd_block(const ta_args *a, const void *plan, const void *task) {
     return status;
 }
 
+/* Longest first; equal costs in (sequence, kv head, block) order, so a thread that takes consecutive
+ * tasks of one head often finds its K and V still in L2. */
 static int fwd_cost_desc(const void *x, const void *y) {
-    int64_t a = ((const fwd_task *)x)->cost, b = ((const fwd_task *)y)->cost;
-    return (a < b) - (a > b);
+    const fwd_task *a = (const fwd_task *)x, *b = (const fwd_task *)y;
+    if (a->cost != b->cost) return (a->cost < b->cost) - (a->cost > b->cost);
+    return (a->order > b->order) - (a->order < b->order);
 }
 
 /* Query blocks of a task, at `lanes` lanes (query rows times the G heads of a kv head). */
@@ -454,12 +458,12 @@ static int64_t fwd_units(const ta_args *a, int64_t bmq) {
 }
 
 /* Keys per tile: 256 amortise the softmax's per-tile bookkeeping; wide heads take fewer, so that a
- * tile of K and V stays ~256 KiB. Query lanes per block: the most of 256, 128, 64, 32 whose working
- * set (Q^T, the accumulator and the scores of the block, K and V of a tile) fits ~1 MiB of L2 and
- * which still gives every thread 4 blocks. Each block streams the whole key range through L2, so
- * wider blocks read K and V less often per FLOP (256 lanes: 92 % of the FMA peak in the two GEMMs
- * at S=4096, 128 lanes: 88 %). GQA trades query rows for heads at the same lane count. The tile
- * grid is fixed (fwd_tiles), so the choice changes no bit of the result. */
+ * tile of K and V stays ~256 KiB. Query lanes per block: the most of 512, 256, ..., 32 whose working
+ * set (Q^T, the accumulator and the scores of the block, K and V of a tile) fits 3/4 of this core's
+ * L2 and which still gives every thread 4 blocks. Each block streams the whole key range through L2,
+ * so wider blocks read K and V less often per FLOP (in the two GEMMs at S=4096, 128 lanes: 88 % of
+ * the FMA peak, 256: 92 %). GQA trades query rows for heads at the same lane count. The tile grid
+ * is fixed (fwd_tiles), so the choice changes no bit of the result. */
 static void fwd_tiling(const ta_args *a, int64_t G, int64_t nthreads, fwd_plan *P) {
     const int64_t width = a->D + a->Dv;
     int64_t bn = 256 * 256 / width / 32 * 32;
@@ -469,11 +473,11 @@ static void fwd_tiling(const ta_args *a, int64_t G, int64_t nthreads, fwd_plan *
         P->bmq = a->block_m / G > 0 ? a->block_m / G : 1;
         return;
     }
-    int64_t lanes = P->engine == FWD_AMX ? 128 : 256;
+    int64_t lanes = P->engine == FWD_AMX ? 128 : 512;
     while (lanes > 32) {
         int64_t bytes = (lanes * (width + P->bn) + P->bn * width) * (int64_t)sizeof(real);
         int64_t bmq = lanes / G > 0 ? lanes / G : 1;
-        if (bytes <= (1 << 20) && fwd_units(a, bmq) >= 4 * nthreads) break;
+        if (bytes <= ta_l2_bytes() / 4 * 3 && fwd_units(a, bmq) >= 4 * nthreads) break;
         lanes /= 2;
     }
     P->bmq = lanes / G > 0 ? lanes / G : 1;
@@ -517,7 +521,9 @@ static int prefill(const ta_args *a) {
                 cost += (keys > 0 ? keys : 0) * (e - i);
             }
             for (int64_t hk = 0; hk < a->Hkv; hk++) {
-                tasks[nt++] = (fwd_task){b, hk, i0, (i1 - i0 + P.bmq - 1) / P.bmq, cost};
+                tasks[nt] = (fwd_task){b, hk, i0, (i1 - i0 + P.bmq - 1) / P.bmq, cost,
+                                       (b * a->Hkv + hk) * (a->Sq + 1) + i0 / P.bmq};
+                nt++;
                 work += (double)cost * G * (a->D + a->Dv);
             }
         }
