@@ -6,7 +6,9 @@
  *
  *   TA_ISA_AVX512   64-byte vectors (16 fp32 lanes), needs AVX-512 F/BW/VL and FMA
  *   TA_ISA_AVX2     32-byte vectors (8 fp32 lanes), needs AVX2 and FMA
- *   TA_ISA_GENERIC  16-byte GCC/clang vector extensions: SSE2, NEON, anything else
+ *   TA_ISA_GENERIC  GCC/clang vector extensions only, 32-byte vectors where the target has AVX or
+ *                   NEON's 32 registers (one AVX register, two NEON registers per vector), 16 bytes
+ *                   elsewhere (SSE2 without AVX, ...); FMAs wherever the compiler contracts a*b+c
  *
  * Vectors are GCC vector-extension types, so plain arithmetic (+ - * /, comparisons, shifts) works
  * on them everywhere and compiles to the ISA's instructions; only the operations without an
@@ -37,6 +39,9 @@
 #include <immintrin.h>
 #define TA_VBYTES 32
 #define TA_ISA_NAME "avx2"
+#elif defined(__AVX__) || defined(__aarch64__)
+#define TA_VBYTES 32
+#define TA_ISA_NAME "generic"
 #else
 #define TA_VBYTES 16
 #define TA_ISA_NAME "generic"
@@ -123,10 +128,33 @@ TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm256_fmadd_pd(a, b, c); }
 TA_INLINE vr vmax_(vr a, vr b) { return _mm256_max_pd(a, b); }
 TA_INLINE vr vmin_(vr a, vr b) { return _mm256_min_pd(a, b); }
 #else
+/* a one-source shuffle of lane 0 is what compilers turn into a broadcast (a loop over the lanes
+ * became a chain of lane inserts) */
+#define TA_LANE0_2 0, 0
+#define TA_LANE0_4 TA_LANE0_2, TA_LANE0_2
+#define TA_LANE0_8 TA_LANE0_4, TA_LANE0_4
+#define TA_LANE0_16 TA_LANE0_8, TA_LANE0_8
+#define TA_LANE0_N(n) TA_LANE0_##n
+#define TA_LANE0(n) TA_LANE0_N(n)
+#define TA_VW_LITERAL_32_4 8
+#define TA_VW_LITERAL_32_8 4
+#define TA_VW_LITERAL_16_4 4
+#define TA_VW_LITERAL_16_8 2
+#define TA_VW_LIT_(b, r) TA_VW_LITERAL_##b##_##r
+#define TA_VW_LIT(b, r) TA_VW_LIT_(b, r)
 TA_INLINE vr vset1(real x) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+    vr r = {x};
+    return __builtin_shufflevector(r, r, TA_LANE0(TA_VW_LIT(TA_VBYTES, TA_REAL_BYTES)));
+#define TA_VSET1_DONE
+#endif
+#endif
+#ifndef TA_VSET1_DONE
     vr r;
-    for (int i = 0; i < VW; i++) r[i] = x; /* recognised as a broadcast */
+    for (int i = 0; i < VW; i++) r[i] = x;
     return r;
+#endif
 }
 /* Whether this contracts to one fused instruction depends on the target; the kernels never rely
  * on it, only on computing the same expression the same way in the forward and backward passes. */
