@@ -283,10 +283,19 @@ def amx_peak_gflops() -> float:
     return lib.ta_probe_amx_gflops()
 
 
+def l2_bytes() -> int:
+    """This core's L2 cache as the kernels size their query blocks by (1 MiB where the OS does not say)."""
+    lib = _library().lib
+    lib.ta_l2_bytes.restype = ctypes.c_int64
+    return int(lib.ta_l2_bytes())
+
+
 def profile():
     """The profiling build's counters since the last read (then cleared): {phase: TSC ticks} plus
-    ``calls`` and ``tasks`` (counts); None unless the library was built with TILEATTN_NATIVE_PROFILE=1.
-    ``region`` is the thread-ticks the parallel regions offered, ``task`` what the tasks used."""
+    ``calls``, ``tasks`` and ``preempted`` (counts); None unless the library was built with
+    TILEATTN_NATIVE_PROFILE=1. ``region`` is the thread-ticks the parallel regions offered,
+    ``task_all`` what all tasks used, ``task`` what the tasks that ran without being preempted used
+    (the phases count those tasks only, so their shares are of ``task``)."""
     lib = _library().lib
     lib.ta_profile_read.restype = ctypes.c_int64
     lib.ta_profile_names.restype = ctypes.c_char_p

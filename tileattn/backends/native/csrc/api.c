@@ -224,6 +224,28 @@ void ta_prof_flush(void) {
         ta_prof_local[i] = 0;
     }
 }
+
+#include <sys/resource.h>
+#ifndef RUSAGE_THREAD
+#define RUSAGE_THREAD 1 /* Linux's, hidden without _GNU_SOURCE */
+#endif
+long ta_prof_switches(void) {
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nivcsw : -1;
+}
+
+void ta_prof_task_end(long switches_before, uint64_t ticks) {
+    if (ta_prof_switches() != switches_before) { /* preempted: the phases would carry the time slice */
+        for (int i = 0; i < TA_PH_COUNT; i++)
+            if (i != TA_PH_calls && i != TA_PH_region) ta_prof_local[i] = 0;
+        ta_prof_local[TA_PH_preempted] = 1;
+    } else {
+        ta_prof_local[TA_PH_task] += ticks;
+    }
+    ta_prof_local[TA_PH_task_all] += ticks;
+    ta_prof_local[TA_PH_tasks] += 1;
+    ta_prof_flush();
+}
 #endif
 
 /* The profiling build's counters (TSC ticks, or counts for calls/tasks) into out[0..n), cleared;
@@ -293,16 +315,15 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
     if (work < TA_PARALLEL_MIN_WORK) nt = 1;
     int status = TA_OK;
     TA_PROF_T(region);
-    TA_PROF_COUNT(calls, 1);
     if (nt <= 1) {
         for (int64_t t = 0; t < ntasks && status == TA_OK; t++) {
-            TA_PROF_T(task);
+            TA_PROF_TASK_T(task, sw);
             status = fn(a, plan, (const char *)tasks + (size_t)t * task_size);
-            TA_PROF(task, task);
-            TA_PROF_COUNT(tasks, 1);
+            TA_PROF_TASK(task, sw);
         }
         ta_scratch_trim();
         TA_PROF(region, region);
+        TA_PROF_COUNT(calls, 1);
         TA_PROF_FLUSH();
         return status;
     }
@@ -312,11 +333,9 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < ntasks; t++) {
             if (__atomic_load_n(&status, __ATOMIC_RELAXED) != TA_OK) continue;
-            TA_PROF_T(task);
+            TA_PROF_TASK_T(task, sw);
             record_status(&status, fn(a, plan, (const char *)tasks + (size_t)t * task_size));
-            TA_PROF(task, task);
-            TA_PROF_COUNT(tasks, 1);
-            TA_PROF_FLUSH();
+            TA_PROF_TASK(task, sw);
         }
         ta_scratch_trim();
     }
@@ -325,6 +344,7 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
 #ifdef TA_PROFILE
     ta_prof_local[TA_PH_region] *= (uint64_t)nt;
 #endif
+    TA_PROF_COUNT(calls, 1);
     TA_PROF_FLUSH();
     return status;
 }

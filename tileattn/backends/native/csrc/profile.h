@@ -7,7 +7,11 @@
  * clears them (kernels.profile() in Python). The TSC ticks at a constant rate (the nominal clock), so
  * the counters are times, not core cycles; the shares of the phases are what they are for.
  *
- * Usage in a kernel:  TA_PROF_T(t);  ...work...;  TA_PROF(t, TA_PH_SCORES);  ...;  TA_PROF(t, ...)
+ * A task during which the thread was preempted (its involuntary context switches changed) would
+ * charge the whole time slice to whichever phase was running: its counters are dropped ("preempted"
+ * counts them) and only "task_all" keeps its time, which with "region" gives the threads' idle time.
+ *
+ * Usage in a kernel:  TA_PROF_T(t);  ...work...;  TA_PROF(t, fwd_scores);  ...;  TA_PROF(t, ...)
  * (TA_PROF charges the ticks since t to a phase and restarts t).
  */
 #ifndef TA_PROFILE_H
@@ -19,7 +23,7 @@
 #define TA_PHASES(X)                                                                                \
     X(fwd_pack) X(fwd_scores) X(fwd_mods) X(fwd_softmax) X(fwd_pv) X(fwd_finish) X(fwd_kv_convert)   \
     X(bwd_pack) X(bwd_scores) X(bwd_dp) X(bwd_mods) X(bwd_probs) X(bwd_dv) X(bwd_dk) X(bwd_dq)       \
-    X(bwd_store) X(task) X(region) X(calls) X(tasks)
+    X(bwd_store) X(task) X(task_all) X(region) X(calls) X(tasks) X(preempted)
 
 #define TA_PHASE_ENUM(name) TA_PH_##name,
 enum { TA_PHASES(TA_PHASE_ENUM) TA_PH_COUNT };
@@ -42,6 +46,8 @@ static inline uint64_t ta_ticks_arm(void) {
 /* Thread-local counters of the running task and the process-wide totals (api.c). */
 extern __thread uint64_t ta_prof_local[TA_PH_COUNT];
 void ta_prof_flush(void);
+long ta_prof_switches(void);     /* this thread's involuntary context switches so far */
+void ta_prof_task_end(long switches_before, uint64_t ticks);
 
 #define TA_PROF_T(t) uint64_t t = TA_TICKS()
 #define TA_PROF(t, phase)                                                                           \
@@ -52,11 +58,15 @@ void ta_prof_flush(void);
     } while (0)
 #define TA_PROF_COUNT(phase, n) (ta_prof_local[TA_PH_##phase] += (uint64_t)(n))
 #define TA_PROF_FLUSH() ta_prof_flush()
+#define TA_PROF_TASK_T(t, sw) uint64_t t = TA_TICKS(); long sw = ta_prof_switches()
+#define TA_PROF_TASK(t, sw) ta_prof_task_end(sw, TA_TICKS() - (t))
 #else
 #define TA_PROF_T(t) ((void)0)
 #define TA_PROF(t, phase) ((void)0)
 #define TA_PROF_COUNT(phase, n) ((void)0)
 #define TA_PROF_FLUSH() ((void)0)
+#define TA_PROF_TASK_T(t, sw) ((void)0)
+#define TA_PROF_TASK(t, sw) ((void)0)
 #endif
 
 #endif
