@@ -468,7 +468,9 @@ static void fwd_tiling(const ta_args *a, int64_t G, int64_t nthreads, fwd_plan *
     const int64_t width = a->D + a->Dv;
     int64_t bn = 256 * 256 / width / 32 * 32;
     P->bn = a->block_n > 0 ? a->block_n : bn < 64 ? 64 : bn > 256 ? 256 : bn;
-    if (P->engine == FWD_AMX) P->bn = ta_round_up(P->bn, 32); /* AMX tiles are whole 32-key blocks */
+    /* AMX tiles are whole 32-key blocks; their K and V are bf16 copies packed once per task, so wide
+     * heads keep 256 keys a tile (at D=512, 64 keys a tile ran at 0.85x SDPA's own AMX path) */
+    if (P->engine == FWD_AMX) P->bn = a->block_n > 0 ? ta_round_up(a->block_n, 32) : 256;
     if (a->block_m > 0) {
         P->bmq = a->block_m / G > 0 ? a->block_m / G : 1;
         return;
