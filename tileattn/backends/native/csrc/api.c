@@ -215,7 +215,7 @@ double ta_probe_amx_gflops(void) {
 const char *ta_profile_names(void) { return TA_PHASES(TA_PHASE_NAME); }
 
 #ifdef TA_PROFILE
-__thread uint64_t ta_prof_local[TA_PH_COUNT];
+__thread uint64_t ta_prof_local[TA_PH_COUNT], ta_prof_long[TA_PH_COUNT];
 static uint64_t prof_total[TA_PH_COUNT];
 
 void ta_prof_flush(void) {
@@ -235,13 +235,17 @@ long ta_prof_switches(void) {
 }
 
 void ta_prof_task_end(long switches_before, uint64_t ticks) {
-    if (ta_prof_switches() != switches_before) { /* preempted: the phases would carry the time slice */
-        for (int i = 0; i < TA_PH_COUNT; i++)
-            if (i != TA_PH_calls && i != TA_PH_region) ta_prof_local[i] = 0;
-        ta_prof_local[TA_PH_preempted] = 1;
-    } else {
-        ta_prof_local[TA_PH_task] += ticks;
+    int preempted = ta_prof_switches() != switches_before;
+    uint64_t dropped = 0;
+    for (int i = 0; i < TA_PH_COUNT; i++) { /* preempted: the long intervals carry the time slice */
+        if (preempted)
+            dropped += ta_prof_long[i];
+        else
+            ta_prof_local[i] += ta_prof_long[i];
+        ta_prof_long[i] = 0;
     }
+    ta_prof_local[TA_PH_preempted] += (uint64_t)preempted;
+    ta_prof_local[TA_PH_task] += ticks > dropped ? ticks - dropped : 0;
     ta_prof_local[TA_PH_task_all] += ticks;
     ta_prof_local[TA_PH_tasks] += 1;
     ta_prof_flush();
@@ -322,7 +326,7 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
             TA_PROF_TASK(task, sw);
         }
         ta_scratch_trim();
-        TA_PROF(region, region);
+        TA_PROF_REGION(region);
         TA_PROF_COUNT(calls, 1);
         TA_PROF_FLUSH();
         return status;
@@ -340,7 +344,7 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
         ta_scratch_trim();
     }
     /* thread-ticks the region offered: what the tasks did not use is imbalance and fork/join */
-    TA_PROF(region, region);
+    TA_PROF_REGION(region);
 #ifdef TA_PROFILE
     ta_prof_local[TA_PH_region] *= (uint64_t)nt;
 #endif

@@ -7,9 +7,11 @@
  * clears them (kernels.profile() in Python). The TSC ticks at a constant rate (the nominal clock), so
  * the counters are times, not core cycles; the shares of the phases are what they are for.
  *
- * A task during which the thread was preempted (its involuntary context switches changed) would
- * charge the whole time slice to whichever phase was running: its counters are dropped ("preempted"
- * counts them) and only "task_all" keeps its time, which with "region" gives the threads' idle time.
+ * A thread preempted during a task would charge the whole time slice (a millisecond or more) to
+ * whichever phase was running. So intervals longer than TA_PROF_LONG are held apart until the task
+ * ends: if the thread's involuntary context switches did not change, they count as usual; if they
+ * did, they are dropped from the phases and from "task" ("preempted" counts such tasks). "task_all"
+ * keeps every task's time, which with "region" gives the threads' idle time.
  *
  * Usage in a kernel:  TA_PROF_T(t);  ...work...;  TA_PROF(t, fwd_scores);  ...;  TA_PROF(t, ...)
  * (TA_PROF charges the ticks since t to a phase and restarts t).
@@ -44,7 +46,8 @@ static inline uint64_t ta_ticks_arm(void) {
 #endif
 
 /* Thread-local counters of the running task and the process-wide totals (api.c). */
-extern __thread uint64_t ta_prof_local[TA_PH_COUNT];
+extern __thread uint64_t ta_prof_local[TA_PH_COUNT], ta_prof_long[TA_PH_COUNT];
+#define TA_PROF_LONG (1u << 20) /* ticks: ~0.3-0.5 ms, below a scheduler time slice */
 void ta_prof_flush(void);
 long ta_prof_switches(void);     /* this thread's involuntary context switches so far */
 void ta_prof_task_end(long switches_before, uint64_t ticks);
@@ -52,10 +55,14 @@ void ta_prof_task_end(long switches_before, uint64_t ticks);
 #define TA_PROF_T(t) uint64_t t = TA_TICKS()
 #define TA_PROF(t, phase)                                                                           \
     do {                                                                                            \
-        uint64_t now_ = TA_TICKS();                                                                      \
-        ta_prof_local[TA_PH_##phase] += now_ - (t);                                                 \
+        uint64_t now_ = TA_TICKS(), d_ = now_ - (t);                                                \
+        if (d_ > TA_PROF_LONG)                                                                      \
+            ta_prof_long[TA_PH_##phase] += d_;                                                      \
+        else                                                                                        \
+            ta_prof_local[TA_PH_##phase] += d_;                                                     \
         (t) = now_;                                                                                 \
     } while (0)
+#define TA_PROF_REGION(t) (ta_prof_local[TA_PH_region] += TA_TICKS() - (t))
 #define TA_PROF_COUNT(phase, n) (ta_prof_local[TA_PH_##phase] += (uint64_t)(n))
 #define TA_PROF_FLUSH() ta_prof_flush()
 #define TA_PROF_TASK_T(t, sw) uint64_t t = TA_TICKS(); long sw = ta_prof_switches()
@@ -67,6 +74,7 @@ void ta_prof_task_end(long switches_before, uint64_t ticks);
 #define TA_PROF_FLUSH() ((void)0)
 #define TA_PROF_TASK_T(t, sw) ((void)0)
 #define TA_PROF_TASK(t, sw) ((void)0)
+#define TA_PROF_REGION(t) ((void)0)
 #endif
 
 #endif
