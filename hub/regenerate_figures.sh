@@ -13,6 +13,9 @@
 # Chapter 10 holds up to about 2 GiB at once (a streaming buffer of 4x the last-level cache, at most
 # 2 GiB; a 1 GiB KV cache; a 1 GiB repeat_kv copy) and times on one thread in CPU time, except its
 # two-thread split-KV measurement, which is wall clock.
+# Chapter 14 compiles the profiling build of the native kernels once (TILEATTN_NATIVE_PROFILE=1, its
+# own cache folder) and times on one thread in CPU time; its profile shares are best taken on a quiet
+# machine (tasks that were preempted are left out, but a busy core still evicts the caches).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,52 @@ def test_a_failing_compile_reports_the_compiler_error(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "BASE_FLAGS", build.BASE_FLAGS + ("-include", "/nonexistent.h"))
     with pytest.raises(build.BuildError, match="compiling .*kernels.c failed.*nonexistent.h"):
         build.build()
+
+
+PROFILE = """
+import torch
+from tileattn.backends.native import kernels as nk
+q, k, v = (torch.randn(1, 4, 300, 64) for _ in range(3))
+out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
+for _ in range(5):
+    nk.forward(q, k, v, out, lse, scale=0.125, right=0, num_threads=2)
+fwd = nk.profile()
+delta = (out * out).sum(-1)
+dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+for _ in range(5):
+    nk.backward(q, k, v, out, out, lse, delta, dq, dk, dv, scale=0.125, right=0, num_threads=2)
+print(json.dumps([nk.build_info()["flags"], fwd, nk.profile(), nk.profile()]))
+"""
+
+
+@needs_cc
+def test_profiling_build_counts_every_phase(tmp_path):
+    """TILEATTN_NATIVE_PROFILE=1: its own library with per-phase counters; phases add up to the time of
+    the tasks that were not preempted, all tasks fit in the parallel regions, reading clears them."""
+    res = run(["-c", "import json\n" + PROFILE], tmp_path, TILEATTN_NATIVE_PROFILE="1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    flags, fwd, bwd, cleared = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "-DTA_PROFILE=1" in flags
+    for counters, prefix in ((fwd, "fwd_"), (bwd, "bwd_")):
+        phases = sum(v for name, v in counters.items() if name.startswith(prefix))
+        assert counters["calls"] == 5 and counters["tasks"] >= 5 and counters["preempted"] < counters["tasks"]
+        assert 0.5 * counters["task"] < phases <= counters["task"] <= counters["task_all"] <= counters["region"]
+    assert fwd["fwd_scores"] > 0 and fwd["fwd_pv"] > 0 and bwd["bwd_dq"] > 0 and bwd["bwd_dk"] > 0
+    assert not any(cleared.values())
+
+
+def _cross_compiler():
+    for cc in ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-gcc-12"):
+        if shutil.which(cc):
+            return (cc,)
+    return None
+
+
+@pytest.mark.skipif(_cross_compiler() is None,
+                    reason="no aarch64 cross compiler here (apt-get install gcc-aarch64-linux-gnu to run this check)")
+def test_generic_variant_cross_compiles_for_aarch64(tmp_path):
+    """The portable variant is what an aarch64 machine builds (NEON through vector extensions, FMAs
+    from contraction): both translation units and the link, with the flags build.py uses."""
+    lib = build._compile(_cross_compiler(), ("-march=armv8-a", "-fopenmp"), "generic", tmp_path)
+    header = lib.read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64

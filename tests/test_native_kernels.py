@@ -365,6 +365,37 @@ def test_backward_is_bitwise_identical_for_any_thread_count_and_schedule():
         assert all(torch.equal(a, b) for a, b in zip(g, grads[0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_forward_bits_do_not_depend_on_the_query_block(dtype):
+    """Tiles start on multiples of block_n whatever the query block (and the block width follows the
+    thread count and the L2 size), and each panel visits only the keys it sees: the same bits for
+    blocks of 32 to 512 lanes, causal or windowed, GQA."""
+    q, k, v = qkv(b=1, hq=8, hkv=2, sq=333, sk=400, d=40, seed=27, dtype=dtype)
+    for kw in (dict(right=0), dict(left=50, right=7), dict(left=90, right=-1, bottom_right=False)):
+        runs = [raw_forward(q, k, v, block_m=m, block_n=64, **kw) for m in (32, 96, 256, 512)]
+        assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs[1:]), kw
+
+
+@pytest.mark.parametrize("block_m,block_n", [(512, 64), (256, 32), (64, 256)])
+def test_wide_blocks_and_panel_key_ranges_match_the_reference(block_m, block_n):
+    """Query blocks of many panels against tiles that the causal diagonal or a window cuts: each
+    panel's key range, the zeroed rows of P and dS outside it and the lane ranges of dK/dV."""
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=300, sk=345, d=24, dv=40, seed=28)
+    native = dict(block_m=block_m, block_n=block_n)
+    assert_native_matches(q, k, v, causal=True, return_lse=True, native=native)
+    assert_native_matches(q, k, v, window=(60, 20), return_lse=True, native=native)
+    assert_native_matches(q, k, v, window=(30, -1), dropout_p=0.2, seed=4, native=native)
+
+
+@pytest.mark.parametrize("d,dv", [(32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (512, 512), (192, 128),
+                                  (576, 512)], ids=lambda x: str(x))
+def test_head_dims(d, dv):
+    """Every head dim the roofline covers (MLA prefill 192/128 and absorbed 576/512 included): the
+    tile sizes that follow from D + Dv, partial register blocks and panels, forward and backward."""
+    q, k, v = qkv(b=1, hq=4, hkv=2, sq=97, sk=130, d=d, dv=dv, seed=29)
+    assert_native_matches(q, k, v, causal=True, return_lse=True)
+
+
 @pytest.mark.parametrize("sq", [1, 90], ids=["decode", "prefill"])
 def test_batch_invariance(sq):
     """A row's bits do not depend on the other batch items (their number or their key counts)."""
@@ -595,6 +626,15 @@ def test_sigint_interrupts_a_long_call():
     words = res.stdout.split()
     assert words[:2] == ["interrupted", "True"], res.stdout + res.stderr
     assert float(words[2]) < 1.5
+
+
+def test_probes_measure_the_machine():
+    """The roofline's yardsticks: FMA peak, exp2 rate (the softmax's roof) and, where present, AMX."""
+    assert nk.fma_peak_gflops(1) > 1 and nk.exp2_rate() > 1e7
+    amx = nk.amx_peak_gflops()
+    assert (amx > nk.fma_peak_gflops(1)) if nk.build_info()["amx"] else amx == 0
+    if os.environ.get("TILEATTN_NATIVE_PROFILE") != "1":
+        assert nk.profile() is None  # counters exist only in the profiling build (test_native_build.py)
 
 
 def test_active_isa_is_the_requested_one():

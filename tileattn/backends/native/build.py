@@ -6,10 +6,15 @@ of ``cc``, ``gcc``, ``clang`` on ``PATH``) with ``-O3`` and the CPU's own instru
 
 * ``avx512``: AVX-512 F/BW/VL + FMA (uses ``vdpbf16ps`` where the CPU has AVX512_BF16)
 * ``avx2``: AVX2 + FMA, built with ``-mno-avx512f`` so it runs on CPUs without AVX-512
-* ``generic``: portable vector extensions (SSE2, NEON, ...), built without AVX on x86
+* ``generic``: portable vector extensions only (no intrinsics), for CPUs without a hand-written
+  variant (aarch64 NEON, ...): the machine's own flags, so the compiler picks the vector instructions
+  and contracts a*b+c into FMAs (on x86 it is built without AVX-512: AVX2 + FMA through the
+  portable code)
 
 The best variant the CPU supports is chosen, or the one named by ``TILEATTN_NATIVE_ISA``
 (``avx512``, ``avx2``, ``generic``; for tests and for machines whose compiler misreports).
+``TILEATTN_NATIVE_PROFILE=1`` builds the same variant with per-phase time-stamp counters
+(``-DTA_PROFILE=1``, csrc/profile.h) into its own cache folder; ``kernels.profile()`` reads them.
 
 The library lands in ``<cache>/native/<variant>-<key>/libtileattn_native.so`` where ``<cache>`` is
 ``$TILEATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/tileattn``, else ``~/.cache/tileattn``, and the key
@@ -41,6 +46,7 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIB_NAME = "libtileattn_native.so"
 ISA_ENV = "TILEATTN_NATIVE_ISA"
+PROFILE_ENV = "TILEATTN_NATIVE_PROFILE"
 ISAS = ("avx512", "avx2", "generic")
 #: translation units: (source, value of TA_REAL_BITS); the kernels are compiled once per real type
 UNITS = (("kernels.c", 32), ("kernels.c", 64))
@@ -129,7 +135,7 @@ def _variant(cc: tuple, isa: str):
         flags = arch + (("-mno-avx512f",) if x86 else ())
         need = ("__AVX2__", "__FMA__")
     else:
-        flags = arch + (("-mno-avx512f", "-mno-avx2", "-mno-avx", "-mno-fma") if x86 else ())
+        flags = arch + (("-mno-avx512f",) if x86 else ())
         need = ()
     macros = _macros(cc, flags)
     if macros is None:
@@ -143,8 +149,8 @@ def _variant(cc: tuple, isa: str):
     return flags, macros
 
 
-def _choose(cc: tuple):
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+def _choose(cc: tuple, isa=None):
+    forced = (isa or os.environ.get(ISA_ENV, "")).strip().lower()
     if forced and forced not in ISAS:
         raise BuildError(f"{ISA_ENV}={forced!r}; expected one of {', '.join(ISAS)}")
     reasons = []
@@ -195,14 +201,20 @@ def _compile(cc: tuple, flags: tuple, isa: str, workdir: Path) -> Path:
     return lib
 
 
-def build() -> BuildInfo:
-    """Return the cached library for this machine, compiling it first if needed."""
+def build(isa=None, profile=None) -> BuildInfo:
+    """Return the cached library for this machine, compiling it first if needed. ``isa`` and
+    ``profile`` override TILEATTN_NATIVE_ISA and TILEATTN_NATIVE_PROFILE (benchmarks that compare
+    variants in one process)."""
     cc = tuple(find_compiler())
     version = _compiler_version(cc)
-    isa, flags, macros = _choose(cc)
+    isa, flags, macros = _choose(cc, isa)
+    if profile is None:
+        profile = os.environ.get(PROFILE_ENV, "").strip() == "1"
+    if profile:
+        flags = flags + ("-DTA_PROFILE=1",)
     features = tuple(m for m in ISA_MACROS if m in macros)
     key = hashlib.sha256(json.dumps([_source_digest(), list(cc), version, list(flags), features]).encode())
-    folder = cache_dir() / f"{isa}-{key.hexdigest()[:20]}"
+    folder = cache_dir() / f"{isa}{'-profile' if profile else ''}-{key.hexdigest()[:20]}"
     lib = folder / LIB_NAME
     info = dict(compiler=" ".join(cc), compiler_version=version, isa=isa, flags=tuple(flags), path=str(lib),
                 features=features)

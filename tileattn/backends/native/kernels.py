@@ -269,6 +269,44 @@ def fma_peak_gflops(threads=1) -> float:
     return _library().lib.ta_probe_fma_gflops(int(threads))
 
 
+def exp2_rate() -> float:
+    """Elements per second of the kernels' exp2 (with the max subtraction and row sum of the softmax
+    pass) on one core: the second roof of attention, which shares the FMA ports."""
+    lib = _library().lib
+    lib.ta_probe_exp2_rate.restype = ctypes.c_double
+    return lib.ta_probe_exp2_rate()
+
+
+def amx_peak_gflops() -> float:
+    """Measured AMX bf16 peak of one core (GFLOP/s, tdpbf16ps in registers); 0.0 without AMX."""
+    lib = _library().lib
+    lib.ta_probe_amx_gflops.restype = ctypes.c_double
+    return lib.ta_probe_amx_gflops()
+
+
+def l2_bytes() -> int:
+    """This core's L2 cache as the kernels size their query blocks by (1 MiB where the OS does not say)."""
+    lib = _library().lib
+    lib.ta_l2_bytes.restype = ctypes.c_int64
+    return int(lib.ta_l2_bytes())
+
+
+def profile():
+    """The profiling build's counters since the last read (then cleared): {phase: TSC ticks} plus
+    ``calls``, ``tasks`` and ``preempted`` (counts); None unless the library was built with
+    TILEATTN_NATIVE_PROFILE=1. ``region`` is the thread-ticks the parallel regions offered,
+    ``task_all`` what all tasks used, ``task`` what the tasks that ran without being preempted used
+    (the phases count those tasks only, so their shares are of ``task``)."""
+    lib = _library().lib
+    lib.ta_profile_read.restype = ctypes.c_int64
+    lib.ta_profile_names.restype = ctypes.c_char_p
+    names = lib.ta_profile_names().decode().strip(",").split(",")
+    buf = (ctypes.c_double * len(names))()
+    if lib.ta_profile_read(buf, len(names)) < 0:
+        return None
+    return dict(zip(names, buf))
+
+
 def supports(*, dtype, backward=False, features=()):
     """Reasons (a list of strings, empty when supported) why a call is not native."""
     why = []

@@ -7,11 +7,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "amx.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
+#include "profile.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -120,6 +122,31 @@ double ta_probe_fma_gflops(int64_t threads) {
     return best;
 }
 
+/* Elements per second that the kernels' exp2 (simd.h) turns out on one core, with the subtraction
+ * of the running max and the row sum the softmax pass does around it: the second roof of attention
+ * on a CPU, since exp2 runs on the same vector ports as the FMAs. Thread CPU time, best of five. */
+double ta_probe_exp2_rate(void) {
+    enum { N = 1024, ITERS = 400 };
+    static __thread real buf[N];
+    for (int i = 0; i < N; i++) buf[i] = (real)(-(i % 97) * 0.125);
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+        vr sum[4] = {vzero(), vzero(), vzero(), vzero()};
+        const vr m = vset1((real)0.5);
+        for (int it = 0; it < ITERS; it++)
+            for (int i = 0; i < N; i += 4 * VW)
+                for (int k = 0; k < 4; k++) sum[k] += vexp2(vload(buf + i + k * VW) - m);
+        __asm__ volatile("" : : "r"(sum) : "memory");
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double rate = t > 0 ? (double)N * ITERS / t : 0;
+        best = rate > best ? rate : best;
+    }
+    return best;
+}
+
 #ifdef TA_HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -140,7 +167,117 @@ int ta_amx_available(void) {
 }
 #endif
 
+/* AMX bf16 peak of one core in GFLOP/s: tdpbf16ps on four accumulator tiles in registers (thread
+ * CPU time, best of five); 0 without AMX or without the kernel's permission. */
+double ta_probe_amx_gflops(void) {
+#ifdef TA_HAVE_AMX
+    enum { ITERS = 20000 };
+    if (!ta_amx_available()) return 0;
+    static __thread uint16_t a[16 * 32], b[16 * 32];
+    static __thread float c[16 * 16];
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    double best = 0;
+    ta_amx_begin();
+    for (int rep = 0; rep < 5; rep++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a, 64);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b, 64);
+        for (int it = 0; it < ITERS; it++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, 64);
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double gflops = t > 0 ? 4.0 * ITERS * 16 * 16 * 32 * 2 / t * 1e-9 : 0;
+        best = gflops > best ? gflops : best;
+    }
+    ta_amx_end();
+    return best;
+#else
+    return 0;
+#endif
+}
+
+/* --------------------------------------------------------------------------------------- profile */
+
+#define TA_PHASE_NAME(name) #name ","
+const char *ta_profile_names(void) { return TA_PHASES(TA_PHASE_NAME); }
+
+#ifdef TA_PROFILE
+__thread uint64_t ta_prof_local[TA_PH_COUNT], ta_prof_long[TA_PH_COUNT];
+static uint64_t prof_total[TA_PH_COUNT];
+
+void ta_prof_flush(void) {
+    for (int i = 0; i < TA_PH_COUNT; i++) {
+        if (ta_prof_local[i]) __atomic_fetch_add(&prof_total[i], ta_prof_local[i], __ATOMIC_RELAXED);
+        ta_prof_local[i] = 0;
+    }
+}
+
+#include <sys/resource.h>
+#ifndef RUSAGE_THREAD
+#define RUSAGE_THREAD 1 /* Linux's, hidden without _GNU_SOURCE */
+#endif
+long ta_prof_switches(void) {
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_nivcsw : -1;
+}
+
+void ta_prof_task_end(long switches_before, uint64_t ticks) {
+    int preempted = ta_prof_switches() != switches_before;
+    uint64_t dropped = 0;
+    for (int i = 0; i < TA_PH_COUNT; i++) { /* preempted: the long intervals carry the time slice */
+        if (preempted)
+            dropped += ta_prof_long[i];
+        else
+            ta_prof_local[i] += ta_prof_long[i];
+        ta_prof_long[i] = 0;
+    }
+    ta_prof_local[TA_PH_preempted] += (uint64_t)preempted;
+    ta_prof_local[TA_PH_task] += ticks > dropped ? ticks - dropped : 0;
+    ta_prof_local[TA_PH_task_all] += ticks;
+    ta_prof_local[TA_PH_tasks] += 1;
+    ta_prof_flush();
+}
+#endif
+
+/* The profiling build's counters (TSC ticks, or counts for calls/tasks) into out[0..n), cleared;
+ * returns how many phases there are, or -1 when the library was built without TA_PROFILE. */
+int64_t ta_profile_read(double *out, int64_t n) {
+#ifdef TA_PROFILE
+    for (int64_t i = 0; i < n && i < TA_PH_COUNT; i++) out[i] = (double)__atomic_exchange_n(&prof_total[i], 0, __ATOMIC_RELAXED);
+    return TA_PH_COUNT;
+#else
+    (void)out, (void)n;
+    return -1;
+#endif
+}
+
 /* ------------------------------------------------------------------------------- scratch, tasks */
+
+int64_t ta_l2_bytes(void) {
+    static int64_t bytes;
+    int64_t b = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
+    if (b == 0) {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        b = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        if (b < (256 << 10) || b > (64 << 20)) b = 1 << 20;
+        __atomic_store_n(&bytes, b, __ATOMIC_RELAXED);
+    }
+    return b;
+}
 
 static __thread void *tls_buf[TA_SCRATCH_SLOTS];
 static __thread size_t tls_cap[TA_SCRATCH_SLOTS];
@@ -181,10 +318,17 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
     if (nt > ntasks) nt = ntasks;
     if (work < TA_PARALLEL_MIN_WORK) nt = 1;
     int status = TA_OK;
+    TA_PROF_T(region);
     if (nt <= 1) {
-        for (int64_t t = 0; t < ntasks && status == TA_OK; t++)
+        for (int64_t t = 0; t < ntasks && status == TA_OK; t++) {
+            TA_PROF_TASK_T(task, sw);
             status = fn(a, plan, (const char *)tasks + (size_t)t * task_size);
+            TA_PROF_TASK(task, sw);
+        }
         ta_scratch_trim();
+        TA_PROF_REGION(region);
+        TA_PROF_COUNT(calls, 1);
+        TA_PROF_FLUSH();
         return status;
     }
     /* num_threads clause: the caller's OpenMP settings are left untouched */
@@ -193,10 +337,19 @@ int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *task
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < ntasks; t++) {
             if (__atomic_load_n(&status, __ATOMIC_RELAXED) != TA_OK) continue;
+            TA_PROF_TASK_T(task, sw);
             record_status(&status, fn(a, plan, (const char *)tasks + (size_t)t * task_size));
+            TA_PROF_TASK(task, sw);
         }
         ta_scratch_trim();
     }
+    /* thread-ticks the region offered: what the tasks did not use is imbalance and fork/join */
+    TA_PROF_REGION(region);
+#ifdef TA_PROFILE
+    ta_prof_local[TA_PH_region] *= (uint64_t)nt;
+#endif
+    TA_PROF_COUNT(calls, 1);
+    TA_PROF_FLUSH();
     return status;
 }
 

@@ -24,6 +24,7 @@
 #include "amx.h"
 #include "gemm_bf16.h"
 #include "kernels.h"
+#include "profile.h"
 #include "tile.h"
 
 typedef struct {
@@ -57,7 +58,7 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
     size_t rows_bytes = ta_round_up((int64_t)ta_rows_bytes(npan), 64);
     int64_t qside = lanes * (D + Dv) + lanes * PW * (dpanels(D) + dpanels(Dv));
     int64_t tiles = 4 * lanes * bn;
-    size_t nreal = (size_t)(qside + tiles + bn * (D + Dv) + wmax);
+    size_t nreal = (size_t)(qside + tiles + bn * (D + Dv) + PW * ta_round_up(wmax, PW));
     const int64_t dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
     size_t nhalf = P->amx ? (size_t)(2 * lanes * (dpad + dvpad) + bn * (2 * dpad + dvpad) + 3 * bn * lanes) : 0;
     char *mem = (char *)ta_scratch(0, rows_bytes + nreal * sizeof(real) + nhalf * 2 + 64);
@@ -90,6 +91,7 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
 /* Describe and pack query block qb of kv head hk: q and dout both ways, lse2 and Delta per lane. */
 static void bwd_pack_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, int64_t hk, int64_t qb, ta_rows *R,
                        bwd_bufs *W) {
+    TA_PROF_T(pt);
     int64_t i0 = qb * P->bmq, nq = s->q_len - i0 < P->bmq ? s->q_len - i0 : P->bmq;
     ta_rows_init(R, W->rows_mem, a, s, hk, i0, nq);
 #ifdef TA_HAVE_AMX
@@ -114,6 +116,7 @@ static void bwd_pack_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, int
         R->lse2[r] = lse == -INFINITY ? (real)INFINITY : (real)(lse * TA_LOG2E);
         R->delta[r] = (real)delta;
     }
+    TA_PROF(pt, bwd_pack);
 }
 
 /* Add dS of panel p into the caller's fp32 (fp64) dbias, whose broadcast dimensions have stride 0. */
@@ -173,30 +176,93 @@ static void bwd_mods(const ta_args *a, const ta_rows *R, bwd_bufs *W, int64_t tp
     }
 }
 
+/* dV or dK (C, npan_out panels of PW channels, key rows) += T^T X, summed over the lanes of R: T is a
+ * tile's P/Z or dS panels (key rows from j0, panel stride tp), X the lane rows of Qn or dOn (panel
+ * stride x_ps). Each block of keys sums only over the panels whose key range [pk0, pk1) meets it
+ * (rows outside a panel's range are zero in T): on the causal diagonal the hidden half is skipped. */
+static void bwd_gemm_lanes(const ta_rows *R, int64_t j0, int64_t n, const real *T, int64_t tp, const real *X,
+                           int64_t x_ps, int64_t npan_out, real *C, const int64_t *pk0, const int64_t *pk1, ta_pfs *pf,
+                           int64_t budget) {
+    const int64_t blocks = npan_out * ((n + TA_MR - 1) / TA_MR), per = blocks > 0 ? (budget + blocks - 1) / blocks : 0;
+    for (int64_t op = 0; op < npan_out; op++)
+        for (int64_t r0 = 0; r0 < n;) {
+            ta_pfs_issue(pf, per);
+            int64_t left = n - r0;
+            int mr = left >= TA_MR ? TA_MR : left >= 8 && TA_MR > 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            int64_t qa = 0, qb = 0;
+            while (qa < R->npan && (pk1[qa] <= j0 + r0 || pk0[qa] >= j0 + r0 + mr)) qa++;
+            for (qb = qa; qb < R->npan && pk1[qb] > j0 + r0 && pk0[qb] < j0 + r0 + mr; qb++) {
+            }
+            int64_t lanes = (qb * PW < R->M ? qb * PW : R->M) - qa * PW;
+            if (lanes > 0)
+                ta_mk_TA_A_PANELS(mr, lanes, T + qa * tp + r0 * PW, tp, X + op * x_ps + qa * PW * PW,
+                                  C + op * tp + r0 * PW, 1, 1, NULL);
+            r0 += mr;
+        }
+}
+
 /* One tile: query block R against keys [j0, j1). Accumulates dK/dV (when dK is not NULL) and
- * dQ^T (when dQt is not NULL). */
+ * dQ^T (when dQt is not NULL). Each panel of lanes computes only the keys it can see (its scores,
+ * dP, probabilities and dQ); the other rows of its P and dS are zeroed for the dK/dV sums. pf: what
+ * the next tile reads (K and V rows, dK and dV accumulators), pulled into L2 during this one. */
 static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
-                     int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
+                     int64_t j0, int64_t j1, real *dK, real *dV, real *dQt, ta_pfs *pf) {
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW;
+    TA_PROF_T(pt);
     int flags = bwd_flags(a, P, R, j0, j1);
     if (flags < 0) return;
-    int64_t ldk, ldv;
+    int64_t ldk, ldv, pk0[npan], pk1[npan];
+    /* the prefetches spread over every GEMM of the tile */
+    const int64_t budget = (ta_pfs_lines(pf) + 3 * npan + 1) / (3 * npan + 2);
     const real *K = ta_kv_rows(a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, W->kbuf, &ldk);
     const real *V = ta_kv_rows(a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, W->vbuf, &ldv);
     real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
-    ta_gemm(n, npan, D, ta_opa_rows(K, ldk), W->Qt, D * PW, W->S, tp, 0, alpha, NULL);
-    ta_gemm(n, npan, Dv, ta_opa_rows(V, ldv), W->dOt, Dv * PW, W->dP, tp, 0, 1, NULL);
-    if (flags) bwd_mods(a, R, W, tp, n, j0, flags);
-    for (int64_t p = 0; p < npan; p++)
-        bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
-                  n, j0, 1, dK != NULL);
-    /* now S holds P and dP holds dS */
-    if (dK) {
-        ta_gemm(n, dpanels(Dv), R->M, ta_opa_panels(a->dropout_p > 0 ? W->Z : W->S, tp), W->dOn, npan * PW * PW, dV,
-                tp, 1, 1, NULL);
-        ta_gemm(n, dpanels(D), R->M, ta_opa_panels(W->dP, tp), W->Qn, npan * PW * PW, dK, tp, 1, 1, NULL);
+    real *Z = a->dropout_p > 0 ? W->Z : W->S;
+    TA_PROF(pt, bwd_mods);
+    for (int64_t p = 0; p < npan; p++) {
+        ta_panel_keys(R, p, j0, j1, &pk0[p], &pk1[p]);
+        int64_t o = (pk0[p] - j0) * PW, m = pk1[p] - pk0[p];
+        if (m == 0) continue;
+        ta_gemm(m, 1, D, ta_opa_rows(K + (pk0[p] - j0) * ldk, ldk), W->Qt + p * D * PW, 0, W->S + p * tp + o, 0, 0,
+                alpha, NULL, pf, budget);
+        TA_PROF(pt, bwd_scores);
+        ta_gemm(m, 1, Dv, ta_opa_rows(V + (pk0[p] - j0) * ldv, ldv), W->dOt + p * Dv * PW, 0, W->dP + p * tp + o, 0,
+                0, 1, NULL, pf, budget);
+        TA_PROF(pt, bwd_dp);
+        int pflags = (flags & ~TA_TILE_EDGE) |
+                     (ta_lanes_on_edge(R, p * PW, (p + 1) * PW, pk0[p], pk1[p]) ? TA_TILE_EDGE : 0);
+        if (pflags) {
+            real cmax[PW];
+            for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
+            ta_score_mods(a, R, p, W->S + p * tp + o, m, pk0[p], pflags, cmax, a->softcap > 0 ? W->T + p * tp + o : NULL);
+        }
+        TA_PROF(pt, bwd_mods);
+        bwd_probs(a, s, R, p, W->S + p * tp + o, W->dP + p * tp + o, W->Z + p * tp + o,
+                  a->softcap > 0 ? W->T + p * tp + o : NULL, m, pk0[p], 1, dK != NULL);
+        TA_PROF(pt, bwd_probs);
     }
-    if (dQt) ta_gemm(D, npan, n, ta_opa_cols(K, ldk), W->dP, tp, dQt, P->dq_rows * PW, 1, 1, NULL);
+    /* now S holds P and dP holds dS, on each panel's key range */
+    if (dK) {
+        for (int64_t p = 0; p < npan; p++) {
+            int64_t lo = pk1[p] > pk0[p] ? pk0[p] - j0 : n, hi = pk1[p] > pk0[p] ? pk1[p] - j0 : n;
+            memset(Z + p * tp, 0, (size_t)(lo * PW) * sizeof(real));
+            memset(Z + p * tp + hi * PW, 0, (size_t)((n - hi) * PW) * sizeof(real));
+            memset(W->dP + p * tp, 0, (size_t)(lo * PW) * sizeof(real));
+            memset(W->dP + p * tp + hi * PW, 0, (size_t)((n - hi) * PW) * sizeof(real));
+        }
+        TA_PROF(pt, bwd_probs);
+        bwd_gemm_lanes(R, j0, n, Z, tp, W->dOn, npan * PW * PW, dpanels(Dv), dV, pk0, pk1, pf, budget);
+        TA_PROF(pt, bwd_dv);
+        bwd_gemm_lanes(R, j0, n, W->dP, tp, W->Qn, npan * PW * PW, dpanels(D), dK, pk0, pk1, pf, budget);
+        TA_PROF(pt, bwd_dk);
+    }
+    if (dQt) {
+        for (int64_t p = 0; p < npan; p++)
+            if (pk1[p] > pk0[p])
+                ta_gemm(D, 1, pk1[p] - pk0[p], ta_opa_cols(K + (pk0[p] - j0) * ldk, ldk),
+                        W->dP + p * tp + (pk0[p] - j0) * PW, 0, dQt + p * P->dq_rows * PW, 0, 1, 1, NULL, pf, budget);
+        TA_PROF(pt, bwd_dq);
+    }
 }
 
 #ifdef TA_HAVE_AMX
@@ -207,12 +273,16 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
                          int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW, lanes = npan * PW;
     const int64_t np = ta_round_up(n, 32), dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
+    TA_PROF_T(pt);
     int flags = bwd_flags(a, P, R, j0, j1);
     if (flags < 0) return;
     ta_amx_pack_rows(W->k2, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, np, dpad);
     ta_amx_pack_rows(W->v2, a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, np, dvpad);
+    TA_PROF(pt, bwd_pack);
     ta_amx_gemm(np, npan, dpad, W->k2, dpad, W->qt2, dpad * PW, W->S, tp, 0);
+    TA_PROF(pt, bwd_scores);
     ta_amx_gemm(np, npan, dvpad, W->v2, dvpad, W->dot2, dvpad * PW, W->dP, tp, 0);
+    TA_PROF(pt, bwd_dp);
     real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E), sc = alpha;
     if (flags) {
         for (int64_t p = 0; p < npan; p++)
@@ -220,14 +290,19 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
         bwd_mods(a, R, W, tp, n, j0, flags);
         sc = 1;
     }
+    TA_PROF(pt, bwd_mods);
     for (int64_t p = 0; p < npan; p++)
         bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
                   n, j0, sc, dK != NULL);
+    TA_PROF(pt, bwd_probs);
     if (dK) {
         ta_amx_rows_bf16(W->zb, a->dropout_p > 0 ? W->Z : W->S, tp, npan, n, np, R->M);
         ta_amx_rows_bf16(W->dsb, W->dP, tp, npan, n, np, R->M);
+        TA_PROF(pt, bwd_pack);
         ta_amx_gemm(np, dpanels(Dv), lanes, W->zb, lanes, W->don2, lanes * PW, dV, tp, 1);
+        TA_PROF(pt, bwd_dv);
         ta_amx_gemm(np, dpanels(D), lanes, W->dsb, lanes, W->qn2, lanes * PW, dK, tp, 1);
+        TA_PROF(pt, bwd_dk);
     }
     if (dQt) {
         for (int64_t p = 0; p < npan; p++) {
@@ -242,47 +317,62 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
                 }
         }
         ta_amx_pack_vt(W->kt2, np, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, dpad);
+        TA_PROF(pt, bwd_pack);
         ta_amx_gemm(dpad, npan, np, W->kt2, np, W->dsp, tp, dQt, P->dq_rows * PW, 1);
+        TA_PROF(pt, bwd_dq);
     }
 }
 #endif
 
 static void bwd_tile_any(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, bwd_bufs *W,
-                         int64_t j0, int64_t j1, real *dK, real *dV, real *dQt) {
+                         int64_t j0, int64_t j1, real *dK, real *dV, real *dQt, ta_pfs *pf) {
 #ifdef TA_HAVE_AMX
     if (P->amx) {
         bwd_tile_amx(a, P, s, R, W, j0, j1, dK, dV, dQt);
         return;
     }
 #endif
-    bwd_tile(a, P, s, R, W, j0, j1, dK, dV, dQt);
+    bwd_tile(a, P, s, R, W, j0, j1, dK, dV, dQt, pf);
 }
 
-/* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to `rows`. */
+/* dK/dV rows [j0, j0 + n) of kv head hk from their accumulators (dK scaled); zero rows past n up to
+ * `rows`. tmp holds one row of max(D, Dv) rounded up to PW. */
 static void bwd_store_kv(const ta_args *a, const ta_seq *s, int64_t hk, int64_t j0, int64_t n, int64_t rows,
                          const real *dK, const real *dV, int64_t tp, real *tmp) {
-    const real scale = (real)a->scale;
+    TA_PROF_T(pt);
+    const vr scale = vset1((real)a->scale);
     for (int64_t j = 0; j < rows; j++) {
         for (int pass = 0; pass < 2; pass++) {
             int64_t w = pass ? a->Dv : a->D;
             const real *acc = pass ? dV : dK;
-            for (int64_t d = 0; d < w; d++) tmp[d] = j < n ? acc[(d / PW) * tp + j * PW + d % PW] * (pass ? 1 : scale) : 0;
+            for (int64_t d0 = 0; d0 < w; d0 += VW)
+                vstore(tmp + d0, j < n ? (pass ? vload(acc + (d0 / PW) * tp + j * PW + d0 % PW)
+                                               : vload(acc + (d0 / PW) * tp + j * PW + d0 % PW) * scale)
+                                       : vzero());
             const int64_t *st = pass ? a->dv_st : a->dk_st;
             int64_t off = (pass ? s->dv0 : s->dk0) + hk * st[1] + (j0 + j) * st[2];
             ta_store_row((char *)(pass ? a->dv : a->dk) + off * ta_elsize(a->dkv_dtype), tmp, w, a->dkv_dtype);
         }
     }
+    TA_PROF(pt, bwd_store);
 }
 
+/* dQ of the lanes of R from dQ^T (scaled), a panel at a time through tmp (PW rows). */
 static void bwd_store_q(const ta_args *a, const bwd_plan *P, const ta_seq *s, const ta_rows *R, const real *dQt,
                         real *tmp) {
-    const real scale = (real)a->scale;
-    for (int64_t r = 0; r < R->M; r++) {
-        const real *col = dQt + (r / PW) * P->dq_rows * PW + r % PW;
-        for (int64_t d = 0; d < a->D; d++) tmp[d] = col[d * PW] * scale;
-        int64_t off = s->dq0 + R->head[r] * a->dq_st[1] + R->row[r] * a->dq_st[2];
-        ta_store_row((char *)a->dq + off * ta_elsize(a->dq_dtype), tmp, a->D, a->dq_dtype);
+    TA_PROF_T(pt);
+    const int64_t ld = ta_round_up(a->D, PW);
+    real scale[PW];
+    for (int64_t k = 0; k < PW; k++) scale[k] = (real)a->scale;
+    for (int64_t p = 0; p < R->npan; p++) {
+        int64_t nrows = R->M - p * PW < PW ? R->M - p * PW : PW;
+        ta_panel_to_rows(tmp, ld, nrows, dQt + p * P->dq_rows * PW, a->D, scale);
+        for (int64_t k = 0; k < nrows; k++) {
+            int64_t r = p * PW + k, off = s->dq0 + R->head[r] * a->dq_st[1] + R->row[r] * a->dq_st[2];
+            ta_store_row((char *)a->dq + off * ta_elsize(a->dq_dtype), tmp + k * ld, a->D, a->dq_dtype);
+        }
     }
+    TA_PROF(pt, bwd_store);
 }
 
 /* Key blocks [*kb0, *kb1) that query block qb sees, and query blocks that key block kb is seen by. */
@@ -303,6 +393,23 @@ static void bwd_qb_range(const ta_args *a, const bwd_plan *P, const ta_seq *s, i
 static int64_t bwd_kb_size(const bwd_plan *P, const ta_seq *s, int64_t kb) {
     int64_t j0 = kb * P->bn;
     return j0 + P->bn < s->k_len ? P->bn : s->k_len - j0;
+}
+
+/* What the tile of key block kb reads from beyond L2: its K and V rows (fp32 inputs read in place)
+ * and, when given, its dK and dV accumulators (`acc` reals each). */
+static ta_pfs bwd_prefetch(const ta_args *a, const bwd_plan *P, const ta_seq *s, int64_t hk, int64_t kb,
+                           const real *dK, const real *dV, int64_t dk_len, int64_t dv_len) {
+    ta_pfs pf = {0};
+    int64_t j0 = kb * P->bn, n = bwd_kb_size(P, s, kb);
+    int native = (TA_REAL_BITS == 64) ? a->dtype == TA_F64 : a->dtype == TA_F32;
+    if (kb < 0 || n <= 0) return pf;
+    if (native) {
+        ta_pfs_add(&pf, ta_pf_rows((const real *)a->k + s->k0 + hk * a->k_st[1] + j0 * a->k_st[2], a->k_st[2], a->D, n));
+        ta_pfs_add(&pf, ta_pf_rows((const real *)a->v + s->v0 + hk * a->v_st[1] + j0 * a->v_st[2], a->v_st[2], a->Dv, n));
+    }
+    if (dK) ta_pfs_add(&pf, ta_pf_rows(dK, dk_len, dk_len, 1));
+    if (dV) ta_pfs_add(&pf, ta_pf_rows(dV, dv_len, dv_len, 1));
+    return pf;
 }
 
 /* Fused schedule: every (query block, key block) tile of the task's kv heads. */
@@ -328,9 +435,17 @@ static int bwd_fused(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
                 memset(dQt, 0, (size_t)(R.npan * PW * P->dq_rows) * sizeof(real));
                 int64_t kb0, kb1;
                 bwd_kb_range(a, P, &s, qb, &kb0, &kb1);
-                for (int64_t kb = kb0; kb < kb1; kb++)
+                /* the tile after the last of this row of tiles is the first of the next query block */
+                int64_t nkb0 = -1, nkb1 = -1;
+                if ((qb + 1) * P->bmq < s.q_len) bwd_kb_range(a, P, &s, qb + 1, &nkb0, &nkb1);
+                for (int64_t kb = kb0; kb < kb1; kb++) {
+                    int64_t next = kb + 1 < kb1 ? kb + 1 : nkb0 < nkb1 ? nkb0 : -1;
+                    ta_pfs pf = bwd_prefetch(a, P, &s, hk, next, next >= 0 ? dKall + next * tp * Dpad / PW : NULL,
+                                             next >= 0 ? dVall + next * tp * Dvpad / PW : NULL, tp * Dpad / PW,
+                                             tp * Dvpad / PW);
                     bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb),
-                                 dKall + kb * tp * Dpad / PW, dVall + kb * tp * Dvpad / PW, dQt);
+                                 dKall + kb * tp * Dpad / PW, dVall + kb * tp * Dvpad / PW, dQt, &pf);
+                }
                 bwd_store_q(a, P, &s, &R, dQt, W.tmp);
             }
             for (int64_t kb = 0; kb < nkb; kb++)
@@ -361,7 +476,8 @@ static int bwd_kv(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
                 if (ta_cancelled(a)) return TA_CANCELLED;
                 ta_rows R;
                 bwd_pack_q(a, P, &s, hk, qb, &R, &W);
-                bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + n, dK, dV, NULL);
+                ta_pfs pf = {0};
+                bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + n, dK, dV, NULL, &pf);
             }
             bwd_store_kv(a, &s, hk, kb * P->bn, n, n, dK, dV, tp, W.tmp);
         }
@@ -383,7 +499,8 @@ static int bwd_q(const ta_args *a, const bwd_plan *P, const bwd_task *t) {
     bwd_kb_range(a, P, &s, t->blk, &kb0, &kb1);
     for (int64_t kb = kb0; kb < kb1; kb++) {
         if (ta_cancelled(a)) return TA_CANCELLED;
-        bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb), NULL, NULL, dQt);
+        ta_pfs pf = bwd_prefetch(a, P, &s, t->hk, kb + 1 < kb1 ? kb + 1 : -1, NULL, NULL, 0, 0);
+        bwd_tile_any(a, P, &s, &R, &W, kb * P->bn, kb * P->bn + bwd_kb_size(P, &s, kb), NULL, NULL, dQt, &pf);
     }
     bwd_store_q(a, P, &s, &R, dQt, W.tmp);
     return TA_OK;
@@ -409,7 +526,7 @@ static int bwd_cost_desc(const void *x, const void *y) {
 
 /* dK/dV rows past a sequence's used keys (seqused_k) get zeros. */
 static void bwd_zero_unused(const ta_args *a) {
-    real *zero = (real *)calloc((size_t)(a->D > a->Dv ? a->D : a->Dv), sizeof(real));
+    real *zero = (real *)calloc((size_t)ta_round_up(a->D > a->Dv ? a->D : a->Dv, PW), sizeof(real));
     if (!zero) return;
     for (int64_t b = 0; b < a->B; b++) {
         ta_seq s;

@@ -21,6 +21,11 @@
  *
  * Epilogue options for the score GEMM: multiply by alpha (no accumulation) and fold the tile's
  * column maximum (the max over rows r, i.e. over keys, per query lane) into cmax.
+ *
+ * Prefetch: a GEMM can pull the rows the next one will read (the next tile's K or V, which come from
+ * L3 or memory: a head's K and V are larger than L2 at long sequences) into L2 while it computes,
+ * spread evenly over its register blocks. Without it the first panel of every tile waited on those
+ * rows: the two GEMMs of the forward ran at 75-84 % of the FMA peak at S=4096 instead of 88 %.
  */
 #ifndef TA_GEMM_H
 #define TA_GEMM_H
@@ -131,12 +136,59 @@ TA_MK_KIND(TA_A_ROWS)
 TA_MK_KIND(TA_A_COLS)
 TA_MK_KIND(TA_A_PANELS)
 
+/* Rows to prefetch into L2 during the GEMMs of a tile: up to four ranges of `rows` rows of `bytes`
+ * bytes, `ld` bytes apart, issued in order as the GEMMs ask (a few cache lines before each register
+ * block, so the loads never queue up behind a burst of prefetches). */
+typedef struct {
+    const char *p;
+    int64_t ld, bytes, rows;
+} ta_pf;
+
+typedef struct {
+    ta_pf r[4];
+    int n, i;
+    int64_t row, line;
+} ta_pfs;
+
+static inline ta_pf ta_pf_rows(const void *p, int64_t ld, int64_t width, int64_t rows) {
+    return (ta_pf){(const char *)p, ld * (int64_t)sizeof(real), width * (int64_t)sizeof(real), p ? rows : 0};
+}
+
+/* cache lines a row of the range touches (one more when rows do not start on a line boundary) */
+static inline int64_t ta_pf_lpr(const ta_pf *r) {
+    return (r->bytes + 63) / 64 + ((((uintptr_t)r->p | (uintptr_t)r->ld) & 63) != 0);
+}
+
+static inline void ta_pfs_add(ta_pfs *s, ta_pf r) {
+    if (r.rows > 0 && r.bytes > 0 && s->n < 4) s->r[s->n++] = r;
+}
+
+static inline int64_t ta_pfs_lines(const ta_pfs *s) {
+    int64_t t = 0;
+    for (int k = s->i; k < s->n; k++) t += s->r[k].rows * ta_pf_lpr(&s->r[k]) - (k == s->i ? s->row * ta_pf_lpr(&s->r[k]) + s->line : 0);
+    return t;
+}
+
+static inline void ta_pfs_issue(ta_pfs *s, int64_t lines) {
+    while (lines-- > 0 && s->i < s->n) {
+        const ta_pf *r = &s->r[s->i];
+        __builtin_prefetch(r->p + s->row * r->ld + s->line * 64, 0, 2);
+        if (++s->line == ta_pf_lpr(r)) {
+            s->line = 0;
+            if (++s->row == r->rows) s->row = 0, s->i++;
+        }
+    }
+}
+
 /* C = alpha * A B (accumulate = 0) or C += A B over npan panels; b_ps/c_ps: panel strides, C rows
- * are PW apart. cmax (npan * PW values) receives the column maximum when not NULL. */
+ * are PW apart. cmax (npan * PW values) receives the column maximum when not NULL. When pf is not
+ * NULL, `budget` of its cache lines are prefetched on the way. */
 static void ta_gemm(int64_t M, int64_t npan, int64_t K, ta_opa A, const real *B, int64_t b_ps, real *C,
-                    int64_t c_ps, int accumulate, real alpha, real *cmax) {
+                    int64_t c_ps, int accumulate, real alpha, real *cmax, ta_pfs *pf, int64_t budget) {
+    const int64_t blocks = npan * ((M + TA_MR - 1) / TA_MR), per = pf && blocks > 0 ? (budget + blocks - 1) / blocks : 0;
     for (int64_t p = 0; p < npan; p++) {
         for (int64_t r0 = 0; r0 < M;) {
+            if (per) ta_pfs_issue(pf, per);
             int64_t left = M - r0;
             int mr = left >= TA_MR ? TA_MR : left >= 8 && TA_MR > 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
             const real *a = A.kind == TA_A_ROWS ? A.p + r0 * A.ld : A.kind == TA_A_COLS ? A.p + r0 : A.p + r0 * PW;

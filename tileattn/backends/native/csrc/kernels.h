@@ -21,6 +21,9 @@ int ta_backward_f64(const ta_args *a);
  * a->num_threads OpenMP threads, dynamically scheduled in array order. A task's result depends only
  * on the task, so neither the thread count nor the schedule changes any bit. `work` (multiply-adds)
  * keeps tiny calls on the calling thread. Returns the first nonzero status (cancelled, no memory). */
+/* This core's L2 cache in bytes (1 MiB where the system does not say), for sizing query blocks. */
+int64_t ta_l2_bytes(void);
+
 typedef int (*ta_task_fn)(const ta_args *a, const void *plan, const void *task);
 int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *tasks, size_t task_size, ta_task_fn fn,
                  const void *plan);

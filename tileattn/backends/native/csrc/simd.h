@@ -6,7 +6,9 @@
  *
  *   TA_ISA_AVX512   64-byte vectors (16 fp32 lanes), needs AVX-512 F/BW/VL and FMA
  *   TA_ISA_AVX2     32-byte vectors (8 fp32 lanes), needs AVX2 and FMA
- *   TA_ISA_GENERIC  16-byte GCC/clang vector extensions: SSE2, NEON, anything else
+ *   TA_ISA_GENERIC  GCC/clang vector extensions only, 32-byte vectors where the target has AVX or
+ *                   NEON's 32 registers (one AVX register, two NEON registers per vector), 16 bytes
+ *                   elsewhere (SSE2 without AVX, ...); FMAs wherever the compiler contracts a*b+c
  *
  * Vectors are GCC vector-extension types, so plain arithmetic (+ - * /, comparisons, shifts) works
  * on them everywhere and compiles to the ISA's instructions; only the operations without an
@@ -37,6 +39,9 @@
 #include <immintrin.h>
 #define TA_VBYTES 32
 #define TA_ISA_NAME "avx2"
+#elif defined(__AVX__) || defined(__aarch64__)
+#define TA_VBYTES 32
+#define TA_ISA_NAME "generic"
 #else
 #define TA_VBYTES 16
 #define TA_ISA_NAME "generic"
@@ -51,6 +56,7 @@ typedef double real;
 typedef int64_t ireal; /* an integer as wide as real: lane masks and exponent bits */
 typedef uint64_t uireal;
 #define REAL_SUFFIX f64
+#define TA_REAL_BYTES 8
 #define REAL_MANT 52
 #define REAL_BIAS 1023
 #define REAL_ROUND_MAGIC 6755399441055744.0 /* 1.5 * 2^52 */
@@ -59,6 +65,7 @@ typedef float real;
 typedef int32_t ireal;
 typedef uint32_t uireal;
 #define REAL_SUFFIX f32
+#define TA_REAL_BYTES 4
 #define REAL_MANT 23
 #define REAL_BIAS 127
 #define REAL_ROUND_MAGIC 12582912.0f /* 1.5 * 2^23 */
@@ -121,10 +128,33 @@ TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm256_fmadd_pd(a, b, c); }
 TA_INLINE vr vmax_(vr a, vr b) { return _mm256_max_pd(a, b); }
 TA_INLINE vr vmin_(vr a, vr b) { return _mm256_min_pd(a, b); }
 #else
+/* a one-source shuffle of lane 0 is what compilers turn into a broadcast (a loop over the lanes
+ * became a chain of lane inserts) */
+#define TA_LANE0_2 0, 0
+#define TA_LANE0_4 TA_LANE0_2, TA_LANE0_2
+#define TA_LANE0_8 TA_LANE0_4, TA_LANE0_4
+#define TA_LANE0_16 TA_LANE0_8, TA_LANE0_8
+#define TA_LANE0_N(n) TA_LANE0_##n
+#define TA_LANE0(n) TA_LANE0_N(n)
+#define TA_VW_LITERAL_32_4 8
+#define TA_VW_LITERAL_32_8 4
+#define TA_VW_LITERAL_16_4 4
+#define TA_VW_LITERAL_16_8 2
+#define TA_VW_LIT_(b, r) TA_VW_LITERAL_##b##_##r
+#define TA_VW_LIT(b, r) TA_VW_LIT_(b, r)
 TA_INLINE vr vset1(real x) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+    vr r = {x};
+    return __builtin_shufflevector(r, r, TA_LANE0(TA_VW_LIT(TA_VBYTES, TA_REAL_BYTES)));
+#define TA_VSET1_DONE
+#endif
+#endif
+#ifndef TA_VSET1_DONE
     vr r;
-    for (int i = 0; i < VW; i++) r[i] = x; /* recognised as a broadcast */
+    for (int i = 0; i < VW; i++) r[i] = x;
     return r;
+#endif
 }
 /* Whether this contracts to one fused instruction depends on the target; the kernels never rely
  * on it, only on computing the same expression the same way in the forward and backward passes. */
@@ -138,6 +168,63 @@ TA_INLINE vr vmin_(vr a, vr b) { return vselect(a < b, a, b); }
  * the reference. */
 TA_INLINE vr vmax_keepnan(vr x, vr bound) { return vmax_(bound, x); }
 TA_INLINE vr vmin_keepnan(vr x, vr bound) { return vmin_(bound, x); }
+
+/* Transpose a VW x VW block held in VW vectors: x[i][j] <-> x[j][i]. log2(VW) butterfly stages; stage h
+ * swaps the off-diagonal h x h blocks of each pair of rows (i, i + h), one two-source shuffle per
+ * row (vpermt2ps, vunpck*, ... whatever the ISA has). The query-side packing and the writing of
+ * out/dQ use it instead of one scalar store per element. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define TA_HAVE_SHUFFLE 1
+#endif
+#endif
+#ifdef TA_HAVE_SHUFFLE
+#define TA_TSTAGE(h)                                                                             \
+    _Pragma("GCC unroll 16") for (int i = 0; i < VW; i++)                                        \
+        if (!(i & (h))) {                                                                        \
+            vr a_ = x[i], b_ = x[i + (h)];                                                       \
+            TA_TPAIR_##h                                                                         \
+        }
+#if TA_VBYTES / TA_REAL_BYTES == 2
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 2); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 3);
+#define TA_TSTAGES TA_TSTAGE(1)
+#elif TA_VBYTES / TA_REAL_BYTES == 4
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 4, 2, 6); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 5, 3, 7);
+#define TA_TPAIR_2 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 4, 5); \
+    x[i + 2] = __builtin_shufflevector(a_, b_, 2, 3, 6, 7);
+#define TA_TSTAGES TA_TSTAGE(1) TA_TSTAGE(2)
+#elif TA_VBYTES / TA_REAL_BYTES == 8
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 8, 2, 10, 4, 12, 6, 14); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 9, 3, 11, 5, 13, 7, 15);
+#define TA_TPAIR_2 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 8, 9, 4, 5, 12, 13); \
+    x[i + 2] = __builtin_shufflevector(a_, b_, 2, 3, 10, 11, 6, 7, 14, 15);
+#define TA_TPAIR_4 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 2, 3, 8, 9, 10, 11); \
+    x[i + 4] = __builtin_shufflevector(a_, b_, 4, 5, 6, 7, 12, 13, 14, 15);
+#define TA_TSTAGES TA_TSTAGE(1) TA_TSTAGE(2) TA_TSTAGE(4)
+#elif TA_VBYTES / TA_REAL_BYTES == 16
+#define TA_TPAIR_1 x[i] = __builtin_shufflevector(a_, b_, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); \
+    x[i + 1] = __builtin_shufflevector(a_, b_, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#define TA_TPAIR_2 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); \
+    x[i + 2] = __builtin_shufflevector(a_, b_, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+#define TA_TPAIR_4 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27); \
+    x[i + 4] = __builtin_shufflevector(a_, b_, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+#define TA_TPAIR_8 x[i] = __builtin_shufflevector(a_, b_, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); \
+    x[i + 8] = __builtin_shufflevector(a_, b_, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#define TA_TSTAGES TA_TSTAGE(1) TA_TSTAGE(2) TA_TSTAGE(4) TA_TSTAGE(8)
+#endif
+TA_INLINE void vtranspose(vr x[VW]) { TA_TSTAGES }
+#else
+TA_INLINE void vtranspose(vr x[VW]) {
+    for (int i = 0; i < VW; i++)
+        for (int j = i + 1; j < VW; j++) {
+            real t = x[i][j];
+            x[i][j] = x[j][i];
+            x[j][i] = t;
+        }
+}
+#endif
 
 TA_INLINE vr vabs(vr x) { return vbits(vibits(x) & ~vibits(vset1((real)-0.0))); }
 

@@ -27,11 +27,13 @@ typedef struct {
     uint32_t *rkey;             /* dropout row key */
     int64_t *bias_row, *mask_row; /* offset of (b, h, i, 0) in the bias / mask */
     real *lse2, *delta;         /* backward: LSE in log2 units and Delta per lane */
+    int64_t *plo, *phi;         /* per panel: the lowest lo and the highest hi of its lanes */
 } ta_rows;
 
 static size_t ta_rows_bytes(int64_t npan) {
     int64_t n = npan * PW;
-    return (size_t)n * (4 * sizeof(int64_t) + 2 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) + 64;
+    return (size_t)n * (4 * sizeof(int64_t) + 2 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) +
+           (size_t)npan * 2 * sizeof(int64_t) + 64;
 }
 
 /* Carve the arrays out of `mem` (ta_rows_bytes(npan) bytes) and describe rows [i0, i0 + nq) of the
@@ -57,7 +59,9 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
     R->delta = (real *)m, m += n * sizeof(real);
     R->lo = (int32_t *)m, m += n * sizeof(int32_t);
     R->hi = (int32_t *)m, m += n * sizeof(int32_t);
-    R->rkey = (uint32_t *)m;
+    R->rkey = (uint32_t *)m, m += n * sizeof(uint32_t);
+    R->plo = (int64_t *)m, m += R->npan * sizeof(int64_t);
+    R->phi = (int64_t *)m;
     for (int64_t r = 0; r < n; r++) {
         int real_row = r < R->M;
         int64_t i = i0 + (real_row ? r / G : 0), h = hk * G + (real_row ? r % G : 0);
@@ -73,6 +77,22 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
         R->lse2[r] = 0;
         R->delta[r] = 0;
     }
+    for (int64_t p = 0; p < R->npan; p++) {
+        R->plo[p] = TA_NO_LIMIT, R->phi[p] = -1;
+        for (int64_t r = p * PW; r < (p + 1) * PW && r < R->M; r++) {
+            R->plo[p] = R->lo[r] < R->plo[p] ? R->lo[r] : R->plo[p];
+            R->phi[p] = R->hi[r] > R->phi[p] ? R->hi[r] : R->phi[p];
+        }
+    }
+}
+
+/* The keys of [j0, j1) that some lane of panel p sees (by the band), as [*k0, *k1) (empty: k0 == k1).
+ * On the causal diagonal a panel of 32 rows sees about half of a tile's keys; the keys it skips are
+ * hidden from every one of its lanes, so leaving them out changes no sum. */
+static inline void ta_panel_keys(const ta_rows *R, int64_t p, int64_t j0, int64_t j1, int64_t *k0, int64_t *k1) {
+    int64_t lo = R->plo[p] > j0 ? R->plo[p] : j0, hi = R->phi[p] + 1 < j1 ? R->phi[p] + 1 : j1;
+    *k0 = lo < hi ? lo : j0;
+    *k1 = lo < hi ? hi : j0;
 }
 
 /* ------------------------------------------------------------------------------------ conversion */
@@ -93,7 +113,7 @@ static void ta_load_row(real *dst, const void *src, int64_t n, int64_t dtype) {
         int64_t i = 0;
 #if defined(TA_ISA_AVX512)
         for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(s + i))));
-#elif defined(__F16C__)
+#elif defined(TA_ISA_AVX2) && defined(__F16C__)
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(s + i))));
 #endif
         for (; i < n; i++) dst[i] = ta_f16_to_f32(s[i]);
@@ -120,21 +140,72 @@ static void ta_store_row(void *dst, const real *src, int64_t n, int64_t dtype) {
 
 /* ---------------------------------------------------------------------------- query-side packing */
 
+/* Rows -> panel: dst[c][l] = rows[l][c] for the PW lanes l (a NULL row gives zeros) and c < width,
+ * VW x VW blocks at a time through registers. */
+static void ta_rows_to_panel(real *dst, const real *const *rows, int64_t width) {
+    for (int64_t l0 = 0; l0 < PW; l0 += VW)
+        for (int64_t c0 = 0; c0 < width; c0 += VW) {
+            const int64_t cn = width - c0 < VW ? width - c0 : VW;
+            vr x[VW];
+            for (int i = 0; i < VW; i++) {
+                const real *row = rows[l0 + i];
+                x[i] = vzero();
+                if (row && cn == VW)
+                    x[i] = vload(row + c0);
+                else if (row)
+                    memcpy(&x[i], row + c0, (size_t)cn * sizeof(real));
+            }
+            vtranspose(x);
+            for (int64_t j = 0; j < cn; j++) vstore(dst + (c0 + j) * PW + l0, x[j]);
+        }
+}
+
+/* Panel -> rows: rows[l][c] = src[c][l] * scale[l] for lanes l < nrows and c < width; rows are `ld`
+ * reals apart and hold at least round_up(width, VW) reals. */
+static void ta_panel_to_rows(real *rows, int64_t ld, int64_t nrows, const real *src, int64_t width,
+                             const real *scale) {
+    for (int64_t l0 = 0; l0 < PW && l0 < nrows; l0 += VW) {
+        const vr sc = vload(scale + l0);
+        for (int64_t c0 = 0; c0 < width; c0 += VW) {
+            vr x[VW];
+            for (int j = 0; j < VW; j++) x[j] = c0 + j < width ? vload(src + (c0 + j) * PW + l0) * sc : vzero();
+            vtranspose(x);
+            for (int64_t i = 0; i < VW && l0 + i < nrows; i++) vstore(rows + (l0 + i) * ld + c0, x[i]);
+        }
+    }
+}
+
 /* Rows of a q-like tensor (q, dout) for the lanes of R into panels, either transposed
  * ("T": dst[p][d][PW], the B operand of K q^T) or not ("N": dst[dp][r][PW] with the d axis cut
- * into panels, the B operand of dS^T q). `tmp` holds one row. Padding lanes / columns are zero. */
+ * into panels, the B operand of dS^T q). `tmp` holds PW rows of `width` (inputs that are not `real`
+ * are converted there first). Padding lanes / columns are zero. */
 static void ta_pack_rows(real *dst, int transposed, const void *base, int64_t dtype,
                          const int64_t st[3], int64_t seq_off, const ta_rows *R, int64_t width, real *tmp) {
-    int64_t n = R->npan * PW, wpan = (width + PW - 1) / PW;
-    memset(dst, 0, (size_t)(transposed ? R->npan * width * PW : wpan * n * PW) * sizeof(real));
-    for (int64_t r = 0; r < R->M; r++) {
-        ta_load_row(tmp, ta_at(base, seq_off + R->head[r] * st[1] + R->row[r] * st[2], dtype), width, dtype);
-        if (transposed) {
-            real *d = dst + (r / PW) * width * PW + r % PW;
-            for (int64_t c = 0; c < width; c++) d[c * PW] = tmp[c];
-        } else {
-            for (int64_t c = 0; c < width; c++) dst[(c / PW) * n * PW + r * PW + c % PW] = tmp[c];
+    const int64_t n = R->npan * PW, wpan = (width + PW - 1) / PW;
+    const int native = (TA_REAL_BITS == 64) ? dtype == TA_F64 : dtype == TA_F32;
+    if (!transposed) memset(dst, 0, (size_t)(wpan * n * PW) * sizeof(real));
+    for (int64_t p = 0; p < R->npan; p++) {
+        const real *rows[PW];
+        for (int64_t l = 0; l < PW; l++) {
+            int64_t r = p * PW + l;
+            rows[l] = NULL;
+            if (r >= R->M) continue;
+            const void *src = ta_at(base, seq_off + R->head[r] * st[1] + R->row[r] * st[2], dtype);
+            if (native) {
+                rows[l] = (const real *)src;
+            } else {
+                ta_load_row(tmp + l * width, src, width, dtype);
+                rows[l] = tmp + l * width;
+            }
         }
+        if (transposed) {
+            ta_rows_to_panel(dst + p * width * PW, rows, width);
+            continue;
+        }
+        for (int64_t l = 0; l < PW && rows[l]; l++)
+            for (int64_t c0 = 0; c0 < width; c0 += PW)
+                memcpy(dst + (c0 / PW) * n * PW + (p * PW + l) * PW, rows[l] + c0,
+                       (size_t)(width - c0 < PW ? width - c0 : PW) * sizeof(real));
     }
 }
 
@@ -163,13 +234,15 @@ static const real *ta_kv_rows(const ta_args *a, const ta_seq *s, const void *bas
 /* What a tile needs beyond scale * q.k. */
 enum { TA_TILE_EDGE = 1, TA_TILE_MASK = 2, TA_TILE_MODS = 4 };
 
-/* Whether the band hides part of keys [j0, j1) from some lane (checked per lane; padding lanes
+/* Whether the band hides part of keys [j0, j1) from some lane of lanes [r0, r1) (padding lanes
  * never matter). */
-static int ta_tile_on_edge(const ta_rows *R, int64_t j0, int64_t j1) {
-    for (int64_t r = 0; r < R->M; r++)
+static int ta_lanes_on_edge(const ta_rows *R, int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
+    for (int64_t r = r0; r < r1 && r < R->M; r++)
         if (R->lo[r] > j0 || R->hi[r] < j1 - 1) return 1;
     return 0;
 }
+
+static int ta_tile_on_edge(const ta_rows *R, int64_t j0, int64_t j1) { return ta_lanes_on_edge(R, 0, R->M, j0, j1); }
 
 /* Bool-mask census of a tile: 0 = all visible, 1 = mixed, 2 = all hidden. */
 static int ta_mask_census(const ta_args *a, const ta_rows *R, int64_t j0, int64_t j1) {
