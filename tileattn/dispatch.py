@@ -1,14 +1,16 @@
 """Backend registry and dispatch, xformers style: engines declare what they support as data.
 
-Each backend carries :class:`Capabilities` (devices, dtypes, head dims, modifiers, varlen, paged KV,
-backward, bias gradient, determinism). One function, :meth:`Backend.not_supported_reasons`, derives
+Each backend (:mod:`tileattn.engine`: the interface, its capabilities and the registry engines join)
+carries :class:`Capabilities` (devices, dtypes, head dims, the modifier types it applies, varlen,
+paged KV, backward, bias gradient, determinism). One function, :meth:`Backend.not_supported_reasons`, derives
 human-readable refusals from them (availability on this machine first), plus whatever an engine adds
 in :meth:`Backend.extra_reasons`; nobody else recombines them. ``backend="auto"`` takes the first
 backend in priority order that accepts the call, skipping the exact reference. A call that nobody
 accepts, or an explicitly named backend that refuses, raises :class:`NoBackendError` listing every
 backend with its reasons. ``TILEATTN_BACKEND`` in the environment replaces "auto".
 
-Engines are registered lazily, on the first dispatch, so ``import tileattn`` stays cheap.
+Engines are registered lazily, on the first dispatch, so ``import tileattn`` stays cheap; they
+import :mod:`tileattn.engine`, not this module, so the registry is no import cycle.
 """
 
 from __future__ import annotations
