@@ -23,7 +23,7 @@ import torch
 from . import ops
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail, modifiers_from_keywords
-from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values
+from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of
 
 
 def flash_attention(
@@ -122,21 +122,23 @@ def flash_attention(
     found = modifiers_from_keywords(keywords, modifiers)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None:
+    plan = _PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+    if plan is not None and plan is not _UNSEEN:
         # A call shape seen before: its validation, engine choice and kernel arguments stand; only
         # the tensors change (and the values of seqused_k / block_table, checked again).
         spec, engine = plan.bind(q, k, v, found, seqused_k, block_table), plan.engine
     else:
-        spec = build_spec(q, k, v, layout=layout, num_heads=num_heads, scale=scale, align=align,
-                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                          max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
-                          deterministic=deterministic, modifiers=found)
+        spec = spec_of(q, k, v, found, layout=layout, num_heads=num_heads, scale=scale, align=align,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+                       deterministic=deterministic)
         engine = select(spec, backend, backward=_needs_grad(spec))
         if key is not None:
-            if len(_PLANS) >= _PLAN_LIMIT:
+            if plan is _UNSEEN and len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = Plan(spec, engine)
+            # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
+            # step, pays nothing for plans it would never use.
+            _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
 
@@ -162,10 +164,12 @@ class Plan:
         return spec
 
 
-#: Validated call shapes (:class:`Plan`), for padded calls (a decode loop or a training step repeats
-#: the same shape thousands of times). Bounded; the oldest entry goes first. Holds no tensor.
+#: Validated call shapes (:class:`Plan`; None for a shape seen once), for padded calls (a decode loop
+#: or a training step repeats the same shape thousands of times). Bounded; the oldest entry goes
+#: first. Holds no tensor.
 _PLANS: dict = {}
 _PLAN_LIMIT = 256
+_UNSEEN = object()
 
 
 def _meta(t) -> Optional[tuple]:

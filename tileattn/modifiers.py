@@ -245,10 +245,13 @@ def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) 
     rest. A keyword is absent only when it is its "absent" value *of the same type* (``causal=0``
     is parsed, and refused, not taken for False)."""
     _, names, defaults, default_types, getter, owner_of = _keyword_table()
-    try:
-        given = getter(values)
-    except KeyError:
-        given = tuple(values.get(name, default) for name, default in zip(names, defaults))
+    if not values:
+        given = defaults
+    else:
+        try:
+            given = getter(values)
+        except KeyError:
+            given = tuple(values.get(name, default) for name, default in zip(names, defaults))
     found = []
     if given != defaults or tuple(map(type, given)) != default_types:
         owners = []  # the slices of the keywords given a value other than their "absent" one

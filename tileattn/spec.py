@@ -201,7 +201,10 @@ class AttentionSpec:
     @property
     def band(self) -> Optional[Band]:
         """The call's band (causal / window), or None: the geometry flop counts and tuning read."""
-        return next((m for m in self.modifiers if isinstance(m, Band)), None)
+        for m in self.modifiers:
+            if isinstance(m, Band):
+                return m
+        return None
 
     @property
     def causal(self) -> bool:
@@ -394,10 +397,19 @@ def build_spec(
     ``variants`` are the variant keywords of :func:`tileattn.flash_attention` (``causal``, ``mask``,
     ...), turned into modifiers by :func:`tileattn.modifiers.modifiers_from_keywords`; ``modifiers``
     adds modifier objects (already built: a caller's own modifier type, or context parallelism's).
-    A caller that parsed the keywords itself passes the result as ``modifiers`` alone.
     """
     check_keywords(variants, CALL_KEYWORDS)
-    found = modifiers_from_keywords(variants, modifiers)
+    return spec_of(q, k, v, modifiers_from_keywords(variants, modifiers), layout=layout, num_heads=num_heads,
+                   scale=scale, align=align, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                   block_table=block_table, deterministic=deterministic)
+
+
+def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=None, scale=None, align="bottom_right",
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+            block_table=None, deterministic=False) -> AttentionSpec:
+    """:func:`build_spec` for modifiers already parsed by
+    :func:`tileattn.modifiers.modifiers_from_keywords` (``found``, in pipeline order)."""
     if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
         exc = ValueError if isinstance(layout, str) else TypeError
         fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
