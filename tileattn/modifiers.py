@@ -89,6 +89,7 @@ def _check_dense(name: str, t: torch.Tensor):
 # The protocol.
 
 _TYPES: Dict[str, type] = {}
+_TABLE: list = [None]  # the keyword table (see _keyword_table), rebuilt when a type registers
 
 
 class Modifier:
@@ -120,6 +121,7 @@ class Modifier:
         if kind in _TYPES and _TYPES[kind].__qualname__ != cls.__qualname__:
             raise TypeError(f"tileattn: modifier kind {kind!r} is already taken by {_TYPES[kind].__qualname__}")
         _TYPES[kind] = cls
+        _TABLE[0] = _build_keyword_table()  # now, not on a call: a call that torch.compile traces mutates nothing
 
     @classmethod
     def from_args(cls, *values) -> Optional["Modifier"]:
@@ -213,29 +215,26 @@ def variant_keywords() -> Dict[str, object]:
     return dict(zip(names, defaults))
 
 
-_TABLE: list = [None, None]  # [registered kinds, table] (rebuilt when a type registers)
-
-
 def _keyword_table():
     """(types in pipeline order, every variant keyword, their "absent" values and the types of
-    those, a getter of all of them, the (type, first, last) keyword slice owning each keyword),
-    built once per set of registered types: a call reads its keywords with one getter and compares
-    one tuple."""
-    if _TABLE[0] != len(_TYPES):
-        types = tuple(sorted(_TYPES.values(), key=lambda c: c.stage))
-        names, defaults, slices = [], [], []
-        for cls in types:
-            if cls.keywords:
-                slices.append((cls, len(names), len(names) + len(cls.keywords)))
-                names += cls.keywords
-                defaults += cls.keywords.values()
-        getter = operator.itemgetter(*names)
-        if len(names) == 1:
-            getter = (lambda get: lambda values: (get(values),))(getter)
-        owner_of = tuple(piece for piece in slices for _ in range(piece[2] - piece[1]))
-        _TABLE[:] = [len(_TYPES), (types, tuple(names), tuple(defaults), tuple(map(type, defaults)), getter,
-                                   owner_of)]
-    return _TABLE[1]
+    those, a getter of all of them, the (type, first, last) keyword slice owning each keyword): a
+    call reads its keywords with one getter and compares one tuple."""
+    return _TABLE[0]
+
+
+def _build_keyword_table():
+    types = tuple(sorted(_TYPES.values(), key=lambda c: c.stage))
+    names, defaults, slices = [], [], []
+    for cls in types:
+        if cls.keywords:
+            slices.append((cls, len(names), len(names) + len(cls.keywords)))
+            names += cls.keywords
+            defaults += cls.keywords.values()
+    getter = operator.itemgetter(*names) if names else (lambda values: ())
+    if len(names) == 1:
+        getter = (lambda get: lambda values: (get(values),))(getter)
+    owner_of = tuple(piece for piece in slices for _ in range(piece[2] - piece[1]))
+    return types, tuple(names), tuple(defaults), tuple(map(type, defaults)), getter, owner_of
 
 
 def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) -> Tuple[Modifier, ...]:
@@ -247,6 +246,8 @@ def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) 
     _, names, defaults, default_types, getter, owner_of = _keyword_table()
     if not values:
         given = defaults
+    elif torch.compiler.is_compiling():  # dynamo does not trace itemgetter
+        given = tuple(values.get(name, default) for name, default in zip(names, defaults))
     else:
         try:
             given = getter(values)
@@ -257,9 +258,8 @@ def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) 
         owners = []  # the slices of the keywords given a value other than their "absent" one
         for i, (value, default) in enumerate(zip(given, defaults)):
             if value is not default and (value != default or type(value) is not default_types[i]):
-                owner = owner_of[i]
-                if not owners or owners[-1] is not owner:
-                    owners.append(owner)
+                if not owners or owners[-1] != owner_of[i]:
+                    owners.append(owner_of[i])
         for cls, first, last in owners:
             m = cls.from_args(*given[first:last])
             if m is not None:
