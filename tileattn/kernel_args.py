@@ -17,6 +17,7 @@ from typing import Dict, FrozenSet, Iterable, Optional
 import torch
 
 from .modifiers import Band, Modifier, fail
+from .score_math import dropout_threshold
 
 #: The fields a modifier binds per call (a tensor or a per-call value), never kept by a plan.
 PER_CALL_FIELDS = ("alibi_slopes", "mask", "bias", "seed")
@@ -66,7 +67,7 @@ class KernelArgs:
     @property
     def dropout_threshold(self) -> int:
         """A weight survives when the top 24 bits of its hash are >= this."""
-        return int(round(self.dropout_p * (1 << 24)))
+        return dropout_threshold(self.dropout_p)
 
     def bound(self, modifiers: Iterable[Modifier]) -> "KernelArgs":
         """This static record with the tensors and per-call values of ``modifiers`` (the same types

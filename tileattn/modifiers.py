@@ -50,7 +50,7 @@ import torch
 
 from .score_math import (  # noqa: F401  (TileState, combine, to_4d, ...: re-exported, the modifiers' vocabulary)
     ScoreBlock, TileState, accumulate_broadcast, alibi_scores, broadcastable, combine, diagonal_offset,
-    dropout_keep, dropout_row_keys, dropout_threshold, mask_tile_states, reduce_to_shape, score_block, to_4d,
+    dropout_keep, reduce_to_shape, score_block, to_4d,
 )
 
 OP_TENSOR = {"op": "tensor"}
@@ -362,10 +362,6 @@ class Alibi(Modifier):
     def bind(self):
         return {"alibi_slopes": self.slopes}
 
-    def slopes_of(self, b: int) -> torch.Tensor:
-        """(Hq,) slopes of batch item ``b``."""
-        return self.slopes if self.slopes.dim() == 1 else self.slopes[b]
-
     def scores(self, s, block):
         return s + alibi_scores(self.slopes, block.batch, block.heads, block.rows, block.cols, block.offset, s.dtype)
 
@@ -587,9 +583,6 @@ class Mask(_ScoreShaped):
     def accepts(cls, t: torch.Tensor) -> bool:
         return t.dtype == torch.bool
 
-    def tile_states(self, b: int, heads: slice, q_len: int, k_len: int, block_m: int, block_n: int) -> torch.Tensor:
-        return mask_tile_states(self.view4, b, heads, q_len, k_len, block_m, block_n)
-
     def visible(self, block):
         return self.block(block.batch, block.heads, block.i0, block.i1, block.j0, block.j1)
 
@@ -703,13 +696,6 @@ class Dropout(Modifier):
     @property
     def keep_scale(self) -> float:
         return 1.0 / (1.0 - self.p)
-
-    @property
-    def threshold(self) -> int:
-        return dropout_threshold(self.p)
-
-    def row_keys(self, batch: int, heads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return dropout_row_keys(self.seed, batch, heads, rows)
 
     def keep(self, batch: int, heads: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Bool (len(heads), len(rows), len(cols)): True where the weight survives."""
