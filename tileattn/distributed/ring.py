@@ -27,7 +27,7 @@ import torch
 
 from ..api import attention_backward, attention_partial
 from ..merge import merge_into, merge_sink
-from ..modifiers import Band, Bias, Mask, Modifier, TileState
+from ..modifiers import Band, Bias, Mask, Modifier, Sinks, TileState
 from . import comm
 from .plan import Run
 
@@ -374,7 +374,7 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(acc)
-        dsinks = (torch.exp(sinks.to(acc).view(-1, 1) - lse) * -delta).sum((0, 2)).to(sinks.dtype)
+        dsinks = Sinks(sinks).result_grad(lse.to(acc), delta, heads_axis=1)
     return dq, dk_blk, dv_blk, dbias, dsinks
 
 

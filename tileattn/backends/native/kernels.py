@@ -5,9 +5,12 @@ Interface (stable; the backend calls exactly this)::
     forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
             softcap=0.0, alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0,
-            block_m=0, block_n=0, num_threads=None, cancel=None, options=0) -> None
+            block_m=0, block_n=0, num_threads=None, cancel=None, options=0, validate=True) -> None
 
     backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, <the same keywords>, dbias=None) -> None
+
+``validate=False`` skips the argument checks below: only for arguments validated already (the
+native engine's calls, validated once by the spec and the modifiers).
 
 Tensors (CPU; any strides with a unit last-dim stride; views are read and written in place):
 
