@@ -122,7 +122,10 @@ def flash_attention(
     found = modifiers_from_keywords(keywords, modifiers)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    plan = _PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+    try:
+        plan = _PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+    except TypeError:  # an unhashable argument: the full path decides
+        key, plan = None, _UNSEEN
     if plan is not None and plan is not _UNSEEN:
         # A call shape seen before: its validation, engine choice and kernel arguments stand; only
         # the tensors change (and the values of seqused_k / block_table, checked again).
@@ -182,9 +185,10 @@ def _meta(t) -> Optional[tuple]:
 def _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, modifiers, seqused_k, block_table,
               varlen) -> Optional[tuple]:
     """Everything validation, dispatch and lowering read of a call, or None when the call is not one
-    a plan may serve (not tensors, varlen, a traced call, unhashable arguments: the full path then
-    decides). Modifiers take part through their own keys (type, non-tensor fields, tensor
-    metadata); scalars with their types, so that ``align=True`` never shares ``align=1``'s plan.
+    a plan may serve (not tensors, varlen, a traced call: the full path then decides; an unhashable
+    key is found out by the lookup). Modifiers take part through their own keys (type, non-tensor
+    fields, tensor metadata, gradient flags); scalars with their types, so that ``align=True``
+    never shares ``align=1``'s plan.
     Of ``seqused_k`` and ``block_table`` the key holds what validation reads but their values,
     which a served call checks again."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or torch.compiler.is_compiling():
@@ -202,16 +206,11 @@ def _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, 
     mods = tuple(m.plan_key() for m in modifiers)
     if None in mods:
         return None
-    key = (q.shape, q.stride(), q.dtype, q.device, q.requires_grad, k.shape, k.stride(), k.dtype, k.device,
-           k.requires_grad, v.shape, v.stride(), v.dtype, v.device, v.requires_grad, type(layout), layout,
-           type(num_heads), num_heads, type(scale), scale, type(align), align, type(deterministic), deterministic,
-           type(backend), backend, os.environ.get("TILEATTN_BACKEND"), torch.is_grad_enabled(), registry_version(),
-           *index, mods)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, layout, type(num_heads), num_heads, type(scale), scale, type(align), align,
+            type(deterministic), deterministic, backend, os.environ.get("TILEATTN_BACKEND"), grad, registry_version(),
+            *index, mods)
 
 
 def _needs_grad(spec: AttentionSpec) -> bool:

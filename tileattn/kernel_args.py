@@ -99,7 +99,28 @@ _STATIC_FIELDS = frozenset(f.name for f in fields(KernelArgs)) - set(PER_CALL_FI
 
 def lower(modifiers: Iterable[Modifier], scale: float, align) -> KernelArgs:
     """The static kernel arguments of a call's modifiers (those the engines apply, not the ones
-    applied above them). Two modifiers may not set the same field."""
+    applied above them). Two modifiers may not set the same field. Remembered by the modifiers'
+    plan keys: the calls of a growing KV cache (a new shape, so no plan, every step) lower once."""
+    modifiers = tuple(modifiers)
+    keys = tuple(m.plan_key() for m in modifiers)
+    key = None if None in keys else (keys, type(scale), scale, type(align), align)
+    known = _LOWERED.get(key) if key is not None else None
+    if known is not None:
+        return known
+    lowered = _lower(modifiers, scale, align)
+    if key is not None:
+        if len(_LOWERED) >= _LOWERED_LIMIT:
+            _LOWERED.pop(next(iter(_LOWERED)))
+        _LOWERED[key] = lowered
+    return lowered
+
+
+#: Static kernel arguments by the plan keys of their modifiers, scale and alignment (values only).
+_LOWERED: Dict[tuple, KernelArgs] = {}
+_LOWERED_LIMIT = 256
+
+
+def _lower(modifiers, scale, align) -> KernelArgs:
     values: Dict[str, object] = {}
     owner: Dict[str, Modifier] = {}
     per_call = set()

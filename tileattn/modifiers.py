@@ -40,6 +40,7 @@ field metadata below (``OP_TENSOR``, ``OP_INT``, ``OP_OPT_INT``, ``OP_FLOAT``) s
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -211,14 +212,14 @@ def modifier_type(kind: str) -> type:
 
 def variant_keywords() -> Dict[str, object]:
     """Every variant keyword of the registered modifier types with its "absent" value."""
-    _, names, defaults, _, _, _ = _keyword_table()
+    _, names, defaults, _, _, _, _ = _keyword_table()
     return dict(zip(names, defaults))
 
 
 def _keyword_table():
     """(types in pipeline order, every variant keyword, their "absent" values and the types of
-    those, a getter of all of them, the (type, first, last) keyword slice owning each keyword): a
-    call reads its keywords with one getter and compares one tuple."""
+    those, a getter of all of them, the (type, first, last) keyword slice owning each keyword, the
+    set of the keywords): a call reads its keywords with one getter and compares one tuple."""
     return _TABLE[0]
 
 
@@ -234,7 +235,7 @@ def _build_keyword_table():
     if len(names) == 1:
         getter = (lambda get: lambda values: (get(values),))(getter)
     owner_of = tuple(piece for piece in slices for _ in range(piece[2] - piece[1]))
-    return types, tuple(names), tuple(defaults), tuple(map(type, defaults)), getter, owner_of
+    return types, tuple(names), tuple(defaults), tuple(map(type, defaults)), getter, owner_of, frozenset(names)
 
 
 def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) -> Tuple[Modifier, ...]:
@@ -243,21 +244,21 @@ def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) 
     ``extra``. Checks what does not depend on the rest of the call; :meth:`Modifier.check` does the
     rest. A keyword is absent only when it is its "absent" value *of the same type* (``causal=0``
     is parsed, and refused, not taken for False)."""
-    _, names, defaults, default_types, getter, owner_of = _keyword_table()
+    _, names, defaults, default_types, getter, owner_of, every = _keyword_table()
     if not values:
         given = defaults
     elif torch.compiler.is_compiling():  # dynamo does not trace itemgetter
         given = tuple(values.get(name, default) for name, default in zip(names, defaults))
+    elif len(values) >= len(names) and values.keys() >= every:
+        given = getter(values)  # a caller's locals(): every keyword there
     else:
-        try:
-            given = getter(values)
-        except KeyError:
-            given = tuple(values.get(name, default) for name, default in zip(names, defaults))
+        given = tuple(map(values.get, names, defaults))
     found = []
     if given != defaults or tuple(map(type, given)) != default_types:
         owners = []  # the slices of the keywords given a value other than their "absent" one
-        for i, (value, default) in enumerate(zip(given, defaults)):
-            if value is not default and (value != default or type(value) is not default_types[i]):
+        for i in itertools.compress(range(len(given)), map(operator.is_not, given, defaults)):
+            value = given[i]
+            if value != defaults[i] or type(value) is not default_types[i]:
                 if not owners or owners[-1] != owner_of[i]:
                     owners.append(owner_of[i])
         for cls, first, last in owners:
@@ -281,7 +282,7 @@ def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) 
 
 def check_keywords(given: Mapping[str, object], others: Iterable[str] = ()):
     """Raise TypeError for a keyword that is neither a variant keyword nor one of ``others``."""
-    known = variant_keywords()
+    known = _keyword_table()[1]
     for name in given:
         if name not in known:
             allowed = sorted(set(known) | set(others))
@@ -467,6 +468,8 @@ class Band(Modifier):
 
     @classmethod
     def from_args(cls, causal=False, window=None) -> Optional["Band"]:
+        if window is None and causal is True:
+            return _CAUSAL  # the common call: one shared object, whose plan key is computed once
         if not isinstance(causal, bool):
             fail(TypeError, "causal", repr(causal), "True or False")
         if window is None:
@@ -489,9 +492,7 @@ class Band(Modifier):
             right = 0 if right is None else min(right, 0)
         if left is None and right is None:
             return None
-        if left is None and right == 0:
-            return _CAUSAL  # the common call: one shared object, whose plan key is computed once
-        return cls(left, right)
+        return _CAUSAL if (left, right) == (None, 0) else cls(left, right)
 
     def check(self, spec):
         for side in (self.left, self.right):

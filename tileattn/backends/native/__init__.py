@@ -49,12 +49,13 @@ class NativeBackend(Backend):
         validated them): a last dimension that is not unit-stride, index tensors that are not
         contiguous, a paged cache without pages, 2^31 tokens."""
         why = []
-        for name, t in (("q", spec.q_c), ("k", spec.k_c), ("v", spec.v_c)):
-            if t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel():
-                why.append(f"{name} has stride {t.stride(-1)} in its last dimension (the kernels read unit-stride "
-                           "rows)")
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k"):
-            t = getattr(spec, name)
+        if not (spec.q_c.stride(-1) == spec.k_c.stride(-1) == spec.v_c.stride(-1) == 1):
+            for name, t in (("q", spec.q_c), ("k", spec.k_c), ("v", spec.v_c)):
+                if t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel():
+                    why.append(f"{name} has stride {t.stride(-1)} in its last dimension (the kernels read "
+                               "unit-stride rows)")
+        for name, t in (("cu_seqlens_q", spec.cu_seqlens_q), ("cu_seqlens_k", spec.cu_seqlens_k),
+                        ("seqused_k", spec.seqused_k)):
             if t is not None and not t.is_contiguous():
                 why.append(f"{name} is not contiguous")
         if spec.is_paged and (spec.block_table.shape[1] == 0 or spec.block_size == 0):

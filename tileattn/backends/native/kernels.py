@@ -536,9 +536,14 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
     if validate:
         _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes,
                   mask, bias, dropout_p, cancel, False)
-    _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
-          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
-          num_threads, cancel, options)
+    if cu_seqlens_q is None and block_table is None and mask is None and bias is None and alibi_slopes is None \
+            and cancel is None:  # the common call (a decode step): packed with as few operations as possible
+        _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                     dropout_p, seed, block_m, block_n, num_threads, options)
+    else:
+        _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+              seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
+              num_threads, cancel, options)
     status = lib.forward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)
