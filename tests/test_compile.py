@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import dispatch, ops
+from tileattn import engine, ops
 from tileattn.dispatch import get_backend
 from tileattn.spec import build_spec
 from torch._dynamo.utils import counters
@@ -65,7 +65,7 @@ def fresh_registry(monkeypatch):
     saved = _engine_modules()
     for name in saved:
         del sys.modules[name]
-    monkeypatch.setattr(dispatch, "_REGISTRY", {})
+    monkeypatch.setattr(engine, "_REGISTRY", {})
     yield
     for name in _engine_modules():
         del sys.modules[name]

@@ -13,7 +13,8 @@ import torch
 
 import tileattn
 from tileattn import NoBackendError
-from tileattn.dispatch import Backend, _REGISTRY, list_backends
+from tileattn.dispatch import Backend, list_backends
+from tileattn.engine import _REGISTRY
 
 from conftest import assert_matches_reference, attention_fn, make_qkv, strided_view
 

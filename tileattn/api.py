@@ -22,15 +22,15 @@ import torch
 
 from . import ops
 from .dispatch import explain as _explain, registry_version, select
-from .modifiers import fail
-from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values
+from .modifiers import fail, modifiers_from_keywords
+from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of
 
 
 def flash_attention(
     q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
     mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
-    return_lse=False, deterministic=False, backend="auto",
+    return_lse=False, deterministic=False, backend="auto", modifiers=(),
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -106,6 +106,8 @@ def flash_attention(
             fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf (or the
             sink). The LSE is differentiable.
         deterministic: bitwise-reproducible gradients.
+        modifiers: further :class:`tileattn.modifiers.Modifier` objects (a modifier type of your own
+            runs on the reference and on every engine that declares it; the others refuse it).
         backend: "auto" (default; ``$TILEATTN_BACKEND`` overrides it) or an engine name.
             :func:`tileattn.explain` tells why each backend accepts or refuses a call.
 
@@ -116,79 +118,112 @@ def flash_attention(
         ValueError / TypeError before any compute, naming the argument, what was given and what
         would work; :class:`tileattn.NoBackendError` when no engine can run the call.
     """
+    keywords = locals()  # first statement: exactly the arguments, which the modifier types parse
     check_bool("return_lse", return_lse)
-    plain = (mask is None and bias is None and alibi_slopes is None and sinks is None and dropout_p == 0
-             and seed is None and generator is None and cu_seqlens_q is None and cu_seqlens_k is None
-             and max_seqlen_q is None and max_seqlen_k is None)
-    key = _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
-                    seqused_k, block_table) if plain else None
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is not None:
-        # A call shape seen before: its validation and engine choice stand; only the tensors change
-        # (and the values of seqused_k / block_table, checked again).
-        spec, engine = plan[0].rebound(q, k, v, seqused_k, block_table), plan[1]
-        if seqused_k is not None or block_table is not None:
-            spec = check_sequence_values(spec)
+    found = modifiers_from_keywords(keywords, modifiers)
+    key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
+                    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    try:
+        plan = _PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+    except TypeError:  # an unhashable argument: the full path decides
+        key, plan = None, _UNSEEN
+    if plan is not None and plan is not _UNSEEN:
+        # A call shape seen before: its validation, engine choice and kernel arguments stand; only
+        # the tensors change (and the values of seqused_k / block_table, checked again).
+        spec, engine = plan.bind(q, k, v, found, seqused_k, block_table), plan.engine
     else:
-        spec = build_spec(
-            q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window, align=align,
-            mask=mask, bias=bias, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
-            generator=generator, sinks=sinks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
-            deterministic=deterministic,
-        )
+        spec = spec_of(q, k, v, found, layout=layout, num_heads=num_heads, scale=scale, align=align,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+                       deterministic=deterministic)
         engine = select(spec, backend, backward=_needs_grad(spec))
         if key is not None:
-            if len(_PLANS) >= _PLAN_LIMIT:
+            if plan is _UNSEEN and len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.pop(next(iter(_PLANS)))
-            _PLANS[key] = (spec, engine)
+            # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
+            # step, pays nothing for plans it would never use.
+            _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
 
 
-#: Validated call shapes and their engines, for calls with no tensor modifier (a decode loop or a
-#: training step repeats the same shape thousands of times). Bounded; the oldest entry goes first.
+class Plan:
+    """A validated call shape: its engine and everything validation and lowering derived from it
+    (geometry, kernel arguments), with no tensor: the caller's tensors (and modifiers holding them)
+    are bound per call. So a growing KV cache, which makes a new shape every step, leaves nothing of
+    its earlier steps alive here."""
+
+    __slots__ = ("template", "engine")
+
+    def __init__(self, spec: AttentionSpec, engine):
+        if engine.reads_kernel_args:
+            spec.kernel_args  # noqa: B018  (lowered once, here, for every call the plan serves)
+        self.template = spec.template()
+        self.engine = engine
+
+    def bind(self, q, k, v, modifiers, seqused_k, block_table) -> AttentionSpec:
+        spec = AttentionSpec.from_template(self.template, q, k, v, modifiers, seqused_k, block_table)
+        if seqused_k is not None or block_table is not None:
+            spec = check_sequence_values(spec)
+        return spec
+
+
+#: Validated call shapes (:class:`Plan`; None for a shape seen once), for padded calls (a decode loop
+#: or a training step repeats the same shape thousands of times). Bounded; the oldest entry goes
+#: first. Holds no tensor.
 _PLANS: dict = {}
 _PLAN_LIMIT = 256
+_UNSEEN = object()
 
 
-def _plan_key(q, k, v, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
-              seqused_k=None, block_table=None):
-    """Everything validation and dispatch read of a plain call, or None when the call is not one a
-    plan may serve (not tensors, a traced call, unhashable arguments: the full path then decides).
-    Of ``seqused_k`` and ``block_table`` (padded layouts) the key holds what validation reads but
-    their values, which a served call checks again."""
+def _meta(t) -> Optional[tuple]:
+    """What validation reads of an index tensor, or None when it is not a plain dense tensor."""
+    if type(t) is not torch.Tensor or t.is_nested or t.layout is not torch.strided:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, modifiers, seqused_k, block_table,
+              varlen) -> Optional[tuple]:
+    """Everything validation, dispatch and lowering read of a call, or None when the call is not one
+    a plan may serve (not tensors, varlen, a traced call: the full path then decides; an unhashable
+    key is found out by the lookup). Modifiers take part through their own keys (type, non-tensor
+    fields, tensor metadata, gradient flags); scalars with their types, so that ``align=True``
+    never shares ``align=1``'s plan.
+    Of ``seqused_k`` and ``block_table`` the key holds what validation reads but their values,
+    which a served call checks again."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or torch.compiler.is_compiling():
         return None
+    if varlen != (None, None, None, None) or layout == "TND":
+        return None  # the offsets' values set the geometry
     if q.is_nested or k.is_nested or v.is_nested or not (q.layout is k.layout is v.layout is torch.strided):
-        return None
-    if not (window is None or type(window) is tuple):
         return None
     index = []
     for t in (seqused_k, block_table):
-        if t is not None:
-            if type(t) is not torch.Tensor or t.is_nested or t.layout is not torch.strided or layout == "TND":
-                return None
-            index.append((t.shape, t.stride(), t.dtype, t.device))
-        else:
-            index.append(None)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-           v.dtype, v.device, layout, num_heads, scale, causal, window, align, softcap, deterministic, backend,
-           os.environ.get("TILEATTN_BACKEND"), grad, registry_version(), *index)
-    try:
-        hash(key)
-    except TypeError:
+        meta = None if t is None else _meta(t)
+        if t is not None and meta is None:
+            return None
+        index.append(meta)
+    mods = tuple(m.plan_key() for m in modifiers)
+    if None in mods:
         return None
-    return key
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, layout, type(num_heads), num_heads, type(scale), scale, type(align), align,
+            type(deterministic), deterministic, backend, os.environ.get("TILEATTN_BACKEND"), grad, registry_version(),
+            *index, mods)
 
 
 def _needs_grad(spec: AttentionSpec) -> bool:
     if not torch.is_grad_enabled():
         return False
-    tensors = [spec.q, spec.k, spec.v] + [spec.modifier(kind).tensor for kind in ("bias", "sinks")
-                                          if spec.modifier(kind) is not None]
-    return any(t.requires_grad for t in tensors)
+    if spec.q.requires_grad or spec.k.requires_grad or spec.v.requires_grad:
+        return True
+    for m in spec.modifiers:
+        t = m.grad_tensor()
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def run(spec: AttentionSpec, backend="auto", partial: bool = False):
@@ -243,9 +278,9 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **
             fail(ValueError, name, f"device {t.device}", f"device {spec.device}, as q")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    need_dbias = any(m.grad_slot == "bias" and m.grad_tensor().requires_grad for m in spec.modifiers)
     with torch.no_grad():
-        bias = spec.modifier("bias")
-        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, bias is not None and bias.tensor.requires_grad)
+        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, need_dbias)
     return AttentionGradients(*grads)
 
 

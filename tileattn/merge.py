@@ -4,9 +4,15 @@ Attention over keys ``K = K_1 ∪ ... ∪ K_n`` is a weighted mix of the attenti
 
     lse = log(sum_i exp(lse_i))        out = sum_i exp(lse_i - lse) * out_i
 
-computed here in fp32 (fp64 for fp64 inputs) with a detached maximum as stabiliser, so that no
-``exp`` overflows and a row whose every part is empty (``lse_i = -inf``) gives out 0 and LSE -inf
-with zero gradients rather than NaN. Differentiable through plain autograd.
+:func:`merge_weights` is the one implementation of that rule; every merge in tileattn goes through
+it: :func:`merge_attentions` (the public merge), :func:`merge_into` (in place, what ring attention
+does after each block), :func:`merge_sink`, and the sinks of the operator, of the reference and of
+the Hugging Face integration (a sink is a part with output 0 and LSE = the sink logit).
+
+It computes in the LSEs' dtype with a detached maximum as stabiliser, so that no ``exp``
+overflows; a row whose every part is empty (``lse_i = -inf``) gets weights 0 and LSE -inf, and a
+part of ``+inf`` (a sink of +inf) takes all the weight, both with zero gradients rather than NaN.
+Differentiable through plain autograd.
 """
 
 from __future__ import annotations
@@ -18,6 +24,43 @@ import torch
 
 from .modifiers import fail
 from .spec import LAYOUTS
+
+
+def merge_weights(*lses: torch.Tensor) -> Tuple[Tuple[torch.Tensor, ...], torch.Tensor]:
+    """``((w_1, ..., w_n), lse)``: the weights ``exp(lse_i - lse)`` of partial results and their merged
+    LSE. The LSEs broadcast against each other (a sink (1, H, 1) against an LSE (B, H, S))."""
+    stacked = torch.stack(torch.broadcast_tensors(*lses))
+    infinite = torch.isposinf(stacked)
+    taken = infinite.any(0)
+    # Rows with a part of +inf: those parts share the weight, as constants (no inf - inf).
+    stacked = torch.where(taken, torch.where(infinite, 0.0, -math.inf), stacked)
+    top = stacked.amax(0).detach()
+    top = top.masked_fill(~torch.isfinite(top), 0.0)
+    total = torch.exp(stacked - top).sum(0)
+    seen = total > 0
+    lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))), -math.inf)
+    weights = torch.exp(stacked - lse.masked_fill(~seen, 0.0))
+    return tuple(weights.unbind(0)), lse.masked_fill(taken, math.inf)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+               scratch: bool = False) -> None:
+    """In place, ``(out, lse) <- merge((out, lse), (part_out, part_lse))``; ``out`` (..., S, Dv) fp32,
+    ``lse`` (..., S). ``scratch=True`` lets it scale ``part_out`` in place instead of allocating a
+    temporary the size of the output (ring attention does, block after block)."""
+    (w_old, w_new), new = merge_weights(lse, part_lse)
+    w_new = w_new.unsqueeze(-1)
+    part = part_out.mul_(w_new) if scratch and part_out.dtype == out.dtype else part_out.to(out.dtype) * w_new
+    out.mul_(w_old.unsqueeze(-1)).add_(part)
+    lse.copy_(new)
+
+
+def merge_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """In place: add one sink logit per head (``sinks`` (H,), heads on dim -2 of ``lse``) to every
+    row's softmax denominator: the merge with a partial result of output 0 and LSE = sink."""
+    (weight, _), new = merge_weights(lse, sinks.to(lse.dtype).view(-1, 1))
+    out.mul_(weight.unsqueeze(-1))
+    lse.copy_(new)
 
 
 def _weights_to_out_layout(w: torch.Tensor, layout: str, out_dim: int) -> torch.Tensor:
@@ -54,16 +97,9 @@ def merge_attentions(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor],
             fail(ValueError, f"outs[{i}]/lses[{i}]", f"shapes {tuple(o.shape)}/{tuple(l.shape)}",
                  f"the shapes of the first part {tuple(outs[0].shape)}/{tuple(lses[0].shape)}")
     acc = torch.float64 if any(t.dtype == torch.float64 for t in list(outs) + list(lses)) else torch.float32
-    stacked = torch.stack([l.to(acc) for l in lses])
-    top = stacked.amax(0).detach()
-    top = top.masked_fill(~torch.isfinite(top), 0.0)
-    total = torch.exp(stacked - top).sum(0)
-    seen = total > 0
-    lse = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))), -math.inf)
-    lse_safe = lse.masked_fill(~seen, 0.0)
+    weights, lse = merge_weights(*(l.to(acc) for l in lses))
     out = None
-    for o, l in zip(outs, stacked):
-        w = _weights_to_out_layout(torch.exp(l - lse_safe), layout, o.shape[-1])
-        term = w * o.to(acc)
+    for o, w in zip(outs, weights):
+        term = _weights_to_out_layout(w, layout, o.shape[-1]) * o.to(acc)
         out = term if out is None else out + term
     return out.to(out_dtype or acc), lse

@@ -2,12 +2,30 @@
 
     s = scale * q.k^T -> Softcap -> + Alibi + Bias -> Band and Mask -> softmax (+ Sinks) -> Dropout -> . v
 
-Each modifier owns, in one place, everything about itself that is not an engine's private
-arithmetic: how its user argument is validated (``from_args``), what it does to the exact score
-matrix of the reference (``reference_*``), how it classifies a (query block, key block) tile as
-:class:`TileState` EMPTY / PARTIAL / FULL (masking modifiers), and how the PyTorch engine applies it
-to a tile. Engines in other languages (Triton, C) keep their own arithmetic; their block ranges are
-tested against the classification rules here.
+Modifiers in. :func:`modifiers_from_keywords` is the one place the variant keywords of the public API
+(``causal``, ``window``, ``mask``, ``bias``, ``alibi_slopes``, ``softcap``, ``dropout_p``/``seed``/
+``generator``, ``sinks``) become modifier objects: each modifier type declares the keywords it reads
+(:attr:`Modifier.keywords`) and parses them (:meth:`Modifier.from_args`). Code that already holds
+modifier objects (context parallelism, a user's own modifier type) passes them as they are
+(``modifiers=``).
+
+The protocol. A modifier type is a frozen dataclass deriving from :class:`Modifier`; defining it
+registers it (by :attr:`~Modifier.kind`). It implements, besides what it is:
+
+* validation: ``from_args`` (its keywords, on their own) and :meth:`~Modifier.check` (against the
+  call: shapes, devices), both raising before any compute;
+* identity: :meth:`~Modifier.plan_key`, a value-like key (type, non-tensor fields, tensor metadata)
+  the plan memo keys calls on, so that a remembered call shape holds no tensor;
+* kernel arguments out: :meth:`~Modifier.lower` (once per plan: the static fields of
+  :class:`tileattn.kernel_args.KernelArgs` it sets) and :meth:`~Modifier.bind` (per call: its
+  tensors and per-call values); engines read that record and never the modifier;
+* the exact reference, through the hooks below, applied in stage order: :meth:`~Modifier.scores`
+  (and :meth:`~Modifier.scores_grad`), :meth:`~Modifier.visible`, :meth:`~Modifier.weights` (and
+  :meth:`~Modifier.weights_grad`), :meth:`~Modifier.extra_logits` (merged into the result).
+
+Engines declare the modifier *types* they apply (:class:`tileattn.dispatch.Capabilities`); a type an
+engine does not list is refused by it with a reason, never ignored. Adding a modifier is one class
+plus the kernels that implement it (or a lowering into kernel arguments that already exist).
 
 Positions. Every modifier that depends on where a score sits (band, ALiBi) reads one number per
 sequence, its *diagonal offset* ``off``: query row ``i`` is aligned with key column ``i + off``.
@@ -22,13 +40,19 @@ field metadata below (``OP_TENSOR``, ``OP_INT``, ``OP_OPT_INT``, ``OP_FLOAT``) s
 
 from __future__ import annotations
 
-import enum
+import itertools
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
+
+from .score_math import (  # noqa: F401  (TileState, combine, to_4d, ...: re-exported, the modifiers' vocabulary)
+    ScoreBlock, TileState, accumulate_broadcast, alibi_scores, broadcastable, combine, diagonal_offset,
+    dropout_keep, reduce_to_shape, score_block, to_4d,
+)
 
 OP_TENSOR = {"op": "tensor"}
 OP_INT = {"op": "int"}
@@ -44,55 +68,225 @@ def fail(exc, arg: str, given, expected: str):
     raise exc(f"tileattn: argument '{arg}': got {given}; expected {expected}.")
 
 
-class TileState(enum.IntEnum):
-    """What a masking modifier (or all of them together) does to a (query block, key block) tile."""
-
-    EMPTY = 0  # every pair hidden: the tile is skipped
-    PARTIAL = 1  # some pairs hidden: the tile is computed and masked
-    FULL = 2  # every pair visible: the tile is computed without masking
-
-
-def combine(*states: TileState) -> TileState:
-    """The state of a tile under several masks: hidden if any hides it, full only if all keep it."""
-    return TileState(min(states))
+def tensor_metadata(t: torch.Tensor) -> Optional[tuple]:
+    """What a plan may remember of a tensor: everything validation reads, never the tensor (None for
+    a tensor that is not plain and dense, which the full validation refuses or handles)."""
+    if t.layout is not torch.strided or t.is_nested:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def diagonal_offset(align, q_len: int, k_len: int) -> int:
-    """``off``: query row ``i`` of a sequence is aligned with key column ``i + off``."""
-    if align == "bottom_right":
-        return k_len - q_len
-    if align == "top_left":
-        return 0
-    return int(align)
+#: Field names of each modifier type, for :meth:`Modifier.plan_key`.
+_FIELD_NAMES: Dict[type, Tuple[str, ...]] = {}
 
 
-def _slice_or_broadcast(size: int, start: int, stop: int) -> slice:
-    return slice(None) if size == 1 else slice(start, stop)
+def _check_dense(name: str, t: torch.Tensor):
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
+        fail(TypeError, name, f"a {t.layout} tensor" if t.layout != torch.strided else "a nested tensor",
+             "a regular strided (dense) tensor")
 
 
-def to_4d(t: torch.Tensor) -> torch.Tensor:
-    """A tensor broadcastable to (B, H, Sq, Sk) as a 4-d view, size-1 dims where it broadcasts."""
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+# ---------------------------------------------------------------------------------------------
+# The protocol.
 
-
-def reduce_to_shape(full: torch.Tensor, shape) -> torch.Tensor:
-    """Sum a gradient over the dimensions a broadcast tensor of ``shape`` was repeated along."""
-    shape4 = (1,) * (full.dim() - len(shape)) + tuple(shape)
-    dims = [i for i, (n, f) in enumerate(zip(shape4, full.shape)) if n == 1 and f != 1]
-    if dims:
-        full = full.sum(dim=dims, keepdim=True)
-    return full.reshape(shape)
+_TYPES: Dict[str, type] = {}
+_TABLE: list = [None]  # the keyword table (see _keyword_table), rebuilt when a type registers
 
 
 class Modifier:
-    """Base of the modifiers. Subclasses are frozen dataclasses with op metadata on their fields."""
+    """Base of the modifiers (see the module docstring for the protocol). Subclasses are frozen
+    dataclasses with op metadata on their fields; a subclass that sets ``kind`` is registered."""
 
-    #: Name used by capabilities, flattening and ``spec.modifier(kind)``.
+    #: Name in messages, capability reports and the op's configuration string.
     kind: ClassVar[str]
     #: Position in the pipeline (see the module docstring); modifiers are kept sorted by it.
     stage: ClassVar[int]
     #: Whether the modifier hides scores (and so classifies tiles).
     masks: ClassVar[bool] = False
+    #: Whether a score depends on its position even where no modifier hides anything (ALiBi).
+    positional: ClassVar[bool] = False
+    #: The public keywords this type reads, with the values that mean "absent", in signature order.
+    keywords: ClassVar[Mapping[str, object]] = {}
+    #: The per-call fields of the kernel arguments that :meth:`bind` sets.
+    binds: ClassVar[Tuple[str, ...]] = ()
+    #: The op argument holding the modifier's one tensor when it is differentiable ("bias", "sinks").
+    grad_slot: ClassVar[Optional[str]] = None
+    #: Applied to every engine's (out, LSE) above the engines (sinks), so no engine declares it.
+    applied_by_op: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind is None:
+            return
+        if kind in _TYPES and _TYPES[kind].__qualname__ != cls.__qualname__:
+            raise TypeError(f"tileattn: modifier kind {kind!r} is already taken by {_TYPES[kind].__qualname__}")
+        _TYPES[kind] = cls
+        _TABLE[0] = _build_keyword_table()  # now, not on a call: a call that torch.compile traces mutates nothing
+
+    @classmethod
+    def from_args(cls, *values) -> Optional["Modifier"]:
+        """The modifier of its keywords' values (in :attr:`keywords` order), or None when absent."""
+        return None
+
+    def check(self, spec) -> None:
+        """Raise (naming the argument) when this modifier does not fit the call ``spec``."""
+
+    def plan_key(self) -> Optional[tuple]:
+        """Type, non-tensor fields (with their types: ``True`` is not ``1``) and tensor metadata:
+        equal keys validate, dispatch and lower alike. None: a call no plan may serve."""
+        known = self.__dict__.get("_plan_key")
+        if known is not None:
+            return known
+        cls = type(self)
+        names = _FIELD_NAMES.get(cls)
+        if names is None:
+            names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+        key, holds_tensors = [cls], False
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                holds_tensors = True
+                value = tensor_metadata(value)
+                if value is None:
+                    return None
+                key.append(value)
+            else:
+                key += (type(value), value)
+        key = tuple(key)
+        if not holds_tensors:  # a tensor's metadata may change (requires_grad_); values of a frozen object do not
+            object.__setattr__(self, "_plan_key", key)
+        return key
+
+    def grad_tensor(self) -> Optional[torch.Tensor]:
+        """The tensor the op differentiates (see :attr:`grad_slot`), or None."""
+        return None
+
+    def lower(self) -> Dict[str, object]:
+        """The static kernel-argument fields this modifier sets (no tensors): asked once per plan.
+        A type no engine declares need not lower itself."""
+        raise NotImplementedError(f"tileattn: the {self.kind} modifier has no kernel lowering")
+
+    def bind(self) -> Dict[str, object]:
+        """This call's values of the :attr:`binds` fields (tensors, a dropout seed)."""
+        return {}
+
+    # The reference hooks (identity by default), applied in stage order.
+
+    def scores(self, s: torch.Tensor, block: ScoreBlock) -> torch.Tensor:
+        """The scores after this modifier (score transforms: softcap, ALiBi, bias)."""
+        return s
+
+    def scores_grad(self, ds: torch.Tensor, s_before: torch.Tensor, block: ScoreBlock,
+                    tensor_grad: Optional[torch.Tensor]) -> torch.Tensor:
+        """The gradient of the scores before this modifier (``s_before``) from that of the scores
+        after it; accumulates its own tensor's gradient into ``tensor_grad`` when given."""
+        return ds
+
+    def visible(self, block: ScoreBlock) -> Optional[torch.Tensor]:
+        """Bool, broadcastable to (heads, rows, cols): which pairs take part (masks), or None."""
+        return None
+
+    def weights(self, p: torch.Tensor, block: ScoreBlock, heads_q: int) -> torch.Tensor:
+        """The attention weights after this modifier (dropout), from the softmax's."""
+        return p
+
+    def weights_grad(self, dp: torch.Tensor, block: ScoreBlock, heads_q: int) -> torch.Tensor:
+        return dp
+
+    def extra_logits(self, lse: torch.Tensor, heads_axis: int) -> Optional[torch.Tensor]:
+        """The LSE of a partial result with output 0 that this modifier adds to every row (a sink's
+        logit), broadcastable to ``lse`` (whose head axis is ``heads_axis``), or None. The caller
+        merges it in with :func:`tileattn.merge.merge_weights`."""
+        return None
+
+
+def modifier_types() -> Tuple[type, ...]:
+    """Every registered modifier type, in pipeline order."""
+    return _keyword_table()[0]
+
+
+def modifier_type(kind: str) -> type:
+    return _TYPES[kind]
+
+
+def variant_keywords() -> Dict[str, object]:
+    """Every variant keyword of the registered modifier types with its "absent" value."""
+    _, names, defaults, _, _, _, _ = _keyword_table()
+    return dict(zip(names, defaults))
+
+
+def _keyword_table():
+    """(types in pipeline order, every variant keyword, their "absent" values and the types of
+    those, a getter of all of them, the (type, first, last) keyword slice owning each keyword, the
+    set of the keywords): a call reads its keywords with one getter and compares one tuple."""
+    return _TABLE[0]
+
+
+def _build_keyword_table():
+    types = tuple(sorted(_TYPES.values(), key=lambda c: c.stage))
+    names, defaults, slices = [], [], []
+    for cls in types:
+        if cls.keywords:
+            slices.append((cls, len(names), len(names) + len(cls.keywords)))
+            names += cls.keywords
+            defaults += cls.keywords.values()
+    getter = operator.itemgetter(*names) if names else (lambda values: ())
+    if len(names) == 1:
+        getter = (lambda get: lambda values: (get(values),))(getter)
+    owner_of = tuple(piece for piece in slices for _ in range(piece[2] - piece[1]))
+    return types, tuple(names), tuple(defaults), tuple(map(type, defaults)), getter, owner_of, frozenset(names)
+
+
+def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) -> Tuple[Modifier, ...]:
+    """The modifiers of a call, in pipeline order: those of its variant keywords (``values`` may hold
+    other names, which are not read; a missing keyword is absent) plus the modifier objects
+    ``extra``. Checks what does not depend on the rest of the call; :meth:`Modifier.check` does the
+    rest. A keyword is absent only when it is its "absent" value *of the same type* (``causal=0``
+    is parsed, and refused, not taken for False)."""
+    _, names, defaults, default_types, getter, owner_of, every = _keyword_table()
+    if not values:
+        given = defaults
+    elif torch.compiler.is_compiling():  # dynamo does not trace itemgetter
+        given = tuple(values.get(name, default) for name, default in zip(names, defaults))
+    elif len(values) >= len(names) and values.keys() >= every:
+        given = getter(values)  # a caller's locals(): every keyword there
+    else:
+        given = tuple(map(values.get, names, defaults))
+    found = []
+    if given != defaults or tuple(map(type, given)) != default_types:
+        owners = []  # the slices of the keywords given a value other than their "absent" one
+        for i in itertools.compress(range(len(given)), map(operator.is_not, given, defaults)):
+            value = given[i]
+            if value != defaults[i] or type(value) is not default_types[i]:
+                if not owners or owners[-1] != owner_of[i]:
+                    owners.append(owner_of[i])
+        for cls, first, last in owners:
+            m = cls.from_args(*given[first:last])
+            if m is not None:
+                found.append(m)
+    if not extra:
+        return tuple(found)
+    if not isinstance(extra, (list, tuple)):
+        fail(TypeError, "modifiers", type(extra).__name__, "a list or tuple of tileattn.modifiers.Modifier objects")
+    for m in extra:
+        if not isinstance(m, Modifier) or not hasattr(type(m), "kind"):
+            fail(TypeError, "modifiers", type(m).__name__, "tileattn.modifiers.Modifier objects")
+        twin = next((other for other in found if type(other) is type(m)), None)
+        if twin is not None:
+            fail(ValueError, "modifiers", f"two {m.kind} modifiers ({twin!r} and {m!r})",
+                 f"at most one {m.kind} modifier per call (from its keywords or as an object)")
+        found.append(m)
+    return tuple(sorted(found, key=lambda m: m.stage))
+
+
+def check_keywords(given: Mapping[str, object], others: Iterable[str] = ()):
+    """Raise TypeError for a keyword that is neither a variant keyword nor one of ``others``."""
+    known = _keyword_table()[1]
+    for name in given:
+        if name not in known:
+            allowed = sorted(set(known) | set(others))
+            fail(TypeError, name, "an unexpected keyword", "one of " + ", ".join(allowed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +299,7 @@ class Softcap(Modifier):
 
     kind: ClassVar[str] = "softcap"
     stage: ClassVar[int] = 0
+    keywords: ClassVar[Mapping[str, object]] = {"softcap": 0.0}
     cap: float = field(metadata=OP_FLOAT)
 
     @classmethod
@@ -115,10 +310,24 @@ class Softcap(Modifier):
             fail(ValueError, "softcap", repr(softcap), "a finite float > 0 (or 0 to disable)")
         return cls(float(softcap)) if softcap > 0 else None
 
+    def check(self, spec):
+        if type(self.cap) is not float or not (math.isfinite(self.cap) and self.cap > 0):
+            fail(ValueError, "softcap", repr(self.cap), "a finite float > 0")
+
+    def lower(self):
+        return {"softcap": self.cap}
+
     def apply(self, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(capped scores, tanh(s / cap)); the backward multiplies dS by ``1 - tanh**2``."""
         t = torch.tanh(s / self.cap)
         return self.cap * t, t
+
+    def scores(self, s, block):
+        return self.apply(s)[0]
+
+    def scores_grad(self, ds, s_before, block, tensor_grad):
+        t = torch.tanh(s_before / self.cap)
+        return ds * (1 - t * t)
 
 
 @dataclass(frozen=True)
@@ -127,33 +336,35 @@ class Alibi(Modifier):
 
     kind: ClassVar[str] = "alibi"
     stage: ClassVar[int] = 1
+    positional: ClassVar[bool] = True
+    keywords: ClassVar[Mapping[str, object]] = {"alibi_slopes": None}
+    binds: ClassVar[Tuple[str, ...]] = ("alibi_slopes",)
     slopes: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
-    def from_args(cls, slopes, batch, heads_q, device) -> Optional["Alibi"]:
+    def from_args(cls, slopes) -> Optional["Alibi"]:
         if slopes is None:
             return None
+        return cls(slopes)
+
+    def check(self, spec):
+        slopes, batch, heads_q = self.slopes, spec.batch, spec.heads_q
         if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
             given = f"dtype {slopes.dtype}" if isinstance(slopes, torch.Tensor) else type(slopes).__name__
             fail(TypeError, "alibi_slopes", given, f"a float32 tensor of shape ({heads_q},) or ({batch}, {heads_q})")
         if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
             fail(ValueError, "alibi_slopes", f"shape {tuple(slopes.shape)}", f"({heads_q},) or ({batch}, {heads_q})")
-        if slopes.device != device:
-            fail(ValueError, "alibi_slopes", f"device {slopes.device}", f"device {device}, as q")
-        return cls(slopes)
+        if slopes.device != spec.device:
+            fail(ValueError, "alibi_slopes", f"device {slopes.device}", f"device {spec.device}, as q")
 
-    def slopes_of(self, b: int) -> torch.Tensor:
-        """(Hq,) slopes of batch item ``b``."""
-        return self.slopes if self.slopes.dim() == 1 else self.slopes[b]
+    def lower(self):
+        return {}
 
-    def distance(self, rows: torch.Tensor, cols: torch.Tensor, offset: int, dtype) -> torch.Tensor:
-        """``|i + off - j|`` as a (len(rows), len(cols)) tensor."""
-        return (rows[:, None] + offset - cols[None, :]).abs().to(dtype)
+    def bind(self):
+        return {"alibi_slopes": self.slopes}
 
-    def scores(self, b, heads: slice, rows, cols, offset, dtype) -> torch.Tensor:
-        """The ALiBi term for query heads ``heads``: (nheads, len(rows), len(cols))."""
-        slopes = self.slopes_of(b)[heads].to(dtype)
-        return -slopes[:, None, None] * self.distance(rows, cols, offset, dtype)
+    def scores(self, s, block):
+        return s + alibi_scores(self.slopes, block.batch, block.heads, block.rows, block.cols, block.offset, s.dtype)
 
 
 class _ScoreShaped(Modifier):
@@ -169,32 +380,40 @@ class _ScoreShaped(Modifier):
         raise NotImplementedError
 
     @classmethod
-    def from_args(cls, t, full_shape, device, refused_with=None):
+    def from_args(cls, t):
         if t is None:
             return None
-        if not isinstance(t, torch.Tensor) or not cls.accepts(t):
-            given = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            fail(TypeError, cls.kind, given, f"{cls.expected} broadcastable to (B, Hq, Sq, Sk)")
-        _check_dense(cls.kind, t)
-        if refused_with:
-            fail(ValueError, cls.kind, f"a {cls.kind} with {refused_with}", cls.instead)
-        if not broadcastable(t.shape, full_shape):
-            fail(ValueError, cls.kind, f"shape {tuple(t.shape)}",
-                 f"a shape broadcastable to (B, Hq, Sq, Sk) = {full_shape}")
-        if t.device != device:
-            fail(ValueError, cls.kind, f"device {t.device}", f"device {device}, as q")
         return cls(t)
+
+    def check(self, spec):
+        t = self.tensor
+        if not isinstance(t, torch.Tensor) or not self.accepts(t):
+            given = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            fail(TypeError, self.kind, given, f"{self.expected} broadcastable to (B, Hq, Sq, Sk)")
+        _check_dense(self.kind, t)
+        # A paged cache is padded in the key dimension (capacity = max_blocks * block_size), so a mask
+        # or bias over it is indexed by logical key position; packed sequences have no such dimension.
+        if spec.is_varlen:
+            fail(ValueError, self.kind, f"a {self.kind} with layout='TND'", self.instead)
+        full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
+        if not broadcastable(t.shape, full):
+            fail(ValueError, self.kind, f"shape {tuple(t.shape)}", f"a shape broadcastable to (B, Hq, Sq, Sk) = {full}")
+        if t.device != spec.device:
+            fail(ValueError, self.kind, f"device {t.device}", f"device {spec.device}, as q")
 
     @property
     def view4(self) -> torch.Tensor:
         return to_4d(self.tensor)
 
+    def lower(self):
+        return {}
+
+    def bind(self):
+        return {self.kind: self.view4}
+
     def block(self, b, heads: slice, i0, i1, j0, j1) -> torch.Tensor:
         """Rows i0:i1, cols j0:j1 of batch item b, query heads ``heads``, broadcast dims kept at 1."""
-        t = self.view4
-        t = t[b if t.shape[0] > 1 else 0]
-        t = t[heads] if t.shape[0] > 1 else t
-        return t[:, _slice_or_broadcast(t.shape[1], i0, i1), _slice_or_broadcast(t.shape[2], j0, j1)]
+        return score_block(self.view4, b, heads, i0, i1, j0, j1)
 
 
 @dataclass(frozen=True)
@@ -203,6 +422,9 @@ class Bias(_ScoreShaped):
 
     kind: ClassVar[str] = "bias"
     stage: ClassVar[int] = 2
+    keywords: ClassVar[Mapping[str, object]] = {"bias": None}
+    binds: ClassVar[Tuple[str, ...]] = ("bias",)
+    grad_slot: ClassVar[Optional[str]] = "bias"
     expected: ClassVar[str] = "a floating tensor"
     instead: ClassVar[str] = "no bias (build the scores of each sequence separately)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
@@ -210,6 +432,17 @@ class Bias(_ScoreShaped):
     @classmethod
     def accepts(cls, t: torch.Tensor) -> bool:
         return t.is_floating_point()
+
+    def grad_tensor(self):
+        return self.tensor
+
+    def scores(self, s, block):
+        return s + self.block(block.batch, block.heads, block.i0, block.i1, block.j0, block.j1).to(s.dtype)
+
+    def scores_grad(self, ds, s_before, block, tensor_grad):
+        if tensor_grad is not None:
+            accumulate_broadcast(tensor_grad, ds, block)
+        return ds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,17 +454,23 @@ class Band(Modifier):
     """Causal and sliding window: query row i sees key j iff ``i + off - left <= j <= i + off + right``.
 
     ``None`` is an unbounded side; ``causal=True`` is ``right = 0``. Every piece of band geometry in
-    tileattn (key ranges, tile states, edge diagonals, visible pairs) is a method here.
+    tileattn (key ranges, tile states, edge diagonals, visible pairs) is a method here; engines get
+    the band as the ``left``/``right`` kernel arguments and read its geometry back from them
+    (:attr:`tileattn.kernel_args.KernelArgs.band`).
     """
 
     kind: ClassVar[str] = "band"
     stage: ClassVar[int] = 3
     masks: ClassVar[bool] = True
+    positional: ClassVar[bool] = True
+    keywords: ClassVar[Mapping[str, object]] = {"causal": False, "window": None}
     left: Optional[int] = field(default=None, metadata=OP_OPT_INT)
     right: Optional[int] = field(default=None, metadata=OP_OPT_INT)
 
     @classmethod
-    def from_args(cls, causal, window) -> Optional["Band"]:
+    def from_args(cls, causal=False, window=None) -> Optional["Band"]:
+        if window is None and causal is True:
+            return _CAUSAL  # the common call: one shared object, whose plan key is computed once
         if not isinstance(causal, bool):
             fail(TypeError, "causal", repr(causal), "True or False")
         if window is None:
@@ -254,7 +493,16 @@ class Band(Modifier):
             right = 0 if right is None else min(right, 0)
         if left is None and right is None:
             return None
-        return cls(left, right)
+        return _CAUSAL if (left, right) == (None, 0) else cls(left, right)
+
+    def check(self, spec):
+        for side in (self.left, self.right):
+            if side is not None and (type(side) is not int or not 0 <= side <= MAX_WINDOW):
+                fail(ValueError, "window", repr((self.left, self.right)),
+                     f"sides that are None (unbounded) or ints in [0, {MAX_WINDOW}]")
+
+    def lower(self):
+        return {"left": -1 if self.left is None else self.left, "right": -1 if self.right is None else self.right}
 
     @property
     def is_causal(self) -> bool:
@@ -282,6 +530,9 @@ class Band(Modifier):
         return (None if self.left is None else shift - self.left,
                 None if self.right is None else shift + self.right)
 
+    def visible(self, block):
+        return self.keep(block.rows, block.cols, block.offset)
+
     def keep(self, rows: torch.Tensor, cols: torch.Tensor, offset: int) -> torch.Tensor:
         """Bool (len(rows), len(cols)): True where the row sees the key."""
         rel = cols[None, :] - rows[:, None] - offset
@@ -300,6 +551,9 @@ class Band(Modifier):
         upper = q_len * k_len if self.right is None else below(self.right)
         under = 0 if self.left is None else below(-self.left - 1)
         return upper - under
+
+
+_CAUSAL = Band(None, 0)
 
 
 def sum_clamped(n: int, a: int, cap: int) -> int:
@@ -321,6 +575,8 @@ class Mask(_ScoreShaped):
     kind: ClassVar[str] = "mask"
     stage: ClassVar[int] = 4
     masks: ClassVar[bool] = True
+    keywords: ClassVar[Mapping[str, object]] = {"mask": None}
+    binds: ClassVar[Tuple[str, ...]] = ("mask",)
     expected: ClassVar[str] = "a bool tensor (True = take part)"
     instead: ClassVar[str] = "no mask (sequences are already separated; use window/causal for bands)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
@@ -329,42 +585,8 @@ class Mask(_ScoreShaped):
     def accepts(cls, t: torch.Tensor) -> bool:
         return t.dtype == torch.bool
 
-    def tile_states(self, b: int, heads: slice, q_len: int, k_len: int, block_m: int, block_n: int) -> torch.Tensor:
-        """uint8 (ceil(q_len/block_m), ceil(k_len/block_n)) of :class:`TileState` for batch item ``b``
-        and every query head of ``heads`` together (EMPTY only if the mask hides the tile from all of
-        them, FULL only if it keeps it whole for all). Two reductions over the mask, once per call:
-        per-tile checks would cost two reductions per tile.
-        """
-        key = (b, heads.start, heads.stop, q_len, k_len, block_m, block_n)
-        # Inference tensors have no version counter (so no safe cache key), and no backward reuses
-        # their states: they are classified afresh.
-        cache = {} if self.tensor.is_inference() else _TILE_STATE_CACHE.setdefault(_tensor_key(self.tensor), {})
-        if key not in cache:
-            m = self.block(b, heads, 0, q_len, 0, k_len).expand(-1, q_len, k_len)
-            rows, cols = -(-q_len // block_m), -(-k_len // block_n)
-            pad = (0, cols * block_n - k_len, 0, rows * block_m - q_len)
-            # max/min of the bytes are any/all, and much faster than bool any/all on this layout.
-            tiles = m.view(torch.uint8)
-            any_kept = torch.nn.functional.pad(tiles, pad, value=0)
-            all_kept = torch.nn.functional.pad(tiles, pad, value=1)
-            shape = (m.shape[0], rows, block_m, cols, block_n)
-            any_kept = any_kept.reshape(shape).amax((0, 2, 4))
-            all_kept = all_kept.reshape(shape).amin((0, 2, 4))
-            cache[key] = any_kept + all_kept  # 0 = EMPTY, 1 = PARTIAL, 2 = FULL
-        return cache[key]
-
-
-#: Tile states of masks, by (data pointer, version, shape, strides) of the mask tensor: computed once
-#: per call and reused by the backward pass. Bounded: masks change rarely within a training loop.
-_TILE_STATE_CACHE: Dict[tuple, dict] = {}
-_TILE_STATE_CACHE_LIMIT = 8
-
-
-def _tensor_key(t: torch.Tensor) -> tuple:
-    key = (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.device.type)
-    if key not in _TILE_STATE_CACHE and len(_TILE_STATE_CACHE) >= _TILE_STATE_CACHE_LIMIT:
-        _TILE_STATE_CACHE.pop(next(iter(_TILE_STATE_CACHE)))
-    return key
+    def visible(self, block):
+        return self.block(block.batch, block.heads, block.i0, block.i1, block.j0, block.j1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,61 +597,69 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 class Sinks(Modifier):
     """Learnable attention sinks (gpt-oss): one extra logit per query head in every row's softmax
     denominator, with no value vector. The LSE includes it; a row that sees no key has LSE = sink
-    and output 0. Applied to any engine's (out, LSE) as a merge with an empty partial result."""
+    and output 0. Applied to any engine's (out, LSE) as a merge with an empty partial result
+    (:func:`tileattn.merge.merge_weights`), above the engines."""
 
     kind: ClassVar[str] = "sinks"
     stage: ClassVar[int] = 5
+    keywords: ClassVar[Mapping[str, object]] = {"sinks": None}
+    grad_slot: ClassVar[Optional[str]] = "sinks"
+    applied_by_op: ClassVar[bool] = True
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
-    def from_args(cls, sinks, heads_q, device) -> Optional["Sinks"]:
+    def from_args(cls, sinks) -> Optional["Sinks"]:
         if sinks is None:
             return None
+        return cls(sinks)
+
+    def check(self, spec):
+        sinks, heads_q = self.tensor, spec.heads_q
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
             given = f"dtype {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             fail(TypeError, "sinks", given, f"a float tensor of shape ({heads_q},), one logit per query head")
         if tuple(sinks.shape) != (heads_q,):
             fail(ValueError, "sinks", f"shape {tuple(sinks.shape)}", f"({heads_q},), one logit per query head")
-        if sinks.device != device:
-            fail(ValueError, "sinks", f"device {sinks.device}", f"device {device}, as q")
-        return cls(sinks)
+        if sinks.device != spec.device:
+            fail(ValueError, "sinks", f"device {sinks.device}", f"device {spec.device}, as q")
 
-    def logits(self, lse_shape_heads_axis: int, ndim: int, dtype) -> torch.Tensor:
-        """The sinks shaped to broadcast against an LSE whose head axis is ``lse_shape_heads_axis``."""
+    def grad_tensor(self):
+        return self.tensor
+
+    def logits(self, heads_axis: int, ndim: int, dtype) -> torch.Tensor:
+        """The sinks shaped to broadcast against an LSE whose head axis is ``heads_axis``."""
         shape = [1] * ndim
-        shape[lse_shape_heads_axis] = -1
+        shape[heads_axis] = -1
         return self.tensor.to(dtype).reshape(shape)
 
+    def extra_logits(self, lse, heads_axis):
+        return self.logits(heads_axis, lse.dim(), lse.dtype)
 
-_M32 = 0xFFFFFFFF
-# Odd multipliers below 2**31, so that a product of two 32-bit values fits in int64 without overflow
-# and equals the uint32 product modulo 2**32 (what the Triton and C kernels compute).
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x5BD1E995
-_GOLDEN = 0x1E3779B9
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * _MUL_A) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _MUL_B) & _M32
-    return x ^ (x >> 16)
+    def result_grad(self, lse: torch.Tensor, delta: torch.Tensor, heads_axis: int) -> torch.Tensor:
+        """dsinks from the final LSE and ``delta = rowsum(dO * O) - dLSE``: d lse / d sink is the sink's
+        probability ``exp(sink - lse)``, and the sink moves every probability of a row alike."""
+        sink = self.logits(heads_axis, lse.dim(), lse.dtype)
+        per_row = torch.exp(sink - lse).nan_to_num_(nan=0.0) * delta
+        dims = [d for d in range(per_row.dim()) if d != heads_axis]
+        return (-per_row.sum(dims)).to(self.tensor.dtype)
 
 
 @dataclass(frozen=True)
 class Dropout(Modifier):
     """Dropout of attention weights with a counter-based mask: the decision for
     (seed, batch, head, row, col) is a pure function of those five numbers, so the backward pass
-    regenerates the mask instead of storing it and any tiling gives the same mask."""
+    regenerates the mask instead of storing it and any tiling gives the same mask. The seed is a
+    per-call value (a plan keys on ``p`` alone)."""
 
     kind: ClassVar[str] = "dropout"
     stage: ClassVar[int] = 6
+    keywords: ClassVar[Mapping[str, object]] = {"dropout_p": 0.0, "seed": None, "generator": None}
+    binds: ClassVar[Tuple[str, ...]] = ("seed",)
     p: float = field(metadata=OP_FLOAT)
     seed: int = field(metadata=OP_INT)
 
     @classmethod
-    def from_args(cls, dropout_p, seed, generator) -> Optional["Dropout"]:
+    def from_args(cls, dropout_p=0.0, seed=None, generator=None) -> Optional["Dropout"]:
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
             fail(TypeError, "dropout_p", repr(dropout_p), "a float in [0, 1)")
         if not 0.0 <= dropout_p < 1.0:
@@ -450,34 +680,43 @@ class Dropout(Modifier):
         # 63 bits: the seed travels through torch.library ops as a signed int64.
         return cls(float(dropout_p), int(seed) & ((1 << 63) - 1))
 
+    def check(self, spec):
+        if type(self.p) is not float or not 0.0 < self.p < 1.0:
+            fail(ValueError, "dropout_p", repr(self.p), "a float in (0, 1)")
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            fail(ValueError, "seed", repr(self.seed), "an int in [0, 2**63)")
+
+    def plan_key(self):
+        return (Dropout, self.p)
+
+    def lower(self):
+        return {"dropout_p": self.p}
+
+    def bind(self):
+        return {"seed": self.seed}
+
     @property
     def keep_scale(self) -> float:
         return 1.0 / (1.0 - self.p)
 
-    @property
-    def threshold(self) -> int:
-        """A weight survives when the top 24 bits of its hash are >= this."""
-        return int(round(self.p * (1 << 24)))
-
-    def row_keys(self, batch: int, heads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Per (head, row) 32-bit keys, shape (len(heads), len(rows)), int64 holding uint32 values."""
-        dev = rows.device
-        k = _mix32(torch.tensor([self.seed & _M32], dtype=torch.int64, device=dev) ^ _GOLDEN)
-        k = _mix32(k ^ ((self.seed >> 32) & _M32))
-        k = _mix32(k ^ (batch & _M32))
-        kh = _mix32(k ^ heads.to(torch.int64))
-        return _mix32(kh[:, None] ^ rows.to(torch.int64)[None, :])
-
     def keep(self, batch: int, heads: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Bool (len(heads), len(rows), len(cols)): True where the weight survives."""
-        keys = self.row_keys(batch, heads, rows)
-        x = _mix32(keys[..., None] ^ ((cols.to(torch.int64) * _GOLDEN) & _M32))
-        return (x >> 8) >= self.threshold
+        return dropout_keep(self.seed, self.p, batch, heads, rows, cols)
+
+    def factor(self, block: ScoreBlock, heads_q: int) -> torch.Tensor:
+        """(heads, rows, cols): 0 where dropped, ``1 / (1 - p)`` where kept."""
+        kept = dropout_keep(self.seed, self.p, block.batch, block.head_indices(heads_q), block.rows, block.cols)
+        return kept.to(block.dtype) * self.keep_scale
+
+    def weights(self, p, block, heads_q):
+        return p * self.factor(block, heads_q)
+
+    def weights_grad(self, dp, block, heads_q):
+        return dp * self.factor(block, heads_q)
 
 
-#: Every modifier class, in pipeline order. :func:`unflatten` rebuilds modifiers by kind from here.
-MODIFIER_TYPES = {cls.kind: cls for cls in sorted((Softcap, Alibi, Bias, Band, Mask, Sinks, Dropout),
-                                                     key=lambda c: c.stage)}
+#: The built-in modifier classes by kind (extension types register themselves beside them).
+MODIFIER_TYPES = {cls.kind: cls for cls in (Softcap, Alibi, Bias, Band, Mask, Sinks, Dropout)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,7 +742,7 @@ def flatten(modifier: Modifier) -> Tuple[list, list, list]:
 
 def unflatten(kind: str, tensors, ints, floats) -> Modifier:
     """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
-    cls = MODIFIER_TYPES[kind]
+    cls = modifier_type(kind)
     values = {}
     for f in fields(cls):
         op = f.metadata["op"]
@@ -518,14 +757,3 @@ def unflatten(kind: str, tensors, ints, floats) -> Modifier:
             values[f.name] = next(floats)
     return cls(**values)
 
-
-def broadcastable(shape, target) -> bool:
-    if len(shape) > len(target):
-        return False
-    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
-
-
-def _check_dense(name: str, t: torch.Tensor):
-    if t.layout != torch.strided or getattr(t, "is_nested", False):
-        fail(TypeError, name, f"a {t.layout} tensor" if t.layout != torch.strided else "a nested tensor",
-             "a regular strided (dense) tensor")

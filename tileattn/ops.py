@@ -28,11 +28,14 @@ import torch
 from torch import Tensor
 
 from .dispatch import Backend, Gradients, get_backend
-from .modifiers import MODIFIER_TYPES, flatten, reduce_to_shape, unflatten
+from .merge import merge_weights
+from .modifiers import flatten, modifier_type, unflatten
+from .score_math import reduce_to_shape
 from .spec import AttentionSpec, check_sequence_values, empty_in_layout, to_canonical
 
-#: Modifiers whose one tensor is an op argument of its own (autograd must see it).
-_DIFFERENTIABLE = ("bias", "sinks")
+#: The op arguments of a modifier's one differentiable tensor (autograd only sees tensors passed
+#: directly): :attr:`tileattn.modifiers.Modifier.grad_slot`.
+_GRAD_SLOTS = ("bias", "sinks")
 _SEQUENCE_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
 
 
@@ -42,11 +45,11 @@ def pack(spec: AttentionSpec, backend: str, partial: bool) -> tuple:
     align = spec.align if isinstance(spec.align, int) else 0
     ints = [spec.heads_q, spec.seqlen_q, spec.seqlen_k, int(spec.deterministic), align]
     floats = [spec.scale]
-    own = {kind: None for kind in _DIFFERENTIABLE}
+    own = {slot: None for slot in _GRAD_SLOTS}
     for m in spec.modifiers:
         tensors, mi, mf = flatten(m)
-        if m.kind in own:
-            own[m.kind] = tensors[0]
+        if m.grad_slot is not None:
+            own[m.grad_slot] = tensors[0]
         else:
             extras += tensors
         ints += mi
@@ -77,9 +80,11 @@ def unpack(q, k, v, bias, sinks, extras, ints, floats, config) -> Tuple[Attentio
     heads_q, seqlen_q, seqlen_k, deterministic, align = ints[:5]
     tensors, int_values, float_values = iter(extras[4:]), iter(ints[5:]), iter(floats[1:])
     own = {"bias": bias, "sinks": sinks}
-    modifiers = tuple(
-        unflatten(kind, iter([own[kind]]) if kind in own else tensors, int_values, float_values) for kind in kinds
-    )
+    modifiers = []
+    for kind in kinds:
+        slot = modifier_type(kind).grad_slot
+        modifiers.append(unflatten(kind, iter([own[slot]]) if slot is not None else tensors, int_values, float_values))
+    modifiers = tuple(modifiers)
     q_c = to_canonical(q, layout, heads_q)
     if block_table is not None:
         k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
@@ -117,26 +122,23 @@ def _autocast_off(device: torch.device):
 
 def run_forward(spec: AttentionSpec, engine: Backend, partial: bool) -> Tuple[Tensor, Tensor]:
     """(out in the user's layout, LSE): the engine's result with the sinks merged in."""
-    sinks = spec.modifier("sinks")
+    merged_above = [m for m in spec.modifiers if m.applied_by_op] if spec.modifiers else ()
     acc = spec.acc_dtype()
-    out_dtype = acc if (partial or sinks is not None) else spec.dtype
+    out_dtype = acc if (partial or merged_above) else spec.dtype
     out, out_c = empty_in_layout(spec.layout, spec.batch, spec.heads_q, spec.rows_q, spec.head_dim_v, out_dtype,
                                  spec.device)
     lse = torch.empty(spec.lse_shape(), dtype=acc, device=spec.device)
     if out.numel():
         with _autocast_off(spec.device):
-            engine.forward(spec.without("sinks"), out_c, lse)
+            engine.forward(spec.for_engines() if merged_above else spec, out_c, lse)
     elif lse.numel():
         lse.fill_(-math.inf)
-    if sinks is not None:
+    for m in merged_above:
         # A sink is an extra logit with no value: merging (out, lse) with the empty partial result
-        # (0, sink) rescales the output by exp(lse - lse_total).
-        sink = sinks.logits(_lse_heads_axis(spec), lse.dim(), acc)
-        total = torch.logaddexp(lse, sink)
-        # A row with no visible key and a -inf sink has total -inf: weight 0, not exp(-inf + inf).
-        weight = torch.exp(lse - total).nan_to_num_(nan=0.0)
+        # (0, sink) rescales the output by its merge weight.
+        (weight, _), lse = merge_weights(lse, m.extra_logits(lse, _lse_heads_axis(spec)))
         out_c.mul_(_lse_to_rows(weight, spec))
-        lse = total
+    if merged_above:
         if not partial:
             out = out.to(spec.dtype)
     return out, lse
@@ -164,25 +166,21 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     dk = torch.empty(spec.k.shape, dtype=spec.dtype, device=spec.device)
     dv = torch.empty(spec.v.shape, dtype=spec.dtype, device=spec.device)
     heads_kv = spec.heads_kv if spec.layout in ("BSH", "SBH") else None
-    bias = spec.modifier("bias")
+    bias = next((m for m in spec.modifiers if m.grad_slot == "bias"), None)
     dbias4 = torch.zeros(bias.view4.shape, dtype=acc, device=spec.device) if need_dbias else None
     grads = Gradients(out=out_c, dout=dout_c, lse=lse, delta=delta, dlse=dlse,
                       dq=to_canonical(dq, spec.layout, spec.heads_q), dk=to_canonical(dk, spec.layout, heads_kv),
                       dv=to_canonical(dv, spec.layout, heads_kv), dbias=dbias4)
     if dq.numel() and dk.numel():
         with _autocast_off(spec.device):
-            engine.backward(spec.without("sinks"), grads)
+            engine.backward(spec.for_engines(), grads)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     dbias = reduce_to_shape(dbias4, bias.tensor.shape).to(bias.tensor.dtype) if need_dbias else None
-    sinks = spec.modifier("sinks")
     dsinks = None
-    if sinks is not None:
-        # d lse / d sink = exp(sink - lse), and the sink moves every probability of the row alike.
-        sink = sinks.logits(_lse_heads_axis(spec), lse.dim(), acc)
-        per_row = torch.exp(sink - lse).nan_to_num_(nan=0.0) * delta
-        dims = [d for d in range(per_row.dim()) if d != _lse_heads_axis(spec)]
-        dsinks = (-per_row.sum(dims)).to(sinks.tensor.dtype)
+    for m in spec.modifiers:
+        if m.applied_by_op:
+            dsinks = m.result_grad(lse.to(acc), delta, _lse_heads_axis(spec))
     return dq, dk, dv, dbias, dsinks
 
 

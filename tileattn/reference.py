@@ -1,8 +1,9 @@
 """The exact reference: attention that materialises the score matrix of every sequence.
 
 It is the oracle of every test, benchmark and tutorial, so it is written to be obviously right rather
-than fast: one einsum for the scores, each modifier's ``reference`` rule from
-:mod:`tileattn.modifiers`, a softmax, one einsum for the output, one sequence at a time. It is
+than fast: one einsum for the scores, each modifier applied by its own hooks in pipeline order
+(:mod:`tileattn.modifiers`: scores, visible pairs, weights, extra logits), a softmax, one einsum for
+the output, one sequence at a time. It is
 differentiable by plain autograd (the tests' oracle for gradients), and :func:`reference_backward`
 writes FlashAttention's backward formulas out explicitly for the reference backend, which must use
 the LSE it is given (a partial result's backward with global statistics).
@@ -18,7 +19,9 @@ import math
 
 import torch
 
-from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool
+from .merge import merge_weights
+from .score_math import ScoreBlock
+from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool, sequence_views
 
 
 def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
@@ -35,69 +38,29 @@ def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
     return (out, lse) if return_lse else out
 
 
-def sequence_views(spec: AttentionSpec, seq: SequenceSlice):
-    """(q, k, v) of one sequence as (Hq, q_len, D), (Hkv, k_len, D), (Hkv, k_len, Dv).
-
-    Views of the user's tensors, except for a paged cache, whose blocks are gathered (a copy).
-    """
-    b, q0, lq, k0, lk = seq.batch, seq.q_start, seq.q_len, seq.k_start, seq.k_len
-    if spec.is_varlen:
-        q = spec.q_c[q0:q0 + lq].transpose(0, 1)
-    else:
-        q = spec.q_c[b]
-    if spec.is_paged:
-        blocks = spec.block_table[b, : -(-lk // spec.block_size)].long()
-
-        def gather(pool):  # (num_blocks, H, block_size, E) -> (H, k_len, E)
-            return pool[blocks].transpose(0, 1).flatten(1, 2)[:, :lk]
-
-        return q, gather(spec.k_c), gather(spec.v_c)
-    if spec.cu_seqlens_k is not None:
-        return q, spec.k_c[k0:k0 + lk].transpose(0, 1), spec.v_c[k0:k0 + lk].transpose(0, 1)
-    return q, spec.k_c[b, :, :lk], spec.v_c[b, :, :lk]
+def _block(spec: AttentionSpec, seq: SequenceSlice, cdtype) -> ScoreBlock:
+    """The whole score matrix of one sequence, every query head."""
+    return ScoreBlock(seq.batch, slice(None), 0, seq.q_len, 0, seq.k_len, seq.offset, cdtype, spec.device)
 
 
-def _scores(spec: AttentionSpec, seq: SequenceSlice, q, k, cdtype):
-    """Masked scores (Hq, q_len, k_len) of one sequence, the softcap's tanh (or None) and the keep
-    mask of the band and bool mask (or None)."""
+def _scores(spec: AttentionSpec, block: ScoreBlock, q, k, cdtype):
+    """Masked scores (Hq, q_len, k_len) of one sequence, the scores before each modifier (its
+    ``scores_grad`` reads them) and the pairs that take part (None: all). Every modifier is applied
+    by its own hooks, in pipeline order."""
     k = k.to(cdtype).repeat_interleave(spec.group_size, dim=0)
     s = torch.einsum("hid,hjd->hij", q.to(cdtype), k) * spec.scale
-    dev = s.device
-    rows = torch.arange(seq.q_len, device=dev)
-    cols = torch.arange(seq.k_len, device=dev)
-    every_head = slice(None)
-    tanh = None
-    softcap = spec.modifier("softcap")
-    if softcap is not None:
-        s, tanh = softcap.apply(s)
-    alibi = spec.modifier("alibi")
-    if alibi is not None:
-        s = s + alibi.scores(seq.batch, every_head, rows, cols, seq.offset, cdtype)
-    bias = spec.modifier("bias")
-    if bias is not None:
-        s = s + bias.block(seq.batch, every_head, 0, seq.q_len, 0, seq.k_len).to(cdtype)
+    before = []
+    for m in spec.modifiers:
+        before.append(s)
+        s = m.scores(s, block)
     keep = None
-    band = spec.modifier("band")
-    if band is not None:
-        keep = band.keep(rows, cols, seq.offset)
-    mask = spec.modifier("mask")
-    if mask is not None:
-        block = mask.block(seq.batch, every_head, 0, seq.q_len, 0, seq.k_len)
-        keep = block if keep is None else keep & block
+    for m in spec.modifiers:
+        visible = m.visible(block)
+        if visible is not None:
+            keep = visible if keep is None else keep & visible
     if keep is not None:
         s = s.masked_fill(~keep, -math.inf)
-    return s.expand(spec.heads_q, seq.q_len, seq.k_len), tanh, keep
-
-
-def _dropout_factor(spec: AttentionSpec, seq: SequenceSlice, cdtype):
-    """(Hq, q_len, k_len) factor 0 or 1/(1-p) of the dropout mask, or None without dropout."""
-    dropout = spec.modifier("dropout")
-    if dropout is None:
-        return None
-    dev = spec.q.device
-    keep = dropout.keep(seq.batch, torch.arange(spec.heads_q, device=dev), torch.arange(seq.q_len, device=dev),
-                        torch.arange(seq.k_len, device=dev))
-    return keep.to(cdtype) * dropout.keep_scale
+    return s.expand(spec.heads_q, block.i1 - block.i0, block.j1 - block.j0), before, keep
 
 
 def _lse(s):
@@ -109,17 +72,16 @@ def _lse(s):
     return lse.masked_fill(empty, -math.inf)
 
 
-def _with_sinks(spec: AttentionSpec, out, lse):
-    """(out, lse) with the sinks in the denominator: ``out * sigmoid(lse - sink)`` and
-    ``lse - logsigmoid(lse - sink)``, a form whose gradients stay finite for a sink of +-inf and for
-    rows that see no key (whose LSE becomes the sink)."""
-    sinks = spec.modifier("sinks")
-    if sinks is None:
-        return out, lse
-    sink = sinks.tensor.to(lse.dtype)[:, None]
-    gap = lse - sink
-    total = torch.where(torch.isneginf(lse), sink.expand_as(lse), lse - torch.nn.functional.logsigmoid(gap))
-    return out * torch.sigmoid(gap)[..., None], total
+def _with_extra_parts(spec: AttentionSpec, out, lse):
+    """(out, lse) with the partial results the modifiers add (the sinks: an extra logit in every
+    row's denominator), merged by :func:`tileattn.merge.merge_weights`, whose form keeps gradients
+    finite for a sink of +-inf and for rows that see no key (whose LSE becomes the sink)."""
+    for m in spec.modifiers:
+        logits = m.extra_logits(lse, 0)
+        if logits is not None:
+            (weight, _), lse = merge_weights(lse, logits)
+            out = out * weight[..., None]
+    return out, lse
 
 
 def _probabilities(s, lse):
@@ -137,14 +99,14 @@ def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
     outs, lses = [], []
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
-        s, _, _ = _scores(spec, seq, q, k, cdtype)
+        block = _block(spec, seq, cdtype)
+        s, _, _ = _scores(spec, block, q, k, cdtype)
         lse = _lse(s)
         p = _probabilities(s, lse)
-        drop = _dropout_factor(spec, seq, cdtype)
-        if drop is not None:
-            p = p * drop
+        for m in spec.modifiers:
+            p = m.weights(p, block, spec.heads_q)
         v = v.to(cdtype).repeat_interleave(spec.group_size, dim=0)
-        out, lse = _with_sinks(spec, torch.einsum("hij,hjd->hid", p, v), lse)
+        out, lse = _with_extra_parts(spec, torch.einsum("hij,hjd->hid", p, v), lse)
         outs.append(out)
         lses.append(lse)
     lse_dtype = torch.float64 if cdtype == torch.float64 else torch.float32
@@ -186,7 +148,8 @@ def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_
     dk_c.zero_(), dv_c.zero_()
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
-        s, tanh, keep = _scores(spec, seq, q, k, cdt)
+        block = _block(spec, seq, cdt)
+        s, before, keep = _scores(spec, block, q, k, cdt)
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
         if spec.is_varlen:
             lse_s, delta_s = lse[:, rows].to(cdt), delta[:, rows].to(cdt)
@@ -194,23 +157,22 @@ def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_
         else:
             lse_s, delta_s, do = lse[seq.batch].to(cdt), delta[seq.batch].to(cdt), dout_c[seq.batch].to(cdt)
         p = _probabilities(s, lse_s)
-        drop = _dropout_factor(spec, seq, cdt)
-        pd = p if drop is None else p * drop
+        pd = p
+        for m in spec.modifiers:
+            pd = m.weights(pd, block, spec.heads_q)
         v_rep = v.to(cdt).repeat_interleave(g, dim=0)
         k_rep = k.to(cdt).repeat_interleave(g, dim=0)
         dv_rep = torch.einsum("hij,hid->hjd", pd, do)
         dp = torch.einsum("hid,hjd->hij", do, v_rep)
-        if drop is not None:
-            dp = dp * drop
+        for m in reversed(spec.modifiers):
+            dp = m.weights_grad(dp, block, spec.heads_q)
         ds = p * (dp - delta_s[..., None])
         if keep is not None:
             # Hidden pairs get no gradient, even in a row made NaN by a +inf score (as autograd
             # through the forward's masked_fill gives).
             ds = ds.masked_fill(~keep, 0.0)
-        if dbias4 is not None:
-            _accumulate_bias_grad(dbias4, ds, seq)
-        if tanh is not None:
-            ds = ds * (1 - tanh * tanh)
+        for m, s_before in reversed(list(zip(spec.modifiers, before))):
+            ds = m.scores_grad(ds, s_before, block, dbias4 if m.grad_slot == "bias" else None)
         dq = torch.einsum("hij,hjd->hid", ds, k_rep) * spec.scale
         dk_rep = torch.einsum("hij,hid->hjd", ds, q.to(cdt)) * spec.scale
         dk = dk_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
@@ -224,14 +186,4 @@ def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_
             dq_c[seq.batch] = dq
             dk_c[seq.batch, :, : seq.k_len] = dk
             dv_c[seq.batch, :, : seq.k_len] = dv
-
-
-def _accumulate_bias_grad(dbias4, ds, seq: SequenceSlice):
-    """Add one sequence's dS (Hq, q_len, k_len) into the (B?, H?, Sq?, Sk?) bias gradient."""
-    target = dbias4[seq.batch if dbias4.shape[0] > 1 else 0]
-    t = ds
-    for dim in range(3):
-        if target.shape[dim] == 1 and t.shape[dim] != 1:
-            t = t.sum(dim, keepdim=True)
-    target[:, : t.shape[1], : t.shape[2]] += t.to(target.dtype)
 

@@ -28,9 +28,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .modifiers import (
-    Alibi, Band, Bias, Dropout, Mask, Modifier, Sinks, Softcap, diagonal_offset, fail,
-)
+from .kernel_args import KernelArgs, lower
+from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
+from .score_math import diagonal_offset
 
 PADDED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 LAYOUTS = PADDED_LAYOUTS + ("TND",)
@@ -121,39 +121,58 @@ class AttentionSpec:
     q_c: torch.Tensor = field(default=None, repr=False)
     k_c: torch.Tensor = field(default=None, repr=False)
     v_c: torch.Tensor = field(default=None, repr=False)
+    #: The static kernel arguments when a plan lowered them already (see :attr:`kernel_args`).
+    lowered: Optional[KernelArgs] = field(default=None, repr=False)
 
-    def modifier(self, kind: str):
-        """The modifier of ``kind`` ("band", "mask", "bias", ...), or None when the call has none."""
-        for m in self.modifiers:
-            if m.kind == kind:
-                return m
-        return None
+    #: The fields that hold the caller's tensors (or modifiers holding tensors): never in a plan.
+    TENSOR_FIELDS = ("q", "k", "v", "q_c", "k_c", "v_c", "modifiers", "cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+                     "block_table")
 
-    def rebound(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Optional[torch.Tensor] = None,
-                block_table: Optional[torch.Tensor] = None) -> "AttentionSpec":
-        """This validated call with other q, k, v (and ``seqused_k``/``block_table``, padded layouts)
-        of the same shapes, strides, dtypes and devices, and no tensor modifiers: what a repeated
-        call shape (a decode loop) reuses instead of validating again. The values of ``seqused_k``
-        and ``block_table`` are not checked here: :func:`check_sequence_values` does that. Derived
-        geometry (``sequences``) is shared when it depends only on the shapes."""
+    def template(self) -> dict:
+        """Every field and derived value of this call that is not a tensor: what a plan keeps, and
+        :meth:`from_template` rebinds to the next call of the same shape."""
+        kept = {name: value for name, value in self.__dict__.items() if name not in self.TENSOR_FIELDS}
+        kept["lowered"] = self.kernel_args.static() if "kernel_args" in self.__dict__ else self.lowered
+        kept.pop("kernel_args", None)
+        if self.seqused_k is not None or self.is_varlen:
+            kept.pop("sequences", None)  # depends on the values of seqused_k / cu_seqlens
+        return kept
+
+    @staticmethod
+    def from_template(template: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modifiers: tuple,
+                      seqused_k: Optional[torch.Tensor] = None,
+                      block_table: Optional[torch.Tensor] = None) -> "AttentionSpec":
+        """The call of ``template`` with these tensors and modifiers, which must have the shapes,
+        strides, dtypes, devices and modifier keys the template was made from (a padded layout). The
+        values of ``seqused_k`` and ``block_table`` are not checked here: :func:`check_sequence_values`
+        does that."""
         spec = object.__new__(AttentionSpec)
-        spec.__dict__.update(self.__dict__)
+        spec.__dict__.update(template)
+        layout = template["layout"]
         if block_table is not None:
             k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
         else:
-            heads_kv = self.heads_kv if self.layout in ("BSH", "SBH") else None
-            k_c, v_c = to_canonical(k, self.layout, heads_kv), to_canonical(v, self.layout, heads_kv)
-        spec.__dict__.update(q=q, k=k, v=v, q_c=to_canonical(q, self.layout, self.heads_q), k_c=k_c, v_c=v_c,
-                             seqused_k=seqused_k, block_table=block_table)
-        if seqused_k is not None:
-            spec.__dict__.pop("sequences", None)  # depends on the values of seqused_k
+            heads_kv = template["heads_kv"] if layout in ("BSH", "SBH") else None
+            k_c, v_c = to_canonical(k, layout, heads_kv), to_canonical(v, layout, heads_kv)
+        spec.__dict__.update(q=q, k=k, v=v, q_c=to_canonical(q, layout, template["heads_q"]), k_c=k_c, v_c=v_c,
+                             modifiers=modifiers, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=seqused_k,
+                             block_table=block_table)
+        lowered = template["lowered"]
+        if lowered is not None:
+            spec.__dict__["kernel_args"] = lowered.bound(modifiers)
         return spec
 
-    def without(self, kind: str) -> "AttentionSpec":
-        """The same call without its modifier of ``kind`` (what engines see of a call with sinks)."""
-        if self.modifier(kind) is None:
+    @cached_property
+    def kernel_args(self) -> KernelArgs:
+        """The modifiers lowered for the engines, with this call's tensors bound."""
+        static = self.lowered if self.lowered is not None else lower(self.modifiers, self.scale, self.align)
+        return static.bound(self.modifiers)
+
+    def for_engines(self) -> "AttentionSpec":
+        """The call as engines see it: without the modifiers applied above them (sinks)."""
+        if not any(m.applied_by_op for m in self.modifiers):
             return self
-        return replace(self, modifiers=tuple(m for m in self.modifiers if m.kind != kind))
+        return replace(self, modifiers=tuple(m for m in self.modifiers if not m.applied_by_op))
 
     @property
     def kinds(self) -> Tuple[str, ...]:
@@ -180,8 +199,16 @@ class AttentionSpec:
         return self.heads_q // self.heads_kv
 
     @property
+    def band(self) -> Optional[Band]:
+        """The call's band (causal / window), or None: the geometry flop counts and tuning read."""
+        for m in self.modifiers:
+            if isinstance(m, Band):
+                return m
+        return None
+
+    @property
     def causal(self) -> bool:
-        band = self.modifier("band")
+        band = self.band
         return band is not None and band.right == 0
 
     @property
@@ -224,7 +251,7 @@ class AttentionSpec:
 
     def visible_pairs(self) -> int:
         """(row, key) pairs inside the band summed over sequences (a bool mask is not counted)."""
-        band = self.modifier("band")
+        band = self.band
         total = 0
         for s in self.sequences:
             total += s.q_len * s.k_len if band is None else band.visible_pairs(s.q_len, s.k_len, s.offset)
@@ -233,6 +260,28 @@ class AttentionSpec:
     def flops(self) -> float:
         """Forward FLOPs of the useful work: 2 GEMMs over the visible pairs of every head."""
         return 2.0 * self.visible_pairs() * self.heads_q * (self.head_dim + self.head_dim_v)
+
+
+def sequence_views(spec: AttentionSpec, seq: SequenceSlice):
+    """(q, k, v) of one sequence as (Hq, q_len, D), (Hkv, k_len, D), (Hkv, k_len, Dv).
+
+    Views of the user's tensors, except for a paged cache, whose blocks are gathered (a copy).
+    """
+    b, q0, lq, k0, lk = seq.batch, seq.q_start, seq.q_len, seq.k_start, seq.k_len
+    if spec.is_varlen:
+        q = spec.q_c[q0:q0 + lq].transpose(0, 1)
+    else:
+        q = spec.q_c[b]
+    if spec.is_paged:
+        blocks = spec.block_table[b, : -(-lk // spec.block_size)].long()
+
+        def gather(pool):  # (num_blocks, H, block_size, E) -> (H, k_len, E)
+            return pool[blocks].transpose(0, 1).flatten(1, 2)[:, :lk]
+
+        return q, gather(spec.k_c), gather(spec.v_c)
+    if spec.cu_seqlens_k is not None:
+        return q, spec.k_c[k0:k0 + lk].transpose(0, 1), spec.v_c[k0:k0 + lk].transpose(0, 1)
+    return q, spec.k_c[b, :, :lk], spec.v_c[b, :, :lk]
 
 
 def _check_tensor(name: str, t, rank: int, shape_name: str, layout_note: str):
@@ -329,17 +378,38 @@ def _check_align(align):
     if isinstance(align, bool) or not isinstance(align, numbers.Integral):
         fail(TypeError, "align", repr(align), "'bottom_right', 'top_left' or an int diagonal offset")
     if abs(align) > 2**62:
-        fail(ValueError, "align", repr(align), f"an offset within +-2**62")
+        fail(ValueError, "align", repr(align), "an offset within +-2**62")
     return int(align)
 
 
+#: The keywords of a call that are not variant keywords (those belong to the modifier types).
+CALL_KEYWORDS = ("layout", "num_heads", "scale", "align", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                 "max_seqlen_k", "seqused_k", "block_table", "deterministic", "modifiers")
+
+
 def build_spec(
-    q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
-    mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None,
-    sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
-    block_table=None, deterministic=False,
+    q, k, v, *, layout="BNSD", num_heads=None, scale=None, align="bottom_right", cu_seqlens_q=None,
+    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None, deterministic=False,
+    modifiers=(), **variants,
 ) -> AttentionSpec:
-    """Validate a call and build its :class:`AttentionSpec`. Raises before any compute."""
+    """Validate a call and build its :class:`AttentionSpec`. Raises before any compute.
+
+    ``variants`` are the variant keywords of :func:`tileattn.flash_attention` (``causal``, ``mask``,
+    ...), turned into modifiers by :func:`tileattn.modifiers.modifiers_from_keywords`; ``modifiers``
+    adds modifier objects (already built: a caller's own modifier type, or context parallelism's).
+    """
+    check_keywords(variants, CALL_KEYWORDS)
+    return spec_of(q, k, v, modifiers_from_keywords(variants, modifiers), layout=layout, num_heads=num_heads,
+                   scale=scale, align=align, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                   block_table=block_table, deterministic=deterministic)
+
+
+def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=None, scale=None, align="bottom_right",
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+            block_table=None, deterministic=False) -> AttentionSpec:
+    """:func:`build_spec` for modifiers already parsed by
+    :func:`tileattn.modifiers.modifiers_from_keywords` (``found``, in pipeline order)."""
     if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
         exc = ValueError if isinstance(layout, str) else TypeError
         fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
@@ -444,26 +514,14 @@ def build_spec(
     if seqused_k is not None:
         _check_index_tensor("seqused_k", seqused_k, (batch,), device, "keys used by each sequence")
 
-    full = (batch, hq, sq, sk)
-    # A paged cache is padded in the key dimension (capacity = max_blocks * block_size), so a mask
-    # or bias over it is indexed by logical key position; packed sequences have no such dimension.
-    per_sequence = "layout='TND'" if layout == "TND" else None
-    found = [
-        Softcap.from_args(softcap),
-        Alibi.from_args(alibi_slopes, batch, hq, device),
-        Bias.from_args(bias, full, device, per_sequence),
-        Band.from_args(causal, window),
-        Mask.from_args(mask, full, device, per_sequence),
-        Sinks.from_args(sinks, hq, device),
-        Dropout.from_args(dropout_p, seed, generator),
-    ]
-    modifiers = tuple(m for m in found if m is not None)  # `found` is in pipeline order
     spec = AttentionSpec(
         q=q, k=k, v=v, layout=layout, heads_q=hq, heads_kv=hkv, batch=batch, seqlen_q=sq, seqlen_k=sk,
-        head_dim=d, head_dim_v=dv, scale=float(scale), align=align, modifiers=modifiers,
+        head_dim=d, head_dim_v=dv, scale=float(scale), align=align, modifiers=found,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table,
         deterministic=deterministic, q_c=q_c, k_c=k_c, v_c=v_c,
     )
+    for m in found:
+        m.check(spec)
     if torch.compiler.is_compiling():
         return spec
     return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)

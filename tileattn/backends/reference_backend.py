@@ -7,17 +7,19 @@ to the output's dtype, so it has the accuracy a fused kernel should reach. Its b
 
 from __future__ import annotations
 
-from ..dispatch import ALL_DTYPES, ALL_MODIFIERS, Backend, Capabilities, Gradients, register
+from ..engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
 from ..reference import reference_backward, reference_from_spec
 from ..spec import AttentionSpec, to_canonical
 
 
 class ReferenceBackend(Backend):
     name = "reference"
+    #: It applies the modifiers through their own reference hooks, not kernel arguments.
+    reads_kernel_args = False
     auto = False
     priority = 1000
     capabilities = Capabilities(devices=frozenset(("cpu", "cuda", "meta")), dtypes=ALL_DTYPES,
-                                modifiers=ALL_MODIFIERS - {"sinks"})
+                                modifiers=BUILTIN_MODIFIERS)
 
     def forward(self, spec: AttentionSpec, out, lse):
         result, result_lse = reference_from_spec(spec, compute_dtype=spec.acc_dtype())

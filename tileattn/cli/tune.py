@@ -78,8 +78,9 @@ def run(args) -> int:
     check_memory(oracle_bytes(b, h, s, d), device, f"--shape {args.shape}")
 
     case = Case(b, h, s, s, d, dtype, args.causal, mode, device)
-    # A stride-0 view describes the call without allocating it.
-    probe = torch.empty((), dtype=dtype, device=device).expand(b, h, s, d)
+    # A broadcast view describes the call without allocating it (rows are unit-stride, as real
+    # inputs: an engine refuses calls its kernels cannot read).
+    probe = torch.empty(d, dtype=dtype, device=device).expand(b, h, s, d)
     inp = build_spec(probe, probe, probe, causal=args.causal)
     why = backend.not_supported_reasons(inp)
     if why:

@@ -7,8 +7,9 @@ from typing import Optional
 
 import torch
 
-from ..modifiers import Band, fail, to_4d
-from ..spec import build_spec, check_bool, to_canonical
+from ..modifiers import (Alibi, Band, Bias, Mask, Sinks, Softcap, check_keywords, fail, modifiers_from_keywords,
+                         to_4d)
+from ..spec import CALL_KEYWORDS, build_spec, check_bool, to_canonical
 from . import ring as ring_mod
 from . import topology, ulysses
 from .plan import ShardPlan
@@ -56,12 +57,17 @@ def _sharded_4d(name, t, batch, heads, rows, seq_len, dtype_ok, expected):
     return t4
 
 
+#: The modifier types context parallelism shards (by position: the band and ALiBi are placed per
+#: block, bias and mask columns are global keys; sinks are merged once after the walk).
+_SHARDED = (Softcap, Alibi, Bias, Band, Mask, Sinks)
+_OWN_KEYWORDS = ("group", "mode", "load_balance", "timeout", "return_lse", "backend")
+
+
 def context_parallel_attention(
-    q, k, v, *, group=None, mode="ring", causal=False, layout="BNSD", load_balance=True, timeout=None,
-    num_heads=None, scale=None, window=None, align="bottom_right", mask=None, bias=None, alibi_slopes=None,
-    softcap=0.0, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-    return_lse=False, deterministic=False, backend="auto", dropout_p=0.0, seqused_k=None, block_table=None,
-    **unknown,
+    q, k, v, *, group=None, mode="ring", layout="BNSD", load_balance=True, timeout=None, num_heads=None, scale=None,
+    align="bottom_right", cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    return_lse=False, deterministic=False, backend="auto", seqused_k=None, block_table=None, modifiers=(),
+    **variants,
 ):
     r"""Exact attention of a sequence sharded over the ranks of ``group``: call it on every rank with
     that rank's shard of q, k and v; each rank gets its shard of the output (and LSE).
@@ -78,7 +84,8 @@ def context_parallel_attention(
         ``lcm(Hkv, W)`` when fewer or not divisible.
         ``"hybrid"``: Ulysses inside each row of a 2-D DeviceMesh ``(ring, ulysses)``, ring across.
 
-    Args are :func:`tileattn.flash_attention`'s, for the local shards, plus:
+    Args are :func:`tileattn.flash_attention`'s (its variant keywords: ``causal``, ``window``,
+    ``mask``, ``bias``, ``alibi_slopes``, ``softcap``, ``sinks``), for the local shards, plus:
         group: None (default group), a ProcessGroup, a DeviceMesh (2-D for hybrid).
         load_balance: the placement the shards were cut with (:func:`shard`).
         timeout: seconds (or timedelta) any communication may wait before every rank raises
@@ -98,15 +105,25 @@ def context_parallel_attention(
 
     Returns ``out`` (and ``lse``, fp32, with ``return_lse=True``) for the local shard; differentiable.
     """
-    if unknown:
-        name = sorted(unknown)[0]
-        fail(TypeError, name, "an unexpected keyword", "one of flash_attention's keywords or group, mode, "
-             "load_balance, timeout")
+    check_keywords(variants, CALL_KEYWORDS + _OWN_KEYWORDS)
     check_bool("return_lse", return_lse)
     check_bool("load_balance", load_balance)
+    dropout_p = variants.get("dropout_p", 0.0)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         _refuse("dropout_p", repr(dropout_p), "0.0: context-parallel attention has no dropout (the mask is a function "
                 "of row/column numbers, which differ between a shard and the whole sequence)")
+    found = modifiers_from_keywords(variants, modifiers)
+    for m in found:
+        if type(m) not in _SHARDED:
+            _refuse("modifiers", f"a {m.kind} modifier", "the modifiers context parallelism shards: "
+                    + ", ".join(cls.kind for cls in _SHARDED))
+    of_type = {type(m): m for m in found}
+    band = of_type.get(Band)
+    softcap = of_type[Softcap].cap if Softcap in of_type else 0.0
+    alibi_slopes = of_type[Alibi].slopes if Alibi in of_type else None
+    sinks = of_type[Sinks].tensor if Sinks in of_type else None
+    bias = of_type[Bias].tensor if Bias in of_type else None
+    mask = of_type[Mask].tensor if Mask in of_type else None
     for name, val in (("seqused_k", seqused_k), ("block_table", block_table)):
         if val is not None:
             _refuse(name, "a tensor", "None: a KV cache is not sequence-sharded; run flash_attention on each rank")
@@ -137,15 +154,14 @@ def context_parallel_attention(
     local = q.shape[sd] if q.dim() > sd else 0
     local_cu = torch.tensor([0, local], dtype=torch.int32, device=q.device) if varlen else None
     # The local call, validated as flash_attention would validate it (bias/mask: below, global keys).
-    spec = build_spec(q, k, v, layout=layout, num_heads=num_heads, scale=scale, causal=causal, window=window,
-                      align=align, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                      cu_seqlens_q=local_cu, cu_seqlens_k=local_cu, deterministic=deterministic)
+    spec = build_spec(q, k, v, layout=layout, num_heads=num_heads, scale=scale, align=align,
+                      cu_seqlens_q=local_cu, cu_seqlens_k=local_cu, deterministic=deterministic,
+                      modifiers=tuple(m for m in found if not isinstance(m, (Bias, Mask))))
     topo = topology.resolve(group, mode, timeout)
     if topo.U > 1 and spec.heads_q % topo.U:
         fail(ValueError, "q", f"{spec.heads_q} query heads for {topo.U} Ulysses ranks",
              f"a number of heads divisible by {topo.U} (or mode='ring', or a hybrid mesh whose ulysses size "
              f"divides {spec.heads_q})")
-    band = Band.from_args(causal, window)
     off0 = 0 if isinstance(spec.align, str) else spec.align
     batch = 1 if varlen else spec.batch
 
@@ -171,7 +187,7 @@ def context_parallel_attention(
     qi = _internal(q, layout, heads_arg)
     ki = _internal(k, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
     vi = _internal(v, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
-    kwargs = dict(scale=spec.scale, softcap=softcap, deterministic=deterministic, backend=backend)
+    kwargs = dict(scale=spec.scale, deterministic=deterministic, backend=backend)
     if topo.U > 1:
         u = topo.ulysses_rank
         ex = ulysses.Exchange(topo.ulysses, [plan.local_len(g) for g in topo.ring_members(topo.ring_rank)],
@@ -187,10 +203,13 @@ def context_parallel_attention(
             alibi_slopes = alibi_slopes[..., heads]
         if sinks is not None:
             sinks = sinks[heads]
+    # The modifiers every block applies as they are (the band is placed per block, bias and mask
+    # columns are cut per block, sinks are merged once after the walk).
+    block_modifiers = [of_type[Softcap]] if Softcap in of_type else []
     if alibi_slopes is not None:
-        kwargs["alibi_slopes"] = alibi_slopes
+        block_modifiers.append(Alibi(alibi_slopes))  # this Ulysses rank's heads
     cfg = ring_mod.RingConfig(topo.ring, [plan.runs(list(topo.ring_members(i))) for i in range(topo.R)], varlen,
-                              band, off0, kwargs, mask=mask4)
+                              band, off0, kwargs, tuple(block_modifiers), mask=mask4)
     out, lse = ring_mod.RingAttention.apply(cfg, qi, ki, vi, bias4, sinks)
     if topo.U > 1:
         out = ulysses.HeadsToSeq.apply(ex, out, "out")

@@ -26,39 +26,12 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..api import attention_backward, attention_partial
-from ..modifiers import Band, TileState
+from ..merge import merge_into, merge_sink
+from ..modifiers import Band, Bias, Mask, Modifier, Sinks, TileState
 from . import comm
 from .plan import Run
 
 Sel = Union[slice, torch.Tensor]
-
-
-# ---------------------------------------------------------------------------------------------
-# Merging partial results by LSE (also what a dialect needs to combine context-parallel blocks).
-
-
-def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
-               scratch: bool = False) -> None:
-    """In place, ``(out, lse) <- merge((out, lse), (part_out, part_lse))``; ``out`` (..., S, Dv) fp32,
-    ``lse`` (..., S). The weights of PyTorch's context parallel (``sigmoid(lse_b - lse)`` is
-    ``exp(lse_b - logaddexp(lse, lse_b))``) in a form where rows that are ``-inf`` on either side stay
-    exact (a row empty everywhere keeps out 0 and LSE -inf). ``scratch=True`` lets it scale
-    ``part_out`` in place instead of allocating a temporary the size of the output (the ring does)."""
-    new = torch.logaddexp(lse, part_lse)
-    w_old = torch.exp(lse - new).nan_to_num_(nan=0.0).unsqueeze(-1)
-    w_new = torch.exp(part_lse - new).nan_to_num_(nan=0.0).unsqueeze(-1)
-    part = part_out.mul_(w_new) if scratch and part_out.dtype == out.dtype else part_out.to(out.dtype) * w_new
-    out.mul_(w_old).add_(part)
-    lse.copy_(new)
-
-
-def merge_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """In place: add one sink logit per head (``sinks`` (H,), heads on dim -2 of ``lse``) to every
-    row's softmax denominator: the merge with a partial result of output 0 and LSE = sink."""
-    sink = sinks.to(lse.dtype).view(-1, 1)
-    new = torch.logaddexp(lse, sink)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
-    lse.copy_(new)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +176,8 @@ class RingConfig:
     varlen: bool
     band: Optional[Band]
     align: int
-    kwargs: dict  # scale, softcap, alibi_slopes, deterministic, backend
+    kwargs: dict  # scale, deterministic, backend
+    modifiers: Tuple[Modifier, ...]  # applied by every block as they are (softcap, ALiBi)
     mask: Optional[torch.Tensor] = None  # 4-d (B|1, H|1, rows|1, S|1), bool
     calls: Optional[Dict[int, List[Call]]] = None
 
@@ -222,7 +196,7 @@ class RingConfig:
         if self.calls is None:
             self.calls = {}
         if src not in self.calls:
-            positional = "alibi_slopes" in self.kwargs
+            positional = any(m.positional for m in self.modifiers)
             self.calls[src] = plan_calls(self.runs[self.rank], self.runs[src], self.band, self.align, positional,
                                          self.varlen, device)
         return self.calls[src]
@@ -253,8 +227,9 @@ class _Block:
     def __init__(self, cfg: RingConfig, call: Call, q, k, v, bias):
         self.cfg, self.call = cfg, call
         kw = dict(cfg.kwargs, align=call.off)
+        modifiers = list(cfg.modifiers)
         if call.band:
-            kw["window"] = (cfg.band.left, cfg.band.right)
+            modifiers.append(cfg.band)
         if cfg.varlen:
             kw.update(layout="TND", cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k, max_seqlen_q=call.max_q,
                       max_seqlen_k=call.max_k)
@@ -264,11 +239,17 @@ class _Block:
             self.q, self.k, self.v = _take(q, 2, call.q), _take(k, 2, call.k), _take(v, 2, call.k)
             self.bias = _take_4d(bias, call.q, call.k_pos)
             if self.bias is not None:
-                kw["bias"] = self.bias
+                modifiers.append(Bias(self.bias))
             mask = _take_4d(cfg.mask, call.q, call.k_pos)
             if mask is not None:
-                kw["mask"] = mask
-        self.kwargs = kw
+                modifiers.append(Mask(mask))
+        self.kwargs, self.modifiers = kw, modifiers
+
+    def call_kwargs(self, bias: Optional[torch.Tensor] = None) -> dict:
+        """The keywords of this block's attention_partial / attention_backward call; ``bias``
+        replaces the block's bias (a leaf for its gradient)."""
+        modifiers = [Bias(bias) if bias is not None and isinstance(m, Bias) else m for m in self.modifiers]
+        return dict(self.kwargs, modifiers=tuple(modifiers))
 
     @staticmethod
     def tnd(x: torch.Tensor, sel: Sel) -> torch.Tensor:
@@ -318,7 +299,7 @@ def ring_forward(cfg: RingConfig, q, k, v, bias, sinks):
                                     f"the ring K/V exchange (forward, step {step + 1} of {world - 1})")
         for call in cfg.calls_for(src, q.device):
             blk = _Block(cfg, call, q, kc, vc, bias)
-            o, l = attention_partial(blk.q, blk.k, blk.v, **blk.kwargs)
+            o, l = attention_partial(blk.q, blk.k, blk.v, **blk.call_kwargs())
             if cfg.varlen:  # (T', H, Dv), (H, T') -> gathered rows of the (1, H, T, .) accumulators
                 rows_o, rows_l = _take(out[0], 1, call.q), _take(lse[0], 1, call.q)
                 merge_into(rows_o, rows_l, o.transpose(0, 1), l, scratch=True)
@@ -359,10 +340,10 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
         dk_blk, dv_blk = _unpack(d_blk, shapes)
         for call in cfg.calls_for(src, q.device):
             blk = _Block(cfg, call, q, kc, vc, bias)
-            if bias_grad:  # attention_backward returns dbias for a bias that requires grad
-                blk.kwargs["bias"] = blk.bias.detach().requires_grad_()
+            # attention_backward returns dbias for a bias that requires grad
+            leaf = blk.bias.detach().requires_grad_() if bias_grad else None
             g = attention_backward(blk.rows(dout), blk.q, blk.k, blk.v, blk.rows(out), blk.lse_rows(lse),
-                                   dlse=None if dlse is None else blk.lse_rows(dlse), **blk.kwargs)
+                                   dlse=None if dlse is None else blk.lse_rows(dlse), **blk.call_kwargs(leaf))
             if cfg.varlen:
                 dq[0].index_add_(1, call.q, g.dq.transpose(0, 1).to(acc))
                 dk_blk[0].index_add_(1, call.k, g.dk.transpose(0, 1).to(acc))
@@ -393,7 +374,7 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(acc)
-        dsinks = (torch.exp(sinks.to(acc).view(-1, 1) - lse) * -delta).sum((0, 2)).to(sinks.dtype)
+        dsinks = Sinks(sinks).result_grad(lse.to(acc), delta, heads_axis=1)
     return dq, dk_blk, dv_blk, dbias, dsinks
 
 

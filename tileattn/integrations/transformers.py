@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..api import attention_partial, flash_attention
+from ..merge import merge_weights
 from ..sdpa import autocast_dtype, autocast_inputs
 
 NAME = "tileattn"
@@ -209,11 +210,10 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
         if row_sinks is None:
             return flash_attention(*args, sinks=head_sinks, **call), None
         # Per-row sinks: the sink is an extra logit with no value, so merging it with the attention's
-        # (out, LSE) rescales out by exp(lse - logaddexp(lse, sink)). Exact and differentiable.
+        # (out, LSE) rescales out by its merge weight exp(lse - logaddexp(lse, sink)). Exact, differentiable.
         out, lse = attention_partial(*args, **call)
-        lse = torch.where(torch.isneginf(lse), 0.0, lse)  # a row that sees no key has out = 0 whatever scales it
-        scale = torch.exp(lse - torch.logaddexp(lse, row_sinks.to(lse.dtype)))
-        return (out * scale.transpose(1, 2).unsqueeze(-1)).to(query.dtype), None
+        (weight, _), _ = merge_weights(lse, row_sinks.to(lse.dtype))
+        return (out * weight.transpose(1, 2).unsqueeze(-1)).to(query.dtype), None
 
 
 def _fail(exc, arg, given, expected):

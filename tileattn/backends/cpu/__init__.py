@@ -15,9 +15,8 @@ from functools import partial
 
 import torch
 
-from ...dispatch import ALL_DTYPES, Backend, Capabilities, Gradients, register
-from ...reference import sequence_views
-from ...spec import AttentionSpec
+from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...spec import AttentionSpec, sequence_views
 from . import kernels
 from .parallel import planned_workers, run_tasks
 from .tiles import SequenceProblem
@@ -63,7 +62,8 @@ def default_config(spec: AttentionSpec) -> TileConfig:
     # of a big tile is wasted, so banded problems use 128x256 tiles and batch up to 8 kv heads per
     # tile instead (S=1024 causal, one thread: 0.58x -> 0.83x SDPA forward). GQA stacks the G query
     # heads of a group into the rows of one block.
-    if spec.modifier("band") is not None or spec.modifier("mask") is not None:
+    args = spec.kernel_args
+    if args.band is not None or args.mask is not None:
         # Small tiles also let the skipping of fully masked tiles follow a block-sparse mask.
         return TileConfig(block_m=max(16, 128 // spec.group_size), block_n=256)
     return TileConfig(block_m=max(16, 512 // spec.group_size), block_n=512)
@@ -76,7 +76,7 @@ def _head_ranges(heads_kv: int, nh: int):
 class CpuBackend(Backend):
     name = "cpu"
     priority = 20
-    capabilities = Capabilities(devices=frozenset(("cpu",)), dtypes=ALL_DTYPES)
+    capabilities = Capabilities(devices=frozenset(("cpu",)), dtypes=ALL_DTYPES, modifiers=BUILTIN_MODIFIERS)
     #: Set by ``tileattn tune`` or tests to force a configuration.
     config_override = None
 
@@ -85,12 +85,12 @@ class CpuBackend(Backend):
 
     def _problems(self, spec: AttentionSpec, cfg: TileConfig):
         """Yield (SequenceSlice, SequenceProblem) for each sequence."""
-        mods = {kind: spec.modifier(kind) for kind in ("band", "softcap", "alibi", "bias", "mask", "dropout")}
+        args = spec.kernel_args
         for seq in spec.sequences:
             q, k, v = sequence_views(spec, seq)
             yield seq, SequenceProblem(
-                q=q, k=k, v=v, scale=spec.scale, offset=seq.offset, batch_index=seq.batch,
-                block_m=cfg.block_m, block_n=cfg.block_n, compute_dtype=spec.acc_dtype(), **mods,
+                q=q, k=k, v=v, args=args, offset=seq.offset, batch_index=seq.batch,
+                block_m=cfg.block_m, block_n=cfg.block_n, compute_dtype=spec.acc_dtype(),
             )
 
     def forward(self, spec: AttentionSpec, out, lse):

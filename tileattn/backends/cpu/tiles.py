@@ -1,12 +1,13 @@
 """Per-tile score construction for the CPU engine.
 
 A :class:`SequenceProblem` describes one (batch item or varlen sequence) attention problem in the
-terms a kernel needs: strided ``(H, S, D)`` tensors and the modifier objects of the call
-(:mod:`tileattn.modifiers`), nothing of the public API. :meth:`SequenceProblem.scores` turns
-``q_tile . k_tile^T`` into base-2 logits with every score modifier applied, for forward and backward
-alike, so the two passes can never disagree. Geometry (which keys a query block sees, whether a
-tile is cut by the band, which tiles a mask hides) comes from the modifiers; this module only does
-the in-place tile arithmetic.
+terms a kernel needs: strided ``(H, S, D)`` tensors and the call's kernel arguments
+(:class:`tileattn.kernel_args.KernelArgs`: the modifiers lowered), nothing of the public API.
+:meth:`SequenceProblem.scores` turns ``q_tile . k_tile^T`` into base-2 logits with every score
+modifier applied, for forward and backward alike, so the two passes can never disagree. Geometry
+(which keys a query block sees, whether a tile is cut by the band, which tiles a mask hides) and
+the dropout hash come from :mod:`tileattn.score_math` and the band's geometry
+(:attr:`KernelArgs.band`); this module only does the in-place tile arithmetic.
 
 Work is cut per range of kv heads ``hs``: the queries of the ``G = Hq / Hkv`` heads that share a
 kv head are stacked into one ``(G * block_m, D)`` matrix, so one GEMM serves the whole group and K/V
@@ -30,7 +31,9 @@ from typing import Optional
 
 import torch
 
-from ...modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap, TileState
+from ...kernel_args import KernelArgs
+from ...modifiers import Band
+from ...score_math import TileState, alibi_scores, dropout_keep, mask_tile_states, score_block
 
 LOG2E = 1.4426950408889634
 
@@ -52,20 +55,21 @@ class SequenceProblem:
     q: torch.Tensor  # (Hq, Sq, D)
     k: torch.Tensor  # (Hkv, Sk, D); in the compute dtype once prepare() ran
     v: torch.Tensor  # (Hkv, Sk, Dv); in the compute dtype once prepare() ran
-    scale: float
+    args: KernelArgs
     offset: int  # query row i is aligned with key column i + offset
     batch_index: int = 0
     block_m: int = 64
     block_n: int = 64
-    band: Optional[Band] = None
-    softcap: Optional[Softcap] = None
-    alibi: Optional[Alibi] = None
-    bias: Optional[Bias] = None
-    mask: Optional[Mask] = None
-    dropout: Optional[Dropout] = None
     compute_dtype: torch.dtype = torch.float32
     kt_aug: Optional[torch.Tensor] = None  # (Hkv, D + 1, Sk): K^T with a row of ones, see module doc
     vt_aug: Optional[torch.Tensor] = None  # (Hkv, Dv + 1, Sk): V^T with a row of ones
+
+    def __post_init__(self):
+        self.band: Optional[Band] = self.args.band
+
+    @property
+    def scale(self) -> float:
+        return self.args.scale
 
     @property
     def heads_q(self):
@@ -93,12 +97,12 @@ class SequenceProblem:
 
     @property
     def dropout_p(self) -> float:
-        return 0.0 if self.dropout is None else self.dropout.p
+        return self.args.dropout_p
 
     @property
     def plain(self) -> bool:
         """No score modifier between the GEMM and the softmax: fold scale*log2(e) into q."""
-        return self.softcap is None and self.bias is None and self.alibi is None
+        return self.args.plain
 
     @property
     def q_factor(self) -> float:
@@ -152,19 +156,20 @@ class SequenceProblem:
 
     def mask_hidden(self, hs: slice, i0, i1, j0, j1) -> MaskTile:
         """The user's mask on the tile (the band is separate). Tiles on the block grid read their
-        state from :meth:`Mask.tile_states` (computed once per call); a tile the mask keeps whole
+        state from :func:`~tileattn.score_math.mask_tile_states` (computed once per call); a tile the mask keeps whole
         skips the masked fill (slow: ~10x a float pass)."""
-        if self.mask is None:
+        mask = self.args.mask
+        if mask is None:
             return _NO_MASK
         heads = self.q_heads(hs)
         if i0 % self.block_m == 0 and j0 % self.block_n == 0:
-            states = self.mask.tile_states(self.batch_index, heads, self.sq, self.sk, self.block_m, self.block_n)
+            states = mask_tile_states(mask, self.batch_index, heads, self.sq, self.sk, self.block_m, self.block_n)
             state = TileState(int(states[i0 // self.block_m, j0 // self.block_n]))
         else:
             state = TileState.PARTIAL
         if state != TileState.PARTIAL:
             return MaskTile(state)
-        keep = self._head_slice(self.mask.block(self.batch_index, heads, i0, i1, j0, j1), hs)
+        keep = self._head_slice(score_block(mask, self.batch_index, heads, i0, i1, j0, j1), hs)
         return MaskTile(TileState.PARTIAL, ~keep)
 
     def tile_is_empty(self, hidden: MaskTile) -> bool:
@@ -210,16 +215,18 @@ class SequenceProblem:
         if not self.plain:
             g, bm, bn = self.group, i1 - i0, j1 - j0
             s3 = s.view(-1, g, bm, bn)
-            if self.softcap is not None:
-                tanh = torch.tanh(s.div_(self.softcap.cap))
-                s.copy_(tanh).mul_(self.softcap.cap)
-            if self.alibi is not None:
+            args = self.args
+            if args.softcap:
+                tanh = torch.tanh(s.div_(args.softcap))
+                s.copy_(tanh).mul_(args.softcap)
+            if args.alibi_slopes is not None:
                 dev = s.device
-                term = self.alibi.scores(self.batch_index, self.q_heads(hs), torch.arange(i0, i1, device=dev),
-                                         torch.arange(j0, j1, device=dev), self.offset, s.dtype)
+                term = alibi_scores(args.alibi_slopes, self.batch_index, self.q_heads(hs),
+                                    torch.arange(i0, i1, device=dev), torch.arange(j0, j1, device=dev), self.offset,
+                                    s.dtype)
                 s3.add_(term.view(-1, g, bm, bn))
-            if self.bias is not None:
-                b = self._head_slice(self.bias.block(self.batch_index, self.q_heads(hs), i0, i1, j0, j1), hs)
+            if args.bias is not None:
+                b = self._head_slice(score_block(args.bias, self.batch_index, self.q_heads(hs), i0, i1, j0, j1), hs)
                 s3.add_(b.to(s.dtype))
             s.mul_(LOG2E)
         self.apply_mask(s, hidden, i0, i1)
@@ -234,8 +241,9 @@ class SequenceProblem:
         """Bool (nh, G*bm, bn): which probabilities of the tile survive dropout."""
         dev = self.q.device
         qh = self.q_heads(hs)
-        keep = self.dropout.keep(self.batch_index, torch.arange(qh.start, qh.stop, device=dev),
-                                 torch.arange(i0, i1, device=dev), torch.arange(j0, j1, device=dev))
+        keep = dropout_keep(self.args.seed, self.args.dropout_p, self.batch_index,
+                            torch.arange(qh.start, qh.stop, device=dev), torch.arange(i0, i1, device=dev),
+                            torch.arange(j0, j1, device=dev))
         return keep.view(hs.stop - hs.start, self.group * (i1 - i0), j1 - j0)
 
     def _head_slice(self, x: torch.Tensor, hs: slice) -> torch.Tensor:

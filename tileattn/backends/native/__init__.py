@@ -15,9 +15,7 @@ import contextlib
 import threading
 import warnings
 
-import torch
-
-from ...dispatch import ALL_DTYPES, Backend, Capabilities, Gradients, register
+from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
 from ...spec import AttentionSpec
 from ...tunecache import lookup
 from . import kernels
@@ -32,7 +30,7 @@ class NativeBackend(Backend):
     priority = 15
     capabilities = Capabilities(
         devices=frozenset(("cpu",)), dtypes=frozenset(kernels.CAPABILITIES["dtypes"]) & ALL_DTYPES,
-        modifiers=frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout")),
+        modifiers=BUILTIN_MODIFIERS,
     )
     _warned = False
 
@@ -46,11 +44,31 @@ class NativeBackend(Backend):
                           stacklevel=2)
         return why  # already "native kernels unavailable: <the reason>"
 
+    def extra_reasons(self, spec: AttentionSpec, backward: bool):
+        """What the kernels' struct cannot express (the calls are not checked again below: the spec
+        validated them): a last dimension that is not unit-stride, index tensors that are not
+        contiguous, a paged cache without pages, 2^31 tokens."""
+        why = []
+        if not (spec.q_c.stride(-1) == spec.k_c.stride(-1) == spec.v_c.stride(-1) == 1):
+            for name, t in (("q", spec.q_c), ("k", spec.k_c), ("v", spec.v_c)):
+                if t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel():
+                    why.append(f"{name} has stride {t.stride(-1)} in its last dimension (the kernels read "
+                               "unit-stride rows)")
+        for name, t in (("cu_seqlens_q", spec.cu_seqlens_q), ("cu_seqlens_k", spec.cu_seqlens_k),
+                        ("seqused_k", spec.seqused_k)):
+            if t is not None and not t.is_contiguous():
+                why.append(f"{name} is not contiguous")
+        if spec.is_paged and (spec.block_table.shape[1] == 0 or spec.block_size == 0):
+            why.append("a paged cache without pages")
+        if max(spec.q_c.shape[0] if spec.is_varlen else spec.seqlen_q, spec.seqlen_k) >= 2**31 - 1:
+            why.append("a sequence of 2^31 tokens or more")
+        return why
+
     def forward(self, spec: AttentionSpec, out, lse):
         kwargs = self._call_arguments(spec)
         with self._interruptible(spec) as cancel:
             kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
-                            out, lse, cancel=cancel, **kwargs)
+                            out, lse, cancel=cancel, validate=False, **kwargs)
 
     def backward(self, spec: AttentionSpec, grads: Gradients):
         kwargs = self._call_arguments(spec)
@@ -60,34 +78,19 @@ class NativeBackend(Backend):
         delta = grads.delta.to(lse.dtype).contiguous()
         with self._interruptible(spec) as cancel:
             kernels.backward(spec.q_c, spec.k_c, spec.v_c, grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
-                             grads.dv, cancel=cancel, dbias=grads.dbias, **kwargs)
+                             grads.dv, cancel=cancel, dbias=grads.dbias, validate=False, **kwargs)
 
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
-        """The kernels' keywords for a validated call."""
+        """The kernels' keywords for a validated call: its kernel arguments (the modifiers lowered,
+        :class:`tileattn.kernel_args.KernelArgs`) and the tuned tiles."""
         tuned = lookup("native", spec) or {}
-        if not spec.modifiers:
-            # the common decode/prefill call: no modifier to read
-            return dict(scale=spec.scale, bottom_right=spec.align == "bottom_right",
-                        shift=spec.align if isinstance(spec.align, int) else 0, cu_seqlens_q=spec.cu_seqlens_q,
-                        cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k, block_table=spec.block_table,
-                        block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0))
-        band, mask, bias = spec.modifier("band"), spec.modifier("mask"), spec.modifier("bias")
-        softcap, alibi, dropout = spec.modifier("softcap"), spec.modifier("alibi"), spec.modifier("dropout")
-        full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
-        return dict(
-            scale=spec.scale,
-            left=-1 if band is None or band.left is None else band.left,
-            right=-1 if band is None or band.right is None else band.right,
-            bottom_right=spec.align == "bottom_right", shift=spec.align if isinstance(spec.align, int) else 0,
-            cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
-            block_table=spec.block_table, softcap=0.0 if softcap is None else softcap.cap,
-            alibi_slopes=None if alibi is None else alibi.slopes,
-            mask=None if mask is None else mask.view4.expand(full),
-            bias=None if bias is None else bias.view4.expand(full),
-            dropout_p=0.0 if dropout is None else dropout.p, seed=0 if dropout is None else dropout.seed,
-            block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0),
-        )
+        a = spec.kernel_args
+        return dict(scale=a.scale, left=a.left, right=a.right, bottom_right=a.bottom_right, shift=a.shift,
+                    cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
+                    block_table=spec.block_table, softcap=a.softcap, alibi_slopes=a.alibi_slopes, mask=a.mask,
+                    bias=a.bias, dropout_p=a.dropout_p, seed=a.seed, block_m=tuned.get("block_m", 0),
+                    block_n=tuned.get("block_n", 0))
 
     @staticmethod
     def _interruptible(spec: AttentionSpec):

@@ -5,9 +5,12 @@ Interface (stable; the backend calls exactly this)::
     forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
             softcap=0.0, alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0,
-            block_m=0, block_n=0, num_threads=None, cancel=None, options=0) -> None
+            block_m=0, block_n=0, num_threads=None, cancel=None, options=0, validate=True) -> None
 
     backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, <the same keywords>, dbias=None) -> None
+
+``validate=False`` skips the argument checks below: only for arguments validated already (the
+native engine's calls, validated once by the spec and the modifiers).
 
 Tensors (CPU; any strides with a unit last-dim stride; views are read and written in place):
 
@@ -34,7 +37,7 @@ mask -> softmax -> dropout -> . v``; query row i of a sequence sees key j iff
 ``i + off - left <= j <= i + off + right`` (-1 = unbounded) with
 ``off = shift + (k_len - q_len if bottom_right else 0)``; ALiBi adds ``-slope * |i + off - j|``;
 a row that sees no key gets out = 0 and lse = -inf. Dropout keeps (seed, batch, head, row, col)
-by the counter-based hash of :mod:`tileattn.scores` (row and column within the sequence).
+by the counter-based hash of :mod:`tileattn.score_math` (row and column within the sequence).
 
 ``num_threads`` (default ``torch.get_num_threads()``) OpenMP threads run inside the call; the work
 split depends only on the problem, so the results are bitwise identical for any thread count and a
@@ -307,19 +310,10 @@ def profile():
     return dict(zip(names, buf))
 
 
-def supports(*, dtype, backward=False, features=()):
-    """Reasons (a list of strings, empty when supported) why a call is not native."""
-    why = []
-    if dtype not in CAPABILITIES["dtypes"]:
-        why.append(f"dtype {dtype} is not native")
-    native = CAPABILITIES["backward" if backward else "forward"]
-    for f in features:
-        if f not in native:
-            why.append(f"{f} is not native in the {'backward' if backward else 'forward'} pass")
-    return why
-
-
 # ----------------------------------------------------------------------------------- argument checks
+# A direct call (tests, benchmarks, tuning) is checked here before any C runs. The engine's calls
+# pass ``validate=False``: the spec validated them once (tileattn.spec and the modifiers), and a
+# second pass over every argument costs a decode step microseconds.
 
 
 def _fail(arg, given, expected, exc=ValueError):
@@ -327,8 +321,8 @@ def _fail(arg, given, expected, exc=ValueError):
 
 
 def _check(name, t, dim, dtype=None, dtype2=None):
-    """Shape and strides of a CPU tensor of `dim` dims with a unit last-dim stride (and dtype
-    `dtype` or `dtype2` when given)."""
+    """A CPU tensor of `dim` dims with a unit last-dim stride (and dtype `dtype` or `dtype2` when
+    given); returns its shape."""
     if not isinstance(t, torch.Tensor):
         _fail(name, type(t).__name__, "a torch.Tensor", TypeError)
     if not t.is_cpu:
@@ -340,7 +334,7 @@ def _check(name, t, dim, dtype=None, dtype2=None):
         _fail(name, f"dtype {t.dtype}", f"{dtype}" + (f" or {dtype2}" if dtype2 is not None else ""), TypeError)
     if st[-1] != 1 and shape[-1] != 1 and t.numel():
         _fail(name, f"strides {st}", "a unit stride in the last dimension (a strided view, not a copy)")
-    return shape, st
+    return shape
 
 
 def _same(name, shape, expected):
@@ -348,25 +342,21 @@ def _same(name, shape, expected):
         _fail(name, f"shape {tuple(shape)}", f"shape {tuple(expected)}")
 
 
-def _index(name, t, length):
+def _check_index(name, t, length):
     if not isinstance(t, torch.Tensor) or t.dtype is not torch.int32 or t.dim() != 1 or not t.is_cpu:
         _fail(name, getattr(t, "dtype", type(t).__name__), "a 1-d int32 CPU tensor", TypeError)
     if not t.is_contiguous() or t.shape[0] != length:
         _fail(name, f"shape {tuple(t.shape)}, strides {t.stride()}", f"a contiguous tensor of length {length}")
-    return t.data_ptr()
 
 
-def _bcast4(name, t, full, dtypes):
-    """Strides of a 4-d tensor broadcast to `full` (0 along its size-1 dims); any strides are read."""
+def _check_bcast4(name, t, full, dtypes):
+    """A 4-d tensor broadcastable to `full` (any strides are read)."""
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != 4 or not t.is_cpu:
         _fail(name, getattr(t, "shape", type(t).__name__), f"a 4-d CPU tensor of dtype {' or '.join(map(str, dtypes))}",
               TypeError)
-    st = []
-    for d, (n, f) in enumerate(zip(t.shape, full)):
+    for n, f in zip(t.shape, full):
         if n != f and n != 1:
             _fail(name, f"shape {tuple(t.shape)}", f"a 4-d shape broadcastable to {tuple(full)}")
-        st.append(t.stride(d) if n == f and f != 1 else 0)
-    return st
 
 
 def accumulation_dtype(dtype):
@@ -379,60 +369,11 @@ def _out2(dtype):
     return None if dtype is _F64 else _F32
 
 
-# --------------------------------------------------------------------------------------------- calls
-
-
-def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                 dropout_p, seed, block_m, block_n, num_threads, options):
-    """The common call (padded q/k/v, no mask, bias, ALiBi or cancel flag) checked and packed with as
-    few Python operations as possible (a decode step is a few microseconds of C). Returns the full
-    (B, Hq, Sq, Sk) shape, or None when a check fails or the call is not this common one: then
-    _pack checks everything again and raises the precise error."""
-    try:
-        dtype = q.dtype
-        code = _DTYPES[dtype]
-        qs, ks, vs, os_, ls = q.shape, k.shape, v.shape, out.shape, lse.shape
-        qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
-        batch, hq, sq, d = qs
-        _, hkv, sk, dk = ks
-        dv = vs[3]
-        if not (q.is_cpu and k.is_cpu and v.is_cpu and out.is_cpu and lse.is_cpu) or \
-                k.dtype is not dtype or v.dtype is not dtype or \
-                (out.dtype is not dtype and (out.dtype is not _F32 or dtype is _F64)) or \
-                lse.dtype is not (_F64 if dtype is _F64 else _F32) or \
-                ks != (batch, hkv, sk, d) or vs != (batch, hkv, sk, dv) or os_ != (batch, hq, sq, dv) or \
-                ls != (batch, hq, sq) or not hkv or hq % hkv or not d or not dv or max(sq, sk) >= 2**31 - 1 or \
-                (qst[3] != 1 and d != 1) or (kst[3] != 1 and d != 1) or (vst[3] != 1 and dv != 1) or \
-                (ost[3] != 1 and dv != 1) or not 0.0 <= dropout_p < 1.0 or softcap < 0:
-            return None
-        used = 0 if seqused_k is None else _index("seqused_k", seqused_k, batch)
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
-    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                       0, 0, 0, 0, 0, 0, 0, 0, used, 0, 0, 0, 0, 0, loc.err_addr,
-                       batch, hq, hkv, sq, sk, d, dv, 0, 0, qst[0], qst[1], qst[2], kst[0], kst[1], kst[2],
-                       vst[0], vst[1], vst[2], ost[0], ost[1], ost[2], lst[0], lst[1], lst[2],
-                       code, _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
-                       int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
-                       torch.get_num_threads() if num_threads is None else num_threads, 0, 0,
-                       options | lib.default_options, scale, softcap, dropout_p)
-    return batch, hq, sq, sk
-
-
-def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
-          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
-          cancel, options, backward):
-    """Validate the forward-shaped arguments and pack every section but the backward ones. Returns
-    the full (B, Hq, Sq, Sk) shape and whether the call is varlen, for the backward wrapper."""
-    if cu_seqlens_q is None and cu_seqlens_k is None and block_table is None and mask is None \
-            and bias is None and alibi_slopes is None and cancel is None:
-        full = _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                            dropout_p, seed, block_m, block_n, num_threads, options)
-        if full is not None:
-            return full, False
+def _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask,
+              bias, dropout_p, cancel, backward):
+    """Every check of the forward-shaped arguments of a direct call (see the comment above)."""
     dtype = q.dtype if isinstance(q, torch.Tensor) else None
-    code = _DTYPES.get(dtype)
-    if code is None:
+    if dtype not in _DTYPES:
         _fail("q", f"dtype {dtype}", "float32, float64, bfloat16 or float16", TypeError)
     varlen, paged = cu_seqlens_q is not None, block_table is not None
     if cu_seqlens_k is not None and not varlen:
@@ -445,34 +386,31 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
         _fail("block_table", "a paged KV cache in the backward pass", "k/v tensors (paged KV is forward-only)")
     qdim = 3 if varlen else 4
     kdim = 4 if paged else qdim
-    qs, qst = _check("q", q, qdim)
-    ks, kst = _check("k", k, kdim, dtype)
-    vs, vst = _check("v", v, kdim, dtype)
+    qs = _check("q", q, qdim)
+    ks = _check("k", k, kdim, dtype)
+    vs = _check("v", v, kdim, dtype)
     if varlen:
         tq, hq, d = qs
         batch, sq = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0, 0
-        q_st = (0, qst[1], qst[0])
     else:
         batch, hq, sq, d = qs
-        tq, q_st = 0, qst[:3]
+        tq = 0
     if paged:
         pages, page_size, hkv, dk = ks
         dv = vs[3]
         _same("v", vs, (pages, page_size, hkv, dv))
         sk = tk = 0
-        k_st, v_st = (kst[0], kst[2], kst[1]), (vst[0], vst[2], vst[1])
     elif varlen:
         tk, hkv, dk = ks
         dv = vs[2]
         _same("v", vs, (tk, hkv, dv))
         sk = 0
-        k_st, v_st = (0, kst[1], kst[0]), (0, vst[1], vst[0])
     else:
         hkv, sk, dk = ks[1], ks[2], ks[3]
         dv = vs[3]
         _same("k", ks, (batch, hkv, sk, dk))
         _same("v", vs, (batch, hkv, sk, dv))
-        tk, k_st, v_st = 0, kst[:3], vst[:3]
+        tk = 0
     if dk != d:
         _fail("k", f"head dim {dk}", f"the head dim of q, {d}")
     if hkv == 0 or hq % hkv:
@@ -481,26 +419,25 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
         _fail("q/v", f"head dims {d}/{dv}", "positive head dims")
     if max(sq, sk, tq, tk) >= 2**31 - 1:
         _fail("q/k", "a sequence of 2^31 tokens or more", "fewer tokens")
-    os_, ost = _check("out", out, qdim, dtype, _out2(dtype))
-    ls, lst = _check("lse", lse, qdim - 1, accumulation_dtype(dtype))
+    os_ = _check("out", out, qdim, dtype, _out2(dtype))
+    ls = _check("lse", lse, qdim - 1, accumulation_dtype(dtype))
     if varlen:
         _same("out", os_, (tq, hq, dv))
         _same("lse", ls, (hq, tq))
-        o_st, l_st = (0, ost[1], ost[0]), (0, lst[0], lst[1])
-        cu_q = _index("cu_seqlens_q", cu_seqlens_q, batch + 1)
-        cu_k = 0 if cu_seqlens_k is None else _index("cu_seqlens_k", cu_seqlens_k, batch + 1)
+        _check_index("cu_seqlens_q", cu_seqlens_q, batch + 1)
+        if cu_seqlens_k is not None:
+            _check_index("cu_seqlens_k", cu_seqlens_k, batch + 1)
     else:
         _same("out", os_, (batch, hq, sq, dv))
         _same("lse", ls, (batch, hq, sq))
-        o_st, l_st, cu_q, cu_k = ost[:3], lst, 0, 0
-    used = 0 if seqused_k is None else _index("seqused_k", seqused_k, batch)
+    if seqused_k is not None:
+        _check_index("seqused_k", seqused_k, batch)
     if not 0.0 <= dropout_p < 1.0:
         _fail("dropout_p", dropout_p, "a float in [0, 1)")
     if softcap < 0:
         _fail("softcap", softcap, "a float >= 0")
     if cancel is not None and not isinstance(cancel, CancelFlag):
         _fail("cancel", type(cancel).__name__, "a CancelFlag or None", TypeError)
-    mask_ptr = bias_ptr = alibi_ptr = bt_ptr = 0
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype is not torch.int32 or \
                 block_table.dim() != 2 or block_table.shape[0] != batch or not block_table.is_cpu:
@@ -509,30 +446,110 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
         if block_table.shape[1] == 0 or page_size == 0:
             _fail("block_table", f"shape {tuple(block_table.shape)} with page size {page_size}", "at least one page")
         sk = block_table.shape[1] * page_size
-        bt_ptr = block_table.data_ptr()
-        lib.pack("paged", loc, pages, page_size, block_table.shape[1], *block_table.stride(), 0)
     full = (batch, hq, sq, sk)
-    if mask is not None:
-        if varlen:
-            _fail("mask", "a mask with varlen inputs", "no mask (sequences are already separated)")
-        lib.pack("mask", loc, *_bcast4("mask", mask, full, (torch.bool,)))
-        mask_ptr = mask.data_ptr()
-    if bias is not None:
-        if varlen:
-            _fail("bias", "a bias with varlen inputs", "no bias")
-        lib.pack("bias", loc, *_bcast4("bias", bias, full, _DTYPES), _DTYPES[bias.dtype])
-        bias_ptr = bias.data_ptr()
+    for name, t, dtypes in (("mask", mask, (torch.bool,)), ("bias", bias, _DTYPES)):
+        if t is not None:
+            if varlen:
+                _fail(name, f"a {name} with varlen inputs", f"no {name} (sequences are already separated)")
+            _check_bcast4(name, t, full, dtypes)
     if alibi_slopes is not None:
         sl = alibi_slopes
         if not isinstance(sl, torch.Tensor) or sl.dtype is not _F32 or tuple(sl.shape) not in ((hq,), (batch, hq)):
             _fail("alibi_slopes", getattr(sl, "shape", type(sl).__name__), f"fp32 ({hq},) or ({batch}, {hq})")
-        lib.pack("alibi", loc, *((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()), 0)
-        alibi_ptr = sl.data_ptr()
+    return full, varlen
+
+
+def _validate_backward(q, k, v, dout, lse, delta, dq, dk, dv, bias, dbias, full, varlen):
+    """The checks a direct backward call adds to :func:`_validate` (which took dout for out)."""
+    dtype = q.dtype
+    ds = _check("delta", delta, lse.dim(), accumulation_dtype(dtype))
+    _same("delta", ds, lse.shape)
+    if delta.stride() != lse.stride():
+        _fail("delta", f"strides {delta.stride()}", f"the strides of lse, {lse.stride()}")
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        _same(name, _check(name, grad, like.dim(), dtype, _out2(dtype)), like.shape)
+    if dk.dtype is not dv.dtype:
+        _fail("dv", f"dtype {dv.dtype}", f"the dtype of dk, {dk.dtype}", TypeError)
+    if dbias is not None:
+        if bias is None:
+            _fail("dbias", "a buffer", "None when there is no bias")
+        _check_bcast4("dbias", dbias, full, (accumulation_dtype(dtype),))
+
+
+# --------------------------------------------------------------------------------------------- calls
+# Packing reads shapes and strides of arguments that are valid (validated here or by the spec).
+
+
+def _bcast4(t, full):
+    """Strides of a 4-d tensor broadcast to `full`: 0 along its size-1 dims."""
+    st = t.stride()
+    return [st[d] if n == f and f != 1 else 0 for d, (n, f) in enumerate(zip(t.shape, full))]
+
+
+def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                 dropout_p, seed, block_m, block_n, num_threads, options):
+    """The common call (padded q/k/v, no mask, bias, ALiBi or cancel flag) packed with as few Python
+    operations as possible (a decode step is a few microseconds of C). Returns the full
+    (B, Hq, Sq, Sk) shape."""
+    qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
+    batch, hq, sq, d = q.shape
+    _, hkv, sk, _ = k.shape
     lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-             0, 0, 0, 0, 0, 0, cu_q, cu_k, used, bt_ptr, alibi_ptr, mask_ptr, bias_ptr,
-             0 if cancel is None else cancel.address, loc.err_addr,
+                       0, 0, 0, 0, 0, 0, 0, 0, 0 if seqused_k is None else seqused_k.data_ptr(), 0, 0, 0, 0, 0,
+                       loc.err_addr, batch, hq, hkv, sq, sk, d, v.shape[3], 0, 0, qst[0], qst[1], qst[2],
+                       kst[0], kst[1], kst[2], vst[0], vst[1], vst[2], ost[0], ost[1], ost[2], lst[0], lst[1], lst[2],
+                       _DTYPES[q.dtype], _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
+                       int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
+                       torch.get_num_threads() if num_threads is None else num_threads, 0, 0,
+                       options | lib.default_options, scale, softcap, dropout_p)
+    return batch, hq, sq, sk
+
+
+def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
+          cancel, options):
+    """Pack every section but the backward ones. Returns the full (B, Hq, Sq, Sk) shape and whether
+    the call is varlen, for the backward wrapper."""
+    varlen, paged = cu_seqlens_q is not None, block_table is not None
+    if not (varlen or paged or mask is not None or bias is not None or alibi_slopes is not None or
+            cancel is not None):
+        return _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                            dropout_p, seed, block_m, block_n, num_threads, options), False
+    qs, qst, ks, kst, vst, ost, lst = q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), lse.stride()
+    if varlen:
+        tq, hq, d = qs
+        batch, sq = cu_seqlens_q.shape[0] - 1, 0
+        q_st, o_st, l_st = (0, qst[1], qst[0]), (0, ost[1], ost[0]), (0, lst[0], lst[1])
+    else:
+        batch, hq, sq, d = qs
+        tq, q_st, o_st, l_st = 0, qst[:3], ost[:3], lst
+    dv = v.shape[-1]
+    if paged:
+        pages, page_size, hkv = ks[:3]
+        sk, tk = block_table.shape[1] * page_size, 0
+        k_st, v_st = (kst[0], kst[2], kst[1]), (vst[0], vst[2], vst[1])
+        lib.pack("paged", loc, pages, page_size, block_table.shape[1], *block_table.stride(), 0)
+    elif varlen:
+        tk, hkv = ks[:2]
+        sk = 0
+        k_st, v_st = (0, kst[1], kst[0]), (0, vst[1], vst[0])
+    else:
+        hkv, sk = ks[1], ks[2]
+        tk, k_st, v_st = 0, kst[:3], vst[:3]
+    full = (batch, hq, sq, sk)
+    if mask is not None:
+        lib.pack("mask", loc, *_bcast4(mask, full))
+    if bias is not None:
+        lib.pack("bias", loc, *_bcast4(bias, full), _DTYPES[bias.dtype])
+    if alibi_slopes is not None:
+        sl = alibi_slopes
+        lib.pack("alibi", loc, *((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()), 0)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+             0, 0, 0, 0, 0, 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(seqused_k), ptr(block_table),
+             ptr(alibi_slopes), ptr(mask), ptr(bias), 0 if cancel is None else cancel.address, loc.err_addr,
              batch, hq, hkv, sq, sk, d, dv, tq, tk, *q_st, *k_st, *v_st, *o_st, *l_st,
-             code, _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
+             _DTYPES[q.dtype], _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
              int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
              torch.get_num_threads() if num_threads is None else num_threads,
              1 if varlen else 0, 1 if paged else 0, options | lib.default_options, scale, softcap, dropout_p)
@@ -550,17 +567,22 @@ def _raise(loc, status):
 def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0, cu_seqlens_q=None,
             cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
             bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
-            options=0) -> None:
-    """Attention forward into ``out`` and ``lse`` (see the module docstring)."""
+            options=0, validate=True) -> None:
+    """Attention forward into ``out`` and ``lse`` (see the module docstring). ``validate=False``
+    skips the argument checks: only for arguments validated already (the engine's calls)."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
-    if cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
-            bias is not None or alibi_slopes is not None or cancel is not None or \
-            _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                         dropout_p, seed, block_m, block_n, num_threads, options) is None:
+    if validate:
+        _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes,
+                  mask, bias, dropout_p, cancel, False)
+    if cu_seqlens_q is None and block_table is None and mask is None and bias is None and alibi_slopes is None \
+            and cancel is None:  # the common call (a decode step): packed with as few operations as possible
+        _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                     dropout_p, seed, block_m, block_n, num_threads, options)
+    else:
         _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
               seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
-              num_threads, cancel, options, False)
+              num_threads, cancel, options)
     status = lib.forward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)
@@ -569,40 +591,28 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
 def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0,
              alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0,
-             num_threads=None, cancel=None, options=0, dbias=None) -> None:
+             num_threads=None, cancel=None, options=0, dbias=None, validate=True) -> None:
     """Gradients into ``dq``, ``dk``, ``dv`` (overwritten) and ``dbias`` (added to)."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
-    # dout takes out's place in the forward-shaped checks (same shape and dtype rules)
+    if validate:
+        # dout takes out's place in the forward-shaped checks (same shape and dtype rules)
+        full, varlen = _validate(q, k, v, dout, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
+                                 alibi_slopes, mask, bias, dropout_p, cancel, True)
+        _validate_backward(q, k, v, dout, lse, delta, dq, dk, dv, bias, dbias, full, varlen)
     full, varlen = _pack(lib, loc, q, k, v, dout, lse, scale, left, right, bottom_right, shift, cu_seqlens_q,
                          cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed,
-                         block_m, block_n, num_threads, cancel, options, True)
-    dtype = q.dtype
-    ds, dst = _check("delta", delta, lse.dim(), accumulation_dtype(dtype))
-    _same("delta", ds, lse.shape)
-    if dst != lse.stride():
-        _fail("delta", f"strides {dst}", f"the strides of lse, {lse.stride()}")
-    strides = []
-    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        gs, gst = _check(name, grad, like.dim(), dtype, _out2(dtype))
-        _same(name, gs, like.shape)
-        strides.append((0, gst[1], gst[0]) if varlen else gst[:3])
-    if dk.dtype is not dv.dtype:
-        _fail("dv", f"dtype {dv.dtype}", f"the dtype of dk, {dk.dtype}", TypeError)
-    do_st = dout.stride()
-    lib.pack("bwd", loc, *((0, do_st[1], do_st[0]) if varlen else do_st[:3]), *strides[0], *strides[1],
-             *strides[2], _DTYPES[dout.dtype], _DTYPES[dq.dtype], _DTYPES[dk.dtype])
-    dbias_ptr = 0
+                         block_m, block_n, num_threads, cancel, options)
+    strides = [(0, g.stride(1), g.stride(0)) if varlen else g.stride()[:3] for g in (dout, dq, dk, dv)]
+    lib.pack("bwd", loc, *strides[0], *strides[1], *strides[2], *strides[3], _DTYPES[dout.dtype], _DTYPES[dq.dtype],
+             _DTYPES[dk.dtype])
     if dbias is not None:
-        if bias is None:
-            _fail("dbias", "a buffer", "None when there is no bias")
-        lib.pack("dbias", loc, *_bcast4("dbias", dbias, full, (accumulation_dtype(dtype),)))  # size-1 dims: reduced
-        dbias_ptr = dbias.data_ptr()
+        lib.pack("dbias", loc, *_bcast4(dbias, full))  # size-1 dims: reduced
     off = lib.sections["core"][0]
     # the backward's pointers in the core section: out (not read) and, after lse, dout .. dbias
     struct.pack_into("<Q", loc.args, off + 3 * 8, 0)
     struct.pack_into("<6Q", loc.args, off + 5 * 8, dout.data_ptr(), delta.data_ptr(), dq.data_ptr(),
-                     dk.data_ptr(), dv.data_ptr(), dbias_ptr)
+                     dk.data_ptr(), dv.data_ptr(), 0 if dbias is None else dbias.data_ptr())
     status = lib.backward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dispatch import Backend, Capabilities, register
+from ...engine import BUILTIN_MODIFIERS, Backend, Capabilities, register
 from ...spec import AttentionSpec
 from . import launch
 
@@ -30,7 +30,7 @@ class TritonBackend(Backend):
     priority = 10
     capabilities = Capabilities(
         devices=frozenset(("cuda", "cpu")), dtypes=frozenset((torch.float16, torch.bfloat16, torch.float32)),
-        max_head_dim=launch.MAX_HEAD_DIM, modifiers=frozenset(("band", "mask", "bias", "alibi", "softcap", "dropout")),
+        max_head_dim=launch.MAX_HEAD_DIM, modifiers=BUILTIN_MODIFIERS,
     )
 
     def unavailable_reason(self):

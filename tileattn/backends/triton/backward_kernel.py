@@ -159,30 +159,22 @@ def attention_backward_dkdv_kernel(
         head_key = 0
         if HAS_DROPOUT:
             head_key = dropout_head_key(seed_lo, seed_hi, batch, head)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, cols, start, mid_lo, q_base, do_base, lse_base, delta_base,
-            stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-            sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-            window_left, window_right, head_key, drop_threshold, drop_scale,
-            True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            BLOCK_M, DOT_PRECISION)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, cols, mid_lo, mid_hi, q_base, do_base, lse_base, delta_base,
-            stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-            sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-            window_left, window_right, head_key, drop_threshold, drop_scale,
-            False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            BLOCK_M, DOT_PRECISION)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, cols, mid_hi, end, q_base, do_base, lse_base, delta_base,
-            stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
-            offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-            sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-            window_left, window_right, head_key, drop_threshold, drop_scale,
-            True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            BLOCK_M, DOT_PRECISION)
+        # Three stages over the visible blocks: masked head, unmasked interior (no band code), masked tail.
+        for stage in tl.static_range(3):
+            if stage == 0:
+                lo, hi = start, mid_lo
+            elif stage == 1:
+                lo, hi = mid_lo, mid_hi
+            else:
+                lo, hi = mid_hi, end
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, cols, lo, hi, q_base, do_base, lse_base, delta_base,
+                stride_qs, stride_qd, stride_gs, stride_gd, stride_ls,
+                offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
+                sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+                window_left, window_right, head_key, drop_threshold, drop_scale,
+                stage != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+                BLOCK_M, DOT_PRECISION)
 
     dk = dk * sm_scale
     dk_base = DK + batch64 * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_start.to(tl.int64) * stride_dks
@@ -303,30 +295,22 @@ def attention_backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     start, mid_lo, mid_hi, end = visible_key_blocks(
         i0, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_key_blocks(
-        dq, q, do, lse2, delta, rows, start, mid_lo,
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, dbias_base, stride_dbq,
-        offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-        sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        window_left, window_right, head_key, drop_threshold, drop_scale,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, WRITE_DBIAS,
-        BLOCK_N, DOT_PRECISION)
-    dq = _dq_key_blocks(
-        dq, q, do, lse2, delta, rows, mid_lo, mid_hi,
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, dbias_base, stride_dbq,
-        offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-        sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        window_left, window_right, head_key, drop_threshold, drop_scale,
-        False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, WRITE_DBIAS,
-        BLOCK_N, DOT_PRECISION)
-    dq = _dq_key_blocks(
-        dq, q, do, lse2, delta, rows, mid_hi, end,
-        k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, dbias_base, stride_dbq,
-        offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-        sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        window_left, window_right, head_key, drop_threshold, drop_scale,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, WRITE_DBIAS,
-        BLOCK_N, DOT_PRECISION)
+    # Three stages over the visible blocks: masked head, unmasked interior (no band code), masked tail.
+    for stage in tl.static_range(3):
+        if stage == 0:
+            lo, hi = start, mid_lo
+        elif stage == 1:
+            lo, hi = mid_lo, mid_hi
+        else:
+            lo, hi = mid_hi, end
+        dq = _dq_key_blocks(
+            dq, q, do, lse2, delta, rows, lo, hi,
+            k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd, dbias_base, stride_dbq,
+            offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
+            sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+            window_left, window_right, head_key, drop_threshold, drop_scale,
+            stage != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, WRITE_DBIAS,
+            BLOCK_N, DOT_PRECISION)
 
     dq = dq * sm_scale
     tl.store(DQ + batch64 * stride_dqb + head64 * stride_dqh + (q_start64 + rows[:, None]) * stride_dqs

@@ -158,31 +158,22 @@ def attention_forward_kernel(
 
     start, mid_lo, mid_hi, end = visible_key_blocks(
         i0, q_len, k_len, offset, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # Three stages over the visible keys: masked head, unmasked interior, masked tail.
-    acc, m_i, l_i = _attend_key_blocks(
-        acc, m_i, l_i, q, rows, start, mid_lo, k_base, v_base,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
-        offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-        sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        window_left, window_right, head_key, drop_threshold,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
-        BLOCK_N, DOT_PRECISION)
-    acc, m_i, l_i = _attend_key_blocks(
-        acc, m_i, l_i, q, rows, mid_lo, mid_hi, k_base, v_base,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
-        offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-        sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        window_left, window_right, head_key, drop_threshold,
-        False, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
-        BLOCK_N, DOT_PRECISION)
-    acc, m_i, l_i = _attend_key_blocks(
-        acc, m_i, l_i, q, rows, mid_hi, end, k_base, v_base,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
-        offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
-        sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        window_left, window_right, head_key, drop_threshold,
-        True, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
-        BLOCK_N, DOT_PRECISION)
+    # Three stages over the visible blocks: masked head, unmasked interior (no band code), masked tail.
+    for stage in tl.static_range(3):
+        if stage == 0:
+            lo, hi = start, mid_lo
+        elif stage == 1:
+            lo, hi = mid_lo, mid_hi
+        else:
+            lo, hi = mid_hi, end
+        acc, m_i, l_i = _attend_key_blocks(
+            acc, m_i, l_i, q, rows, lo, hi, k_base, v_base,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, table_base, page_size,
+            offs_d, offs_dv, head_dim, head_dim_v, offset, q_len, k_len,
+            sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+            window_left, window_right, head_key, drop_threshold,
+            stage != 1, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT, PAGED,
+            BLOCK_N, DOT_PRECISION)
 
     # Normalise. l == 0 only for rows that saw nothing: they output 0 and lse2 = -inf.
     saw_keys = l_i > 0

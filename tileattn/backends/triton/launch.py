@@ -1,9 +1,11 @@
 """Launchers of the Triton kernels: validate, allocate, pick a configuration, launch.
 
 The kernels know nothing of the public API. This layer turns an :class:`~tileattn.spec.AttentionSpec`
-into pointers, strides and flags: canonical strided views are passed as they are (a transposed BSND or
-SBH tensor is read in place, never copied), broadcast masks and biases become stride-0 dimensions, and
-packed (TND) problems pass ``stride_b = 0`` plus their ``cu_seqlens``.
+and its kernel arguments (:class:`~tileattn.kernel_args.KernelArgs`, the modifiers lowered) into
+pointers, strides and flags (:func:`_common`, shared by every kernel of a call): canonical strided
+views are passed as they are (a transposed BSND or SBH tensor is read in place, never copied),
+broadcast masks and biases become stride-0 dimensions, and packed (TND) problems pass
+``stride_b = 0`` plus their ``cu_seqlens``.
 
 Interpreter or compiler
 -----------------------
@@ -31,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...modifiers import reduce_to_shape
+from ...score_math import reduce_to_shape
 from ...spec import AttentionSpec
 from ...tunecache import lookup, seqlen_bucket
 
@@ -156,12 +158,6 @@ def _strides4(t: torch.Tensor, varlen: bool):
     return tuple(t.stride())
 
 
-def _broadcast4(x: torch.Tensor, full):
-    """A (B, Hq, Sq, Sk) stride-0 view of a broadcastable tensor: no copy, no materialised mask."""
-    x = x[(None,) * (4 - x.dim())]
-    return x.expand(full)
-
-
 def _kv_strides(spec: AttentionSpec, t: torch.Tensor):
     """Strides of a canonical K/V view: (page, head, row in page, dim) for a paged pool, else as q's."""
     return tuple(t.stride()) if spec.is_paged else _strides4(t, spec.is_varlen)
@@ -186,46 +182,35 @@ class _Args:
 
 
 def _common(spec: AttentionSpec) -> _Args:
-    """Pointer arguments, strides, scalars and flags shared by every kernel of a call."""
+    """Pointer arguments, strides, scalars and flags shared by every kernel of a call, from its
+    kernel arguments."""
+    a = spec.kernel_args
     dev = spec.device
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     no_index = torch.zeros(2, dtype=torch.int32, device=dev)
     full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
-    mask, bias, alibi = spec.modifier("mask"), spec.modifier("bias"), spec.modifier("alibi")
-    band, softcap, dropout = spec.modifier("band"), spec.modifier("softcap"), spec.modifier("dropout")
-    if mask is not None:
-        # A stride-0 broadcast view: no copy, no materialised mask.
-        mask_t = mask.view4.view(torch.uint8).expand(full)
-        mask_strides = mask_t.stride()
+    # Broadcast masks and biases as stride-0 views: no copy, no materialised mask.
+    mask_t = a.mask.view(torch.uint8).expand(full) if a.mask is not None else dummy
+    bias_t = a.bias.expand(full) if a.bias is not None else dummy
+    mask_strides = mask_t.stride() if a.mask is not None else (0, 0, 0, 0)
+    bias_strides = bias_t.stride() if a.bias is not None else (0, 0, 0, 0)
+    slopes = a.alibi_slopes if a.alibi_slopes is not None else dummy
+    if a.alibi_slopes is None:
+        slope_strides = (0, 0)
     else:
-        mask_t, mask_strides = dummy, (0, 0, 0, 0)
-    if bias is not None:
-        bias_t = bias.view4.expand(full)
-        bias_strides = bias_t.stride()
-    else:
-        bias_t, bias_strides = dummy, (0, 0, 0, 0)
-    if alibi is not None:
-        slopes = alibi.slopes
         slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    else:
-        slopes, slope_strides = dummy, (0, 0)
     cu_q = spec.cu_seqlens_q if spec.is_varlen else no_index
     cu_k = spec.cu_seqlens_k if spec.cu_seqlens_k is not None else no_index
-    left, right = (band.left, band.right) if band is not None else (None, None)
-    p = dropout.p if dropout is not None else 0.0
-    seed = dropout.seed if dropout is not None else 0
-    threshold = dropout.threshold if dropout is not None else 0
     scalars = (
-        spec.scale, softcap.cap if softcap is not None else 1.0, left or 0, right or 0,
-        spec.align if isinstance(spec.align, int) else 0,
-        seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, threshold,
-        1.0 / (1.0 - p), seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)),
+        a.scale, a.softcap if a.softcap else 1.0, max(a.left, 0), max(a.right, 0), a.shift,
+        a.seed & 0xFFFFFFFF, (a.seed >> 32) & 0xFFFFFFFF, a.dropout_threshold,
+        1.0 / (1.0 - a.dropout_p), seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)),
     )
     flags = dict(
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, BOTTOM_RIGHT=spec.align == "bottom_right",
-        IS_VARLEN=spec.is_varlen, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
-        HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_DROPOUT=dropout is not None, HAS_SEQUSED=spec.seqused_k is not None,
+        HAS_LEFT=a.left >= 0, HAS_RIGHT=a.right >= 0, BOTTOM_RIGHT=a.bottom_right,
+        IS_VARLEN=spec.is_varlen, HAS_MASK=a.mask is not None, HAS_BIAS=a.bias is not None,
+        HAS_ALIBI=a.alibi_slopes is not None, HAS_SOFTCAP=a.softcap > 0,
+        HAS_DROPOUT=a.dropout_p > 0, HAS_SEQUSED=spec.seqused_k is not None,
         BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
         # fp32 inputs must not be rounded to TF32 inside tl.dot: the accuracy rule is fp32's.
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
@@ -252,8 +237,6 @@ DECODE_BLOCK_N = 64
 DECODE_MIN_CHUNK = 128
 DECODE_MAX_SPLITS = 64
 DECODE_CONFIG = dict(num_warps=4, num_stages=2)
-#: Modifiers the decode kernel applies; a call with others (mask, bias, dropout) takes the prefill kernel.
-DECODE_MODIFIERS = frozenset(("band", "alibi", "softcap"))
 
 
 def decode_splits(k_len: int) -> int:
@@ -275,8 +258,12 @@ def decode_chunks(k_len: int) -> int:
 
 
 def uses_decode_kernel(spec: AttentionSpec) -> bool:
-    """Whether a forward call runs the split-K decoding kernel rather than the FlashAttention-2 one."""
-    return spec.seqlen_q * spec.group_size <= DECODE_ROWS and set(spec.kinds) <= DECODE_MODIFIERS
+    """Whether a forward call runs the split-K decoding kernel rather than the FlashAttention-2 one:
+    a few query rows per kv head, and only the kernel arguments it applies (band, ALiBi, softcap; a
+    mask, a bias or dropout take the prefill kernel)."""
+    a = spec.kernel_args
+    return (spec.seqlen_q * spec.group_size <= DECODE_ROWS and a.mask is None and a.bias is None
+            and a.dropout_p == 0)
 
 
 def forward(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ def mix32(x):
 
 @triton.jit
 def dropout_head_key(seed_lo, seed_hi, batch, head):
-    """The per (seed, batch, head) key of modifiers.Dropout.row_keys, before the row is mixed in."""
+    """The per (seed, batch, head) key of score_math.dropout_row_keys, before the row is mixed in."""
     k = mix32(seed_lo.to(tl.uint32) ^ GOLDEN)
     k = mix32(k ^ seed_hi.to(tl.uint32))
     k = mix32(k ^ batch.to(tl.uint32))

@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from ...api import flash_attention
-from ...reference import sequence_views
-from ...spec import build_spec
+from ...score_math import ScoreBlock
+from ...spec import build_spec, sequence_views
 
 
 class FlashAttnArgumentError(ValueError, RuntimeError):
@@ -186,23 +186,23 @@ def _attention_probs(q, k, v, lse, kwargs, seed, max_seqlen_q, max_seqlen_k):
 
 def _probs_chunk(spec, cdt, seq, h, q_rows, k, lse, r0, out):
     """Rows ``r0..`` (``q_rows``, with their ``lse``) of head ``h`` of sequence ``seq``: write ``out``."""
-    rows = torch.arange(r0, r0 + q_rows.shape[0], device=out.device)
-    cols = torch.arange(seq.k_len, device=out.device)
-    s = torch.matmul(q_rows.to(cdt), k.to(cdt).T).mul_(spec.scale)
-    softcap, alibi = spec.modifier("softcap"), spec.modifier("alibi")
-    band, dropout = spec.modifier("band"), spec.modifier("dropout")
-    if softcap is not None:
-        s = softcap.apply(s)[0]
-    if alibi is not None:
-        s.add_(alibi.scores(seq.batch, slice(h, h + 1), rows, cols, seq.offset, cdt)[0])
-    if band is not None:
-        s.masked_fill_(~band.keep(rows, cols, seq.offset), -math.inf)
+    block = ScoreBlock(seq.batch, slice(h, h + 1), r0, r0 + q_rows.shape[0], 0, seq.k_len, seq.offset, cdt,
+                       out.device)
+    s = torch.matmul(q_rows.to(cdt), k.to(cdt).T).mul_(spec.scale)[None]
+    # The call's modifiers through their own (reference) hooks, in pipeline order.
+    for m in spec.modifiers:
+        s = m.scores(s, block)
+    for m in spec.modifiers:
+        visible = m.visible(block)
+        if visible is not None:
+            s = s.masked_fill(~visible, -math.inf)
     # Rows that see no key have LSE -inf: shift them by +inf instead (P = 0, not NaN).
     lse = lse.to(cdt).masked_fill(lse == -math.inf, math.inf)
     p = s.sub_(lse[:, None]).exp_()
-    if dropout is not None:
-        p = torch.where(dropout.keep(seq.batch, torch.tensor([h], device=out.device), rows, cols)[0], p, p.neg())
-    out.copy_(p)
+    weights = torch.ones_like(p)
+    for m in spec.modifiers:
+        weights = m.weights(weights, block, spec.heads_q)
+    out.copy_(torch.where(weights == 0, p.neg(), p)[0])  # dropped entries negated (flash-attn's convention)
 
 
 def _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
