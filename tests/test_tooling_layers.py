@@ -21,8 +21,8 @@ TOOLING = ("tileattn.bench", "tileattn.tuning", "tileattn.contest", "tileattn.co
            "tileattn.contest_baseline_decode", "tileattn.cli", "tileattn.measure", "tileattn.__main__",
            "tileattn.decode_bench")
 #: Engines register with tileattn.engine, which dispatch imports too, so the registry is no cycle.
-#: Two-module cycles remain where a dialect re-exports a sibling that imports its helpers back
-#: (compat.flash_attn's interface and kvcache, npu and npu.install). Anything larger is a new cycle.
+#: A two-module cycle remains where a dialect re-exports a sibling that imports its helpers back
+#: (compat.flash_attn's interface and kvcache). Anything larger is a new cycle.
 MAX_CYCLE = 2
 
 

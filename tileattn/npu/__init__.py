@@ -17,6 +17,8 @@ A torch_npu op this module does not provide raises ``AttributeError`` naming it.
 differences from torch_npu: docs/dialects.md.
 """
 
+import sys as _sys
+
 from ._common import NpuNotImplementedError, NpuTypeError, NpuValueError, reset_warnings
 from .fusion import npu_fusion_attention, npu_fusion_attention_grad, npu_fusion_attention_grad_v2, npu_fusion_attention_v2
 from .inference import (
@@ -27,8 +29,22 @@ from .graph import (
     _npu_fused_infer_attention_score_get_max_workspace, _npu_fused_infer_attention_score_infer_output,
     _npu_fused_infer_attention_score_v2_get_max_workspace, _npu_fused_infer_attention_score_v2_infer_output,
 )
-from .install import device, install, installed, uninstall
+from . import install as _install
+from .install import device, installed
 from .update import npu_attention_update, npu_ring_attention_update
+
+
+def install(device: "str | None" = None) -> None:
+    """Make ``import torch_npu`` resolve to this module and give torch a ``torch.npu`` surface:
+    ``.npu()`` moves tensors to ``device`` (default: CUDA when available, else CPU). Idempotent;
+    :func:`uninstall` undoes it. Details: :mod:`tileattn.npu.install`."""
+    _install.install(_sys.modules[__name__], device)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: ``torch_npu``, ``torch.npu``, ``Tensor.npu``, ``Module.npu`` and
+    ``Module.to`` are what they were before."""
+    _install.uninstall(_sys.modules[__name__])
 
 __all__ = [
     "npu_fusion_attention",

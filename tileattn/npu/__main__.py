@@ -5,7 +5,7 @@ import os
 import runpy
 import sys
 
-from .install import install
+from . import install
 
 _USAGE = "usage: python -m tileattn.npu SCRIPT.py [ARGS...] | -m MODULE [ARGS...]"
 

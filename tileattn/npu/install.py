@@ -223,12 +223,11 @@ def _module_npu(self, device_=None):
     return self.to(device())
 
 
-def install(device: Optional[str] = None) -> None:
-    """Make ``import torch_npu`` resolve to :mod:`tileattn.npu` and give torch the ``torch.npu``
-    surface described in the module docstring. ``device``: where ``.npu()`` moves tensors
-    (default: CUDA when available, else CPU). Idempotent; :func:`uninstall` undoes it."""
-    import tileattn.npu as dialect
-
+def install(dialect, device: Optional[str] = None) -> None:
+    """Make ``import torch_npu`` resolve to ``dialect`` (the :mod:`tileattn.npu` package, which passes
+    itself, so this module never imports its package) and give torch the ``torch.npu`` surface
+    described in the module docstring. ``device``: where ``.npu()`` moves tensors (default: CUDA when
+    available, else CPU). Idempotent; :func:`uninstall` undoes it."""
     if device is not None:
         _STATE["device"] = torch.device(device)
     if installed():
@@ -258,11 +257,9 @@ def install(device: Optional[str] = None) -> None:
     _STATE["installed"] = True
 
 
-def uninstall() -> None:
+def uninstall(dialect) -> None:
     """Undo :func:`install`: restore what ``torch_npu``, ``torch.npu``, ``Tensor.npu``, ``Module.npu``
     and ``Module.to`` were before, and end the device stand-in (from the thread that installed it)."""
-    import tileattn.npu as dialect
-
     if not installed():
         return
     _remove_mode(_STATE["mode"])
