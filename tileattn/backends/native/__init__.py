@@ -48,9 +48,10 @@ class NativeBackend(Backend):
 
     def forward(self, spec: AttentionSpec, out, lse):
         kwargs = self._call_arguments(spec)
+        k, v = (spec.k, spec.v) if spec.is_paged else (spec.k_c, spec.v_c)
         with self._interruptible(spec) as cancel:
-            kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
-                            out, lse, cancel=cancel, **kwargs)
+            kernels.forward(kernels.unit_stride(spec.q_c), kernels.unit_stride(k), kernels.unit_stride(v), out, lse,
+                            cancel=cancel, **kwargs)
 
     def backward(self, spec: AttentionSpec, grads: Gradients):
         kwargs = self._call_arguments(spec)
@@ -59,18 +60,22 @@ class NativeBackend(Backend):
         lse = grads.lse.to(kernels.accumulation_dtype(spec.q.dtype)).contiguous()
         delta = grads.delta.to(lse.dtype).contiguous()
         with self._interruptible(spec) as cancel:
-            kernels.backward(spec.q_c, spec.k_c, spec.v_c, grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
+            kernels.backward(kernels.unit_stride(spec.q_c), kernels.unit_stride(spec.k_c),
+                             kernels.unit_stride(spec.v_c), grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
                              grads.dv, cancel=cancel, dbias=grads.dbias, **kwargs)
 
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
-        """The kernels' keywords for a validated call."""
+        """The kernels' keywords for a validated call (index tensors made contiguous: a caller's
+        ``t[::2]`` is valid input, the kernels read plain arrays)."""
         tuned = lookup("native", spec) or {}
+        cu_q, cu_k = kernels.contiguous_index(spec.cu_seqlens_q), kernels.contiguous_index(spec.cu_seqlens_k)
+        used = kernels.contiguous_index(spec.seqused_k)
         if not spec.modifiers:
             # the common decode/prefill call: no modifier to read
             return dict(scale=spec.scale, bottom_right=spec.align == "bottom_right",
-                        shift=spec.align if isinstance(spec.align, int) else 0, cu_seqlens_q=spec.cu_seqlens_q,
-                        cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k, block_table=spec.block_table,
+                        shift=spec.align if isinstance(spec.align, int) else 0, cu_seqlens_q=cu_q,
+                        cu_seqlens_k=cu_k, seqused_k=used, block_table=spec.block_table,
                         block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0))
         band, mask, bias = spec.modifier("band"), spec.modifier("mask"), spec.modifier("bias")
         softcap, alibi, dropout = spec.modifier("softcap"), spec.modifier("alibi"), spec.modifier("dropout")
@@ -80,8 +85,7 @@ class NativeBackend(Backend):
             left=-1 if band is None or band.left is None else band.left,
             right=-1 if band is None or band.right is None else band.right,
             bottom_right=spec.align == "bottom_right", shift=spec.align if isinstance(spec.align, int) else 0,
-            cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
-            block_table=spec.block_table, softcap=0.0 if softcap is None else softcap.cap,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, block_table=spec.block_table, softcap=0.0 if softcap is None else softcap.cap,
             alibi_slopes=None if alibi is None else alibi.slopes,
             mask=None if mask is None else mask.view4.expand(full),
             bias=None if bias is None else bias.view4.expand(full),

@@ -339,6 +339,19 @@ def _bcast4(name, t, full, dtypes):
     return st
 
 
+def unit_stride(t):
+    """``t``, or a copy of it with a unit last-dim stride when it has none (a transposed head dim):
+    the kernels read rows with unit stride. None stays None."""
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
+def contiguous_index(t):
+    """An index tensor (cu_seqlens, seqused_k) as the contiguous array the kernels read; None stays None."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def accumulation_dtype(dtype):
     """The dtype of the statistics (LSE, delta) and accumulators for inputs of `dtype`."""
     return _F64 if dtype is _F64 else _F32

@@ -209,8 +209,10 @@ def _common(spec: AttentionSpec) -> _Args:
         slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
     else:
         slopes, slope_strides = dummy, (0, 0)
-    cu_q = spec.cu_seqlens_q if spec.is_varlen else no_index
-    cu_k = spec.cu_seqlens_k if spec.cu_seqlens_k is not None else no_index
+    # The kernels read index tensors as plain arrays (a block table by its row stride alone): a
+    # caller's t[::2] is valid input, so it is made contiguous here (a few ints).
+    cu_q = spec.cu_seqlens_q.contiguous() if spec.is_varlen else no_index
+    cu_k = spec.cu_seqlens_k.contiguous() if spec.cu_seqlens_k is not None else no_index
     left, right = (band.left, band.right) if band is not None else (None, None)
     p = dropout.p if dropout is not None else 0.0
     seed = dropout.seed if dropout is not None else 0
@@ -231,8 +233,8 @@ def _common(spec: AttentionSpec) -> _Args:
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
     )
     return _Args(mask_t, bias_t, slopes, cu_q, cu_k,
-                 spec.seqused_k if spec.seqused_k is not None else no_index,
-                 spec.block_table if spec.is_paged else no_index.view(1, 2),
+                 spec.seqused_k.contiguous() if spec.seqused_k is not None else no_index,
+                 spec.block_table.contiguous() if spec.is_paged else no_index.view(1, 2),
                  tuple(mask_strides), tuple(bias_strides), tuple(slope_strides), scalars, flags)
 
 
