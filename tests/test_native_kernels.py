@@ -22,6 +22,8 @@ import torch
 import tileattn
 from tileattn.testing import check_against_reference
 
+from conftest import sigint_as_usual
+
 nk = pytest.importorskip("tileattn.backends.native.kernels")
 if not nk.available()[0]:
     pytest.skip(nk.available()[1], allow_module_level=True)
@@ -591,7 +593,7 @@ def test_sigint_interrupts_a_long_call():
             print("interrupted", flag.by_sigint, round(time.perf_counter() - start, 1))
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ))
+                         env=dict(os.environ), preexec_fn=sigint_as_usual)
     words = res.stdout.split()
     assert words[:2] == ["interrupted", "True"], res.stdout + res.stderr
     assert float(words[2]) < 1.5
@@ -639,7 +641,7 @@ def test_ctrl_c_cancels_only_under_pythons_default_sigint_handler():
     nothing is raised; under the program's own handler the call completes, that handler runs (once)
     and no KeyboardInterrupt comes from tileattn."""
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIGINT_DISPOSITIONS)], capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ))
+                         text=True, timeout=300, env=dict(os.environ), preexec_fn=sigint_as_usual)
     lines = res.stdout.splitlines()
     # "True": the signal was sent before the call returned, so each case tests what it claims.
     assert lines == ["default interrupted True", "ignored completed True", "handler completed True True"], \
