@@ -13,7 +13,10 @@ declare in its capabilities is skipped with the engine's own reason.
 from __future__ import annotations
 
 import os
+import random
+import signal
 import tempfile
+import time
 
 import pytest
 import torch
@@ -26,6 +29,59 @@ from tileattn.testing import check_against_reference
 # A user's tuned tile cache or backend override must not change what the tests exercise.
 os.environ.pop("TILEATTN_BACKEND", None)
 os.environ["TILEATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tileattn-test-cache-")
+
+# ------------------------------------------------------------------------------ random test order
+#: The tests run in a random order, so a test that passes only after (or before) another fails
+#: here first: the test files in a shuffled order, the tests of each file shuffled. The seed is the
+#: UTC date (one order per day, the same for every run that day) unless TILEATTN_TEST_SEED gives one;
+#: TILEATTN_TEST_SEED=none keeps the files' own order. The seed is printed after the run, so a
+#: failure can be replayed with TILEATTN_TEST_SEED=<seed>.
+SEED_ENV = "TILEATTN_TEST_SEED"
+_SEED_KEY = pytest.StashKey()
+
+
+def _order_seed():
+    raw = os.environ.get(SEED_ENV, "").strip()
+    if raw.lower() == "none":
+        return None
+    if not raw:
+        return int(time.strftime("%Y%m%d", time.gmtime()))
+    try:
+        return int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV}={raw!r}: expected an integer seed, or 'none' for the files' own order")
+
+
+def pytest_configure(config):
+    config.stash[_SEED_KEY] = _order_seed()
+
+
+def _order_line(config) -> str:
+    seed = config.stash.get(_SEED_KEY, None)
+    if seed is None:
+        return f"tileattn: tests in the files' own order ({SEED_ENV}=none)"
+    return f"tileattn: tests in random order, seed {seed} (replay: {SEED_ENV}={seed})"
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.stash.get(_SEED_KEY, None)
+    if seed is None:
+        return
+    rng = random.Random(seed)
+    files = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    groups = list(files.values())
+    rng.shuffle(groups)
+    items[:] = [item for group in groups for item in rng.sample(group, len(group))]
+
+
+def pytest_report_header(config):
+    return _order_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    terminalreporter.write_line(_order_line(config))
 
 def _cpu_engines():
     """Engines that ``backend="auto"`` may choose for CPU tensors (the Triton engine runs CPU tensors
@@ -122,6 +178,13 @@ def strided_view(x: torch.Tensor, layout: str, num_heads: int) -> torch.Tensor:
     assert not view.is_contiguous() and view.stride(-1) == 1
     assert torch.equal(view, x.detach())
     return view.requires_grad_(x.requires_grad)
+
+
+def sigint_as_usual():
+    """``preexec_fn`` for a child that must take Ctrl-C as an interactive program does. A test run
+    started in the background (``cmd &`` in a script) inherits SIGINT ignored, and a Python started
+    that way keeps ignoring it (no KeyboardInterrupt): the child starts with the default instead."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def rotary_oracle(x, positions, cos, sin, interleaved):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -158,3 +159,80 @@ def test_generic_variant_cross_compiles_for_aarch64(tmp_path):
     lib = build._compile(_cross_compiler(), ("-march=armv8-a", "-fopenmp"), "generic", tmp_path)
     header = lib.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+CALL_AFTER_DAMAGE = """
+import json, warnings
+import torch, tileattn
+from tileattn.backends.native import build, kernels as nk
+from tileattn.testing import check_against_reference
+{setup}
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 70, 32, generator=g) for _ in range(3))
+    engine = "native" if nk.available()[0] else "auto"
+    verdicts = check_against_reference(lambda *a, **kw: tileattn.flash_attention(*a, backend=engine, **kw),
+                                       q, k, v, causal=True, return_lse=True)
+    ok = [v.name for v in verdicts if v.ok] == ["out", "lse", "dq", "dk", "dv"]
+    tileattn.flash_attention(q, k, v)
+print(json.dumps(dict(available=nk.available(), ok=ok, engine=engine,
+                      cached=nk.build_info()["cached"] if nk.available()[0] else None,
+                      warnings=[str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)])))
+"""
+
+
+def _damaged_cache_copy(tmp_path, how):
+    """A copy of this session's native cache whose library is damaged `how`; the library's path."""
+    from tileattn.backends.native import kernels as nk
+
+    source = Path(nk.load().path)
+    root = tmp_path / "cache"
+    shutil.copytree(source.parent, root / "native" / source.parent.name)
+    lib = root / "native" / source.parent.name / build.LIB_NAME
+    data = bytearray(lib.read_bytes())
+    if how == "truncated":  # the ELF headers survive, the mapped segments run past the end: SIGBUS
+        data = data[: len(data) // 2]
+    else:  # the ELF headers survive, the code is noise: SIGSEGV or SIGILL once called
+        data[8192:] = random.Random(how).randbytes(len(data) - 8192)
+    lib.write_bytes(bytes(data))
+    return lib
+
+
+@needs_cc
+@pytest.mark.parametrize("how", ["truncated", "scrambled"])
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(how, tmp_path):
+    """A damaged library in the cache used to kill every process that loaded it (SIGBUS, SIGSEGV)
+    until the user deleted the cache. It fails its recorded size/hash, is rebuilt in place, and the
+    call is correct against the fp64 reference (forward, LSE and gradients) with no warning."""
+    lib = _damaged_cache_copy(tmp_path, how)
+    res = run(["-c", CALL_AFTER_DAMAGE.format(setup="")], tmp_path)
+    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-3000:]}"
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got == dict(available=[True, ""], ok=True, engine="native", cached=False, warnings=[]), got
+    assert build._damage(lib) is None  # rebuilt in place, with its record: the next process loads it
+
+
+@needs_cc
+def test_a_damaged_library_that_cannot_be_rebuilt_falls_back_to_the_cpu_engine_with_one_warning(tmp_path):
+    lib = _damaged_cache_copy(tmp_path, "truncated")
+    broken_compiler = 'build.BASE_FLAGS = build.BASE_FLAGS + ("-include", "/nonexistent.h")'
+    res = run(["-c", CALL_AFTER_DAMAGE.format(setup=broken_compiler)], tmp_path)
+    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-3000:]}"
+    got = json.loads(res.stdout.splitlines()[-1])
+    available, why = got["available"]
+    assert not available and "is damaged" in why and "rebuilding it failed" in why and str(lib) in why, why
+    assert got["ok"] and got["engine"] == "auto"
+    assert len(got["warnings"]) == 1 and "rebuilding it failed" in got["warnings"][0], got["warnings"]
+    assert "('cpu') serves every call" in got["warnings"][0]
+
+
+def test_the_library_record_catches_a_changed_size_or_content(tmp_path):
+    lib = tmp_path / build.LIB_NAME
+    assert build._damage(lib) == "missing"
+    lib.write_bytes(b"\x7fELF" + bytes(1000))
+    assert "no valid size/hash record" in build._damage(lib)
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps(build._fingerprint(lib)))
+    assert build._damage(lib) is None
+    lib.write_bytes(b"\x7fELF" + bytes(999) + b"\x01")
+    assert "its SHA-256 differs" in build._damage(lib)
+    lib.write_bytes(b"\x7fELF" + bytes(500))
+    assert "504 bytes, 1004 when built" in build._damage(lib)

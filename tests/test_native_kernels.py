@@ -22,6 +22,8 @@ import torch
 import tileattn
 from tileattn.testing import check_against_reference
 
+from conftest import sigint_as_usual
+
 nk = pytest.importorskip("tileattn.backends.native.kernels")
 if not nk.available()[0]:
     pytest.skip(nk.available()[1], allow_module_level=True)
@@ -622,7 +624,7 @@ def test_sigint_interrupts_a_long_call():
             print("interrupted", flag.by_sigint, round(time.perf_counter() - start, 1))
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ))
+                         env=dict(os.environ), preexec_fn=sigint_as_usual)
     words = res.stdout.split()
     assert words[:2] == ["interrupted", "True"], res.stdout + res.stderr
     assert float(words[2]) < 1.5
@@ -635,6 +637,55 @@ def test_probes_measure_the_machine():
     assert (amx > nk.fma_peak_gflops(1)) if nk.build_info()["amx"] else amx == 0
     if os.environ.get("TILEATTN_NATIVE_PROFILE") != "1":
         assert nk.profile() is None  # counters exist only in the profiling build (test_native_build.py)
+
+
+_SIGINT_DISPOSITIONS = """
+import os, signal, threading, time, torch, tileattn
+torch.set_num_threads(1)
+q = torch.randn(1, 16, 4096, 64)
+expected = tileattn.flash_attention(q[:, :1], q[:, :1], q[:, :1], backend="native")
+handled = []
+
+def call_with_sigint(delay):
+    # The signal is sent while the main thread is inside the C call (its only work between the
+    # event and the return); the script prints when it was sent relative to the call's end.
+    started = threading.Event()
+    sent = []
+    def send():
+        started.wait()
+        time.sleep(delay)
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=send).start()
+    started.set()
+    try:
+        out = tileattn.flash_attention(q, q, q, backend="native")
+        outcome = "completed" if torch.equal(out[:, :1], expected) else "wrong"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    end = time.perf_counter()
+    time.sleep(0.05)  # a Python-level handler runs at the next bytecode boundary
+    return outcome, sent[0] < end
+
+print("default", *call_with_sigint(0.05))
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+print("ignored", *call_with_sigint(0.05))
+signal.signal(signal.SIGINT, lambda signum, frame: handled.append(signum))
+print("handler", *call_with_sigint(0.05), handled == [signal.SIGINT])
+"""
+
+
+def test_ctrl_c_cancels_only_under_pythons_default_sigint_handler():
+    """A long native call from the main thread: Ctrl-C (SIGINT sent while the C code runs) cancels it
+    with KeyboardInterrupt under Python's default handler; under SIG_IGN the call completes and
+    nothing is raised; under the program's own handler the call completes, that handler runs (once)
+    and no KeyboardInterrupt comes from tileattn."""
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIGINT_DISPOSITIONS)], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ), preexec_fn=sigint_as_usual)
+    lines = res.stdout.splitlines()
+    # "True": the signal was sent before the call returned, so each case tests what it claims.
+    assert lines == ["default interrupted True", "ignored completed True", "handler completed True True"], \
+        res.stdout + res.stderr[-3000:]
 
 
 def test_active_isa_is_the_requested_one():

@@ -18,7 +18,7 @@ import tileattn
 import tileattn.npu as torch_npu
 from tileattn.backends.cpu import TileConfig, kernels, parallel
 
-from conftest import assert_matches_reference, make_qkv
+from conftest import assert_matches_reference, make_qkv, sigint_as_usual
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_ctrl_c_stops_a_long_call_cleanly(reraise):
     script = _INTERRUPTED_CALL.format(after="raise" if reraise else "sys.exit(0)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+                             stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_as_usual)
     try:
         assert child.stdout.readline().strip() == "calling"
         time.sleep(1.0)

@@ -21,6 +21,8 @@ import pytest
 from tileattn import contest, tuning
 from tileattn.cli import main
 
+from conftest import sigint_as_usual
+
 
 def _one_line_error(capsys, *needles):
     err = capsys.readouterr().err
@@ -164,7 +166,7 @@ def test_ctrl_c_is_one_line_and_exit_130(argv, stream):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TILEATTN_BACKEND", None)
     proc = subprocess.Popen([sys.executable, "-m", "tileattn", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_as_usual)
     try:
         first = getattr(proc, stream).readline()  # the command has started measuring
         assert first, "the command ended before it could be interrupted"

@@ -33,6 +33,7 @@ from tileattn.spec import build_spec
 from tileattn.testing import check_against_reference
 
 from conftest import make_qkv, strided_view
+from test_unit_stride import CASES as UNIT_STRIDE_CASES
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -587,6 +588,18 @@ def test_seqused_k_forward_and_backward_in_the_prefill_kernels():
     gen = torch.Generator().manual_seed(34)
     q, k, v = (torch.randn(50, 2, 16, generator=gen) for _ in range(3))
     check(q, k, v, layout="TND", cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=torch.tensor([7, 30], dtype=torch.int32))
+
+
+@interpreted
+@pytest.mark.parametrize("case", UNIT_STRIDE_CASES)
+def test_head_dim_strides_and_index_views(case):
+    """tests/test_unit_stride.py's inputs: a head dim that is not unit-stride is read through its
+    stride; index tensors that are views (t[::2]) are read as the values they hold (they used to be
+    read as contiguous arrays: a silently wrong result)."""
+    (q, k, v), kwargs, grad = UNIT_STRIDE_CASES[case]()
+    assert tileattn.explain(q, k, v, **kwargs)["triton"] == []
+    kwargs.pop("return_lse", None)
+    check(q, k, v, grad=grad, **kwargs)
 
 
 @interpreted

@@ -27,20 +27,25 @@ import tileattn
 from tileattn.backends.cpu import TileConfig
 from tileattn.modifiers import Band, TileState
 from tileattn.testing import check_against_reference
-from _hub import check, figure, interleaved_times, pick, save_figure, seeded
+from _hub import check, figure, interleaved_times, pick, save_figure, seeded, tiles_visited
+
+
+def tile_states(S, block, left=None, right=None):
+    """{(first query row, first key): EMPTY, PARTIAL or FULL} for every tile of an S x S problem."""
+    band = Band(left, right)
+    return {(i0, j0): band.tile_state(i0, min(i0 + block, S), j0, min(j0 + block, S), offset=0)
+            for i0 in range(0, S, block) for j0 in range(0, S, block)}
 
 
 def tile_census(S, block, left=None, right=None):
     """(total tiles, tiles never visited, tiles that need an element-wise mask)."""
-    band = Band(left, right)
-    total = skipped = partial = 0
-    for i0 in range(0, S, block):
-        for j0 in range(0, S, block):
-            state = band.tile_state(i0, min(i0 + block, S), j0, min(j0 + block, S), offset=0)
-            total += 1
-            skipped += state == TileState.EMPTY
-            partial += state == TileState.PARTIAL
-    return total, skipped, partial
+    states = list(tile_states(S, block, left, right).values())
+    return len(states), states.count(TileState.EMPTY), states.count(TileState.PARTIAL)
+
+
+def visited(S, block, left=None, right=None):
+    """The tiles a kernel must compute: every one that is not EMPTY."""
+    return {tile for tile, state in tile_states(S, block, left, right).items() if state != TileState.EMPTY}
 
 
 # %% [markdown]
@@ -70,8 +75,11 @@ for sq, sk in ((100, 100), (40, 100), (100, 40)):
     check(all(x.ok for x in verdicts), f"causal Sq={sq} Sk={sk}: out/dq/dk/dv pass the 2x rule")
 
 # %% [markdown]
-# ## Measured speed-up
-# Same engine, same tile configuration, with and without `causal=True`, timed round-robin.
+# ## The work skipped, and the measured speed-up
+# Same engine, same tile configuration, with and without `causal=True`. First the work: `tiles_visited`
+# watches the PyTorch-ops engine walk its key blocks and collects the tiles whose scores it computes.
+# They must be exactly the tiles the census says are not EMPTY, and all of them without the mask.
+# That is the saving, and it is the same on every machine. Then the two calls are timed round-robin.
 
 # %%
 block = pick(64, 128)
@@ -81,6 +89,14 @@ lengths = pick([512, 1024], [1024, 2048, 4096, 8192])
 table = []
 for S in lengths:
     q, k, v = (seeded(1, H, S, D, seed=i) for i in range(3))
+    with tiles_visited() as full_tiles:
+        tileattn.flash_attention(q, k, v, backend="cpu")
+    with tiles_visited() as causal_tiles:
+        tileattn.flash_attention(q, k, v, causal=True, backend="cpu")
+    total, skipped, _ = tile_census(S, block, right=0)
+    check(full_tiles == visited(S, block) and causal_tiles == visited(S, block, right=0),
+          f"S={S}: the engine computed {len(causal_tiles)} of {len(full_tiles)} tiles with causal=True, exactly "
+          f"the {total - skipped} the census leaves (all {total} without)")
     t = interleaved_times({
         "full": lambda: tileattn.flash_attention(q, k, v, backend="cpu"),
         "causal": lambda: tileattn.flash_attention(q, k, v, causal=True, backend="cpu"),
@@ -94,12 +110,14 @@ for S, total, skipped, tf, tc in table:
     print(f"{S:>6} {total:>7} {skipped:>8} {skipped / total:>6.1%} {tf * 1e3:>8.1f} {tc * 1e3:>10.1f} {tf / tc:>8.2f}x")
 
 S_last, total, skipped, tf, tc = table[-1]
-work_ratio = total / (total - skipped)
-check(tf / tc > 1.1, f"at S={S_last} causal is faster: {tf / tc:.2f}x (tile work ratio {work_ratio:.2f}x)")
+print(f"at S={S_last}: measured speed-up {tf / tc:.2f}x for a tile work ratio of {total / (total - skipped):.2f}x")
 
 # %% [markdown]
-# Measured at full size on this machine (2 cores, Xeon with AVX-512, shared with other jobs; log in
-# `docs/hub/logs/04.txt`), 128x128 tiles, H=4, D=64, fp32:
+# The speed-up is a measurement, not a property of the kernel: it moves with the CPU, the tile size
+# and whatever else runs on the machine (on a busy one a single timing can even invert), which is
+# why the chapter checks the work and prints the time. Measured at full size on this machine (2
+# cores, Xeon with AVX-512, shared with other jobs; log in `docs/hub/logs/04.txt`), 128x128 tiles,
+# H=4, D=64, fp32:
 #
 # | S | tiles | skipped | ratio | full ms | causal ms | speed-up |
 # |---:|---:|---:|---:|---:|---:|---:|
@@ -127,12 +145,17 @@ verdicts = check_against_reference(tileattn.flash_attention, q, k, v, grad=False
 check(all(x.ok for x in verdicts), f"window ({W}, 0) passes the accuracy rule")
 total, skipped, partial = tile_census(S, block, left=W, right=0)
 print(f"S={S}, window ({W}, 0): {total - skipped} of {total} tiles visited, {partial} need a mask")
+with tiles_visited() as window_tiles:
+    tileattn.flash_attention(q, k, v, window=(W, 0), backend="cpu")
+causal_count = len(visited(S, block, right=0))
+check(window_tiles == visited(S, block, left=W, right=0) and len(window_tiles) < causal_count / 2,
+      f"the window's engine computed exactly its {len(window_tiles)} band tiles, under half of causal's {causal_count}")
 t = interleaved_times({
     "causal": lambda: tileattn.flash_attention(q, k, v, causal=True, backend="cpu"),
     "window": lambda: tileattn.flash_attention(q, k, v, window=(W, 0), backend="cpu"),
 }, repeat=pick(5, 3))
-print(f"causal {t['causal'] * 1e3:.1f} ms, window {t['window'] * 1e3:.1f} ms")
-check(t["window"] < t["causal"], f"the window is faster than full causal at S={S} ({t['causal'] / t['window']:.2f}x)")
+print(f"causal {t['causal'] * 1e3:.1f} ms, window {t['window'] * 1e3:.1f} ms: measured {t['causal'] / t['window']:.2f}x "
+      f"for {causal_count / len(window_tiles):.2f}x fewer tiles")
 cpu.config_override = None
 
 # %%

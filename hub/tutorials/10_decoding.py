@@ -327,9 +327,14 @@ print("peak extra memory at G=8: " + ", ".join(f"{name} {b / MiB:.1f} MiB" for n
 check(peaks["repeat_kv + sdpa"] > 0.9 * groups[-1] * kv3 > 100 * max(peaks["tileattn"], 1),
       f"repeat_kv materialises G x the K/V bytes ({peaks['repeat_kv + sdpa'] / MiB:.0f} MiB at G=8); tileattn's "
       f"peak is {peaks['tileattn'] / MiB:.2f} MiB")
+# How close to flat tileattn stays depends on the build and the CPU (the generic build of the native
+# engine, `TILEATTN_NATIVE_ISA=generic`, computes slowly enough that the FLOPs show: 3.4x here); well
+# under the FLOPs' 8x, and well under repeat_kv's growth, which copies G x the bytes, holds on all.
 flat = gqa[groups[-1]]["tileattn"] / gqa[1]["tileattn"]
-check(flat < groups[-1] / 2, f"8x the query heads (8x the FLOPs, the same K/V bytes) cost tileattn only {flat:.1f}x "
-      "the time")
+copied = gqa[groups[-1]]["repeat_kv + sdpa"] / gqa[1]["repeat_kv + sdpa"]
+check(flat < 0.75 * groups[-1] and copied > 2 * flat,
+      f"8x the query heads (8x the FLOPs, the same K/V bytes) cost tileattn {flat:.1f}x the time (< 6x), "
+      f"repeat_kv + sdpa {copied:.1f}x (more than twice that: it copies G x the K/V)")
 
 # %% [markdown]
 # ## 4. Ragged batches and a paged cache

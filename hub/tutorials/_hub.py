@@ -7,6 +7,7 @@ mean what the command's mean.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -81,6 +82,31 @@ def peak_memory(fn):
     if peak is None:
         raise RuntimeError("peak_memory needs a Linux kernel that can reset the peak resident size; not supported here")
     return result, peak
+
+
+@contextlib.contextmanager
+def tiles_visited():
+    """The set of tiles, as (first query row, first key), whose scores the PyTorch-ops engine
+    (``backend="cpu"``) computes while the block runs: it watches the engine's own walk over key
+    blocks (``backends.cpu.kernels.key_blocks``), so it counts work done, not work predicted.
+
+    Timings change with the CPU, its instruction set and the machine's load; which tiles a kernel
+    visits does not, so the tutorials check this and report their timings as measurements."""
+    from tileattn.backends.cpu import kernels
+
+    seen = set()
+    walk = kernels.key_blocks
+
+    def watched(prob, i0, i1, block_n):
+        for j0, j1 in walk(prob, i0, i1, block_n):
+            seen.add((i0, j0))
+            yield j0, j1
+
+    kernels.key_blocks = watched
+    try:
+        yield seen
+    finally:
+        kernels.key_blocks = walk
 
 
 def seeded(*shape, dtype=torch.float32, seed=0, scale=1.0):

@@ -46,18 +46,9 @@ class NativeBackend(Backend):
 
     def extra_reasons(self, spec: AttentionSpec, backward: bool):
         """What the kernels' struct cannot express (the calls are not checked again below: the spec
-        validated them): a last dimension that is not unit-stride, index tensors that are not
-        contiguous, a paged cache without pages, 2^31 tokens."""
+        validated them): a paged cache without pages, 2^31 tokens. A last dimension that is not
+        unit-stride and index tensors that are views are handled, by copies for the kernel call."""
         why = []
-        if not (spec.q_c.stride(-1) == spec.k_c.stride(-1) == spec.v_c.stride(-1) == 1):
-            for name, t in (("q", spec.q_c), ("k", spec.k_c), ("v", spec.v_c)):
-                if t.stride(-1) != 1 and t.shape[-1] != 1 and t.numel():
-                    why.append(f"{name} has stride {t.stride(-1)} in its last dimension (the kernels read "
-                               "unit-stride rows)")
-        for name, t in (("cu_seqlens_q", spec.cu_seqlens_q), ("cu_seqlens_k", spec.cu_seqlens_k),
-                        ("seqused_k", spec.seqused_k)):
-            if t is not None and not t.is_contiguous():
-                why.append(f"{name} is not contiguous")
         if spec.is_paged and (spec.block_table.shape[1] == 0 or spec.block_size == 0):
             why.append("a paged cache without pages")
         if max(spec.q_c.shape[0] if spec.is_varlen else spec.seqlen_q, spec.seqlen_k) >= 2**31 - 1:
@@ -66,9 +57,10 @@ class NativeBackend(Backend):
 
     def forward(self, spec: AttentionSpec, out, lse):
         kwargs = self._call_arguments(spec)
+        k, v = (spec.k, spec.v) if spec.is_paged else (spec.k_c, spec.v_c)
         with self._interruptible(spec) as cancel:
-            kernels.forward(spec.q_c, spec.k if spec.is_paged else spec.k_c, spec.v if spec.is_paged else spec.v_c,
-                            out, lse, cancel=cancel, validate=False, **kwargs)
+            kernels.forward(kernels.unit_stride(spec.q_c), kernels.unit_stride(k), kernels.unit_stride(v), out, lse,
+                            cancel=cancel, validate=False, **kwargs)
 
     def backward(self, spec: AttentionSpec, grads: Gradients):
         kwargs = self._call_arguments(spec)
@@ -77,17 +69,21 @@ class NativeBackend(Backend):
         lse = grads.lse.to(kernels.accumulation_dtype(spec.q.dtype)).contiguous()
         delta = grads.delta.to(lse.dtype).contiguous()
         with self._interruptible(spec) as cancel:
-            kernels.backward(spec.q_c, spec.k_c, spec.v_c, grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
+            kernels.backward(kernels.unit_stride(spec.q_c), kernels.unit_stride(spec.k_c),
+                             kernels.unit_stride(spec.v_c), grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
                              grads.dv, cancel=cancel, dbias=grads.dbias, validate=False, **kwargs)
 
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
         """The kernels' keywords for a validated call: its kernel arguments (the modifiers lowered,
-        :class:`tileattn.kernel_args.KernelArgs`) and the tuned tiles."""
+        :class:`tileattn.kernel_args.KernelArgs`) and the tuned tiles; index tensors made contiguous (a
+        caller's ``t[::2]`` is valid input, the kernels read plain arrays)."""
         tuned = lookup("native", spec) or {}
         a = spec.kernel_args
         return dict(scale=a.scale, left=a.left, right=a.right, bottom_right=a.bottom_right, shift=a.shift,
-                    cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
+                    cu_seqlens_q=kernels.contiguous_index(spec.cu_seqlens_q),
+                    cu_seqlens_k=kernels.contiguous_index(spec.cu_seqlens_k),
+                    seqused_k=kernels.contiguous_index(spec.seqused_k),
                     block_table=spec.block_table, softcap=a.softcap, alibi_slopes=a.alibi_slopes, mask=a.mask,
                     bias=a.bias, dropout_p=a.dropout_p, seed=a.seed, block_m=tuned.get("block_m", 0),
                     block_n=tuned.get("block_n", 0))

@@ -23,6 +23,12 @@ the compiler enables for this CPU. A different CPU, compiler or source gets its 
 processes starting at once serialise on an ``fcntl`` lock in that folder; the library is linked
 under a temporary name and renamed into place, so no process ever loads a half-written file.
 
+A library damaged later (a truncated copy, a disk error, stray writes) would kill any process that
+loads it (SIGBUS, SIGSEGV, SIGILL), so its size and SHA-256 are recorded beside it at build time
+(``library.json``) and checked before every load (about a millisecond, once per process). A library
+that does not match its record, or has none, is rebuilt under the lock; when that fails the
+BuildError names the damage and the engine falls back to ``cpu`` with one warning.
+
 Failures raise :class:`BuildError` with a reason meant for a one-line warning (no compiler, a
 compile error with the compiler's last lines, an unsupported variant).
 """
@@ -45,6 +51,8 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIB_NAME = "libtileattn_native.so"
+#: the size and SHA-256 of the library, written when it is built, checked before it is loaded
+RECORD_NAME = "library.json"
 ISA_ENV = "TILEATTN_NATIVE_ISA"
 PROFILE_ENV = "TILEATTN_NATIVE_PROFILE"
 ISAS = ("avx512", "avx2", "generic")
@@ -201,6 +209,39 @@ def _compile(cc: tuple, flags: tuple, isa: str, workdir: Path) -> Path:
     return lib
 
 
+def _fingerprint(path: Path) -> dict:
+    return dict(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+def _damage(lib: Path):
+    """None when ``lib`` matches the size and hash recorded when it was built, else what is wrong
+    ("missing" when there is no library at all)."""
+    if not lib.exists():
+        return "missing"
+    try:
+        record = json.loads((lib.parent / RECORD_NAME).read_text())
+        size, digest = int(record["size"]), str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"the cached library {lib} has no valid size/hash record ({RECORD_NAME})"
+    try:
+        if lib.stat().st_size != size:
+            return f"the cached library {lib} is damaged: {lib.stat().st_size} bytes, {size} when built"
+        if _fingerprint(lib)["sha256"] != digest:
+            return f"the cached library {lib} is damaged: its SHA-256 differs from the one recorded when built"
+    except OSError as exc:
+        return f"the cached library {lib} cannot be read: {exc}"
+    return None
+
+
+def _install(built: Path, lib: Path) -> None:
+    """Move a freshly linked library into place with its record (each by an atomic rename: a reader
+    that sees the new library with the old record finds a mismatch and waits for the lock)."""
+    record = lib.parent / f"{RECORD_NAME}.{os.getpid()}.tmp"
+    record.write_text(json.dumps(_fingerprint(built)))
+    os.replace(built, lib)
+    os.replace(record, lib.parent / RECORD_NAME)
+
+
 def build(isa=None, profile=None) -> BuildInfo:
     """Return the cached library for this machine, compiling it first if needed. ``isa`` and
     ``profile`` override TILEATTN_NATIVE_ISA and TILEATTN_NATIVE_PROFILE (benchmarks that compare
@@ -218,7 +259,7 @@ def build(isa=None, profile=None) -> BuildInfo:
     lib = folder / LIB_NAME
     info = dict(compiler=" ".join(cc), compiler_version=version, isa=isa, flags=tuple(flags), path=str(lib),
                 features=features)
-    if lib.exists():
+    if _damage(lib) is None:
         return BuildInfo(build_seconds=0.0, cached=True, **info)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -226,12 +267,17 @@ def build(isa=None, profile=None) -> BuildInfo:
         raise BuildError(f"cannot create the cache folder {folder}: {exc}") from exc
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if lib.exists():  # another process built it while this one waited
+        damage = _damage(lib)
+        if damage is None:  # another process built it while this one waited
             return BuildInfo(build_seconds=0.0, cached=True, **info)
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
-            built = _compile(cc, flags, isa, Path(tmp))
-            os.replace(built, lib)
+        try:
+            with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
+                _install(_compile(cc, flags, isa, Path(tmp)), lib)
+        except (BuildError, OSError) as exc:
+            if damage == "missing":
+                raise
+            raise BuildError(f"{damage}, and rebuilding it failed: {exc}") from exc
         seconds = time.perf_counter() - start
         (folder / "build.json").write_text(json.dumps(dict(info, build_seconds=seconds), indent=1))
     return BuildInfo(build_seconds=seconds, cached=False, **info)

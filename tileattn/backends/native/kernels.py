@@ -50,7 +50,8 @@ once set, every thread stops at its next tile, the call returns and the wrapper 
 :class:`Cancelled` (outputs are then partly written). Another thread, a timer or a signal handler
 may set it. ``with flag.on_sigint():`` arms a C-level SIGINT handler around a call from the main
 thread: Ctrl-C sets the flag and is passed on to Python's own handler, so a long call stops within
-one tile and KeyboardInterrupt is raised as usual.
+one tile and KeyboardInterrupt is raised as usual. It arms only while Python's default SIGINT
+handler is installed; under ``SIG_IGN`` or a program's own handler Ctrl-C does not cancel.
 
 Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) packed with
 ``struct.pack_into`` into a per-thread buffer; only its "core" section (61 values) is packed on
@@ -63,6 +64,7 @@ import contextlib
 import ctypes
 import json
 import os
+import signal
 import struct
 import threading
 from pathlib import Path
@@ -130,10 +132,17 @@ class CancelFlag:
     @contextlib.contextmanager
     def on_sigint(self):
         """Within the block (main thread), SIGINT also sets this flag; Python still gets its
-        KeyboardInterrupt once the native call returns."""
+        KeyboardInterrupt once the native call returns.
+
+        Only while SIGINT means KeyboardInterrupt, i.e. Python's default handler is installed: a
+        program that ignores SIGINT or handles it itself decided what Ctrl-C does, so the block
+        then arms nothing and the call runs to its end (a handler of its own runs after it)."""
         lib = _library().lib
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("CancelFlag.on_sigint() must be used from the main thread")
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield self
+            return
         before = self._value.value
         if lib.ta_sigint_arm(ctypes.c_void_p(self.address)) != 0:
             raise OSError("sigaction(SIGINT) failed")
@@ -357,6 +366,19 @@ def _check_bcast4(name, t, full, dtypes):
     for n, f in zip(t.shape, full):
         if n != f and n != 1:
             _fail(name, f"shape {tuple(t.shape)}", f"a 4-d shape broadcastable to {tuple(full)}")
+
+
+def unit_stride(t):
+    """``t``, or a copy of it with a unit last-dim stride when it has none (a transposed head dim):
+    the kernels read rows with unit stride. None stays None."""
+    if t is None or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
+def contiguous_index(t):
+    """An index tensor (cu_seqlens, seqused_k) as the contiguous array the kernels read; None stays None."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def accumulation_dtype(dtype):

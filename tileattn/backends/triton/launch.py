@@ -199,8 +199,10 @@ def _common(spec: AttentionSpec) -> _Args:
         slope_strides = (0, 0)
     else:
         slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
-    cu_q = spec.cu_seqlens_q if spec.is_varlen else no_index
-    cu_k = spec.cu_seqlens_k if spec.cu_seqlens_k is not None else no_index
+    # The kernels read index tensors as plain arrays (a block table by its row stride alone): a
+    # caller's t[::2] is valid input, so it is made contiguous here (a few ints).
+    cu_q = spec.cu_seqlens_q.contiguous() if spec.is_varlen else no_index
+    cu_k = spec.cu_seqlens_k.contiguous() if spec.cu_seqlens_k is not None else no_index
     scalars = (
         a.scale, a.softcap if a.softcap else 1.0, max(a.left, 0), max(a.right, 0), a.shift,
         a.seed & 0xFFFFFFFF, (a.seed >> 32) & 0xFFFFFFFF, a.dropout_threshold,
@@ -216,8 +218,8 @@ def _common(spec: AttentionSpec) -> _Args:
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
     )
     return _Args(mask_t, bias_t, slopes, cu_q, cu_k,
-                 spec.seqused_k if spec.seqused_k is not None else no_index,
-                 spec.block_table if spec.is_paged else no_index.view(1, 2),
+                 spec.seqused_k.contiguous() if spec.seqused_k is not None else no_index,
+                 spec.block_table.contiguous() if spec.is_paged else no_index.view(1, 2),
                  tuple(mask_strides), tuple(bias_strides), tuple(slope_strides), scalars, flags)
 
 

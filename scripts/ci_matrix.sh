@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# CI after the README's test command (which .ci/run runs first, in the day's random test order):
+#
+#   1. the other builds of the native engine: for each of TILEATTN_NATIVE_ISA=avx2 and =generic that
+#      this CPU can run and that is not already its default build, the engine's tests
+#      (NATIVE_TESTS) and every hub tutorial and recipe, which check their claims as they run: a
+#      kernel, a test or a tutorial claim that holds only for the AVX-512 build fails here;
+#   2. the suite again in a second random order (seed from the commit, printed), so a test that
+#      passes only after or before another fails here. It leaves out the tests that only start
+#      subprocesses (SUBPROCESS_ONLY: the hub scripts, the Triton interpreter and compile runs, the
+#      native variant builds and benchmark sections), about 40 % of the suite's time: what a fresh
+#      process computes does not depend on the order of the tests in this one (they restore the
+#      environment they change), and the first run ran them in its own random order.
+#
+# Budget: the whole of .ci/run must stay under 20 minutes on the CI machine (2 cores). Measured
+# stage times are in docs/install.md ("The CI check"); each stage prints its seconds here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+START=$SECONDS
+
+# One stage: its wall time, and its CPU time (processes it started included), which other jobs on a
+# shared machine inflate less.
+stage() {
+    local name=$1 TIMEFORMAT
+    shift
+    printf '[ci_matrix +%ss] %s\n' "$((SECONDS - START))" "$name"
+    TIMEFORMAT="[ci_matrix] $name: %0R s wall, %0U s user + %0S s sys"
+    time "$@"
+}
+
+NATIVE_TESTS=(tests/test_native_kernels.py tests/test_unit_stride.py tests/test_decode_path.py
+              tests/test_decode_kvcache.py)
+HUB_SCRIPTS="test_tutorial_runs or test_recipe_runs"
+SUBPROCESS_ONLY=(
+    --deselect tests/test_triton.py::test_interpreter_suite
+    --deselect tests/test_triton.py::test_kernels_compile_for_sm90
+    --deselect "tests/test_native_build.py::test_variant_without_avx512_passes_the_kernel_tests"
+    --deselect tests/test_native_bench.py::test_isa_section_runs_every_variant
+    -k "not ($HUB_SCRIPTS or test_contest_accepts or test_contest_rejects)"
+)
+
+# The builds to add: those this CPU and compiler can run, other than the one the engine picks anyway.
+ISAS=$("$PY" - <<'EOF'
+from tileattn.backends.native import build, kernels
+ok, why = kernels.available()
+if not ok:
+    raise SystemExit(0)  # no native engine here: the cpu engine serves, and stage 1 has nothing to add
+cc, default = tuple(build.find_compiler()), kernels.build_info()["isa"]
+for isa in ("avx2", "generic"):
+    if isa != default and isinstance(build._variant(cc, isa), tuple):
+        print(isa)
+EOF
+)
+if [ -z "$ISAS" ]; then
+    echo "[ci_matrix] no other native build to test on this machine"
+fi
+for isa in $ISAS; do
+    stage "TILEATTN_NATIVE_ISA=$isa: the native engine's tests and the hub's tutorials and recipes" \
+        env TILEATTN_NATIVE_ISA="$isa" "$PY" -m pytest -p no:cacheprovider "${NATIVE_TESTS[@]}" \
+        tests/test_hub.py -k "not test_hub or $HUB_SCRIPTS"
+done
+
+# A second order: the commit's first 8 hex digits (any integer but the day's seed would do).
+SEED=$(( 16#$(git rev-parse --short=8 HEAD 2>/dev/null || date -u +%H%M%S) ))
+stage "second random order (TILEATTN_TEST_SEED=$SEED), without the subprocess-only tests" \
+    env TILEATTN_TEST_SEED="$SEED" "$PY" -m pytest -p no:cacheprovider "${SUBPROCESS_ONLY[@]}"
+printf '[ci_matrix] done in %s s\n' "$((SECONDS - START))"
