@@ -201,10 +201,27 @@ def _error_checks():
     res["dtype"] = _expect_error(
         lambda: call(*((q, k, v) if rank == 0 else (x.bfloat16() for x in (q, k, v))), timeout=60), ValueError,
         "argument 'q'", "torch.bfloat16", "CP rank 1")
-    res["flag"] = _expect_error(lambda: call(q, k, v, causal=rank == 0, timeout=60), ValueError,
-                                "argument 'causal/window'")
+    # Each argument is named as the user wrote it, with the value every rank passed.
+    res["causal"] = _expect_error(lambda: call(q, k, v, causal=rank == 0, timeout=60), ValueError,
+                                  "argument 'causal': got True on CP rank 0 and False on CP rank 1;")
+    res["window"] = _expect_error(lambda: call(q, k, v, window=(4, -1) if rank else None, timeout=60), ValueError,
+                                  "argument 'window': got None on CP rank 0 and (4, None) on CP rank 1;")
+    res["mode"] = _expect_error(lambda: call(q, k, v, mode=("ring", "ulysses")[rank], timeout=60), ValueError,
+                                "argument 'mode': got 'ring' on CP rank 0 and 'ulysses' on CP rank 1;")
+    res["scale"] = _expect_error(lambda: call(q, k, v, scale=(0.5, None)[rank], timeout=60), ValueError,
+                                 "argument 'scale': got 0.5 on CP rank 0 and 0.35355339059327373 on CP rank 1;")
+    res["sinks"] = _expect_error(lambda: call(q, k, v, sinks=torch.zeros(4) if rank else None, timeout=60),
+                                 ValueError, "argument 'sinks': got None on CP rank 0 and a torch.float32 tensor of "
+                                 "shape (4,) on CP rank 1;")
+    cu = torch.tensor([0, 10, 32] if rank else [0, 12, 32], dtype=torch.int32)
+    res["cu_seqlens"] = _expect_error(
+        lambda: call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), layout="TND",
+                     cu_seqlens_q=cu, cu_seqlens_k=cu, timeout=60), ValueError,
+        "argument 'cu_seqlens_q': got [0, 12, 32] on CP rank 0 and [0, 10, 32] on CP rank 1;")
+    # 6 and 10 tokens are no shards of one sequence: both ranks are named, with what each one fits.
     res["length"] = _expect_error(lambda: call(*(x[:, :, : 6 + 4 * rank] for x in (q, k, v)), timeout=60), ValueError,
-                                  "argument 'q'", "tokens on CP rank", "tileattn.distributed.shard")
+                                  "argument 'q': got 6 local tokens on CP rank 0 and 10 local tokens on CP rank 1;",
+                                  "CP rank 0's 6 tokens fit a sequence of 12 tokens", "tileattn.distributed.shard")
     res["heads"] = _expect_error(lambda: call(q[:, :3], k[:, :3], v[:, :3], mode="ulysses"), ValueError,
                                  "argument 'q'", "3 query heads for 2 Ulysses ranks")
     res["dropout"] = _expect_error(lambda: call(q, k, v, dropout_p=0.1), NotImplementedError, "argument 'dropout_p'")
@@ -221,11 +238,36 @@ def _error_checks():
     return res
 
 
+def _length_checks():
+    """Four ranks, one of them with a wrong shard: that rank is named, not the first rank that differs
+    from a plan of the summed lengths (here rank 0 would be, whose shard is right)."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    mine = [cp.shard(x, seq_dim=2) for x in (q, k, v)]
+    if rank == 3:
+        mine = [torch.cat([x, x[:, :, :1]], 2) for x in mine]
+    call = cp.context_parallel_attention
+    res = {}
+    res["one_long"] = _expect_error(lambda: call(*mine, causal=True, timeout=60), ValueError,
+                                    "argument 'q': got 5 local tokens on CP rank 3; expected 4: the shard of a "
+                                    "sequence of 16 tokens, which the other ranks' shards imply")
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    tnd = [cp.shard(x[0].transpose(0, 1), seq_dim=0, cu_seqlens=cu) for x in (q, k, v)]
+    if rank in (1, 2):
+        tnd = [x[:-1] for x in tnd]
+    res["varlen"] = _expect_error(lambda: call(*tnd, layout="TND", cu_seqlens_q=cu, cu_seqlens_k=cu, timeout=60),
+                                  ValueError, "argument 'q': got 3 local tokens on CP ranks 1 and 2; expected 4 and "
+                                  "4: the shards of the varlen batch of cu_seqlens_q (2 sequences, 16 tokens)")
+    out = call(*(cp.shard(x, seq_dim=2) for x in (q, k, v)), causal=True, timeout=60)
+    res["after"] = "ok" if out.shape == (1, 2, 4, 8) and torch.isfinite(out).all() else "bad output"
+    return res
+
+
 def _group_main(cases):
     mesh = cp.hybrid_mesh(2, dist.get_world_size() // 2) if dist.get_world_size() == 4 else None
     results = {c["name"]: _run_case(c, mesh) for c in cases}
-    if dist.get_world_size() == 2:
-        results["errors"] = _error_checks()
+    results["errors"] = _error_checks() if dist.get_world_size() == 2 else _length_checks()
     return results
 
 
@@ -328,8 +370,9 @@ def test_matches_single_process_reference(groups, world, c):
     _check_counts(c, [r[c["name"]] for r in ranks], world)
 
 
-def test_bad_calls_raise_the_same_clear_error_on_every_rank(groups):
-    ranks = groups(2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_calls_raise_the_same_clear_error_on_every_rank(groups, world):
+    ranks = groups(world)
     for rank, res in enumerate(ranks):
         bad = {k: v for k, v in res["errors"].items() if v != "ok"}
         assert not bad, f"rank {rank}: {bad}"
