@@ -228,9 +228,25 @@ def bypass_allowed(allow_bypass: Optional[bool]) -> bool:
     return os.environ.get(ALLOW_BYPASS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+#: The mask each config class got last outside torch.compile ("refuse" > "eager" > "sdpa" when models
+#: of one config class differ): what a traced forward, where the model cannot be looked at, builds.
+_TRACED_CHOICE = {}
+_RANK = {"sdpa": 0, "eager": 1, "refuse": 2}
+
+
+def _choice(v: Verdict) -> str:
+    return "refuse" if v.bypassing else "sdpa" if v.sdpa else "eager"
+
+
+@torch.compiler.assume_constant_result
+def _traced_choice(config_class) -> str:
+    return _TRACED_CHOICE.get(config_class, "sdpa")
+
+
 def refusal(v: Verdict, name: str) -> str:
     other = "attn_implementation='eager'" + (" or 'sdpa'" if v.sdpa else " (it supports no other)")
-    return (f"tileattn: {v.model} ('{v.model_type}') computes attention itself ({', '.join(v.bypassing)} never call "
+    verb = "calls" if len(v.bypassing) == 1 else "call"
+    return (f"tileattn: {v.model} ('{v.model_type}') computes attention itself ({', '.join(v.bypassing)} never {verb} "
             f"transformers' AttentionInterface): with attn_implementation='{name}' it would not run tileattn, and it "
             f"would read the SDPA-style mask built for '{name}' as its own, giving wrong results. Use {other}. "
             f"To run it anyway on its own attention, with the mask eager builds (exactly eager's results; tileattn "
@@ -245,9 +261,17 @@ def mask_builder(name: str, allow_bypass: Optional[bool], compiling):
         """transformers' SDPA mask for models that call tileattn and declare SDPA support; eager's
         for those that call it without declaring it; an error for those that do not call it."""
         config = kwargs.get("config")
-        if config is None or compiling():
+        if config is None:
             return sdpa_mask(*args, **kwargs)
+        if compiling():
+            choice = _traced_choice(type(config))
+            if choice == "refuse" and not bypass_allowed(allow_bypass):
+                raise UnsupportedModelError(f"tileattn: a '{getattr(config, 'model_type', '')}' model computes "
+                                            "attention itself: see the error of its forward outside torch.compile")
+            return sdpa_mask(*args, **kwargs) if choice == "sdpa" else eager_mask(*args, **kwargs)
         v = verdict(config)
+        seen = _TRACED_CHOICE.get(type(config), "sdpa")
+        _TRACED_CHOICE[type(config)] = max(seen, _choice(v), key=_RANK.get)
         if v.bypassing:
             if not bypass_allowed(allow_bypass):
                 raise UnsupportedModelError(refusal(v, name))
