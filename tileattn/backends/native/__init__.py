@@ -57,7 +57,9 @@ class NativeBackend(Backend):
         # Statistics given by a caller (an SDPA op's logsumexp, Ascend softmax_max/sum) may be fp32
         # for fp64 inputs; the kernels read them in their accumulation type.
         lse = grads.lse.to(kernels.accumulation_dtype(spec.q.dtype)).contiguous()
-        delta = grads.delta.to(lse.dtype).contiguous()
+        # The kernels read delta with lse's strides, which a row slice of one head's LSE keeps from
+        # the whole (contiguous() leaves the strides of size-1 dims alone).
+        delta = torch.empty_like(lse).copy_(grads.delta)
         with self._interruptible(spec) as cancel:
             kernels.backward(spec.q_c, spec.k_c, spec.v_c, grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
                              grads.dv, cancel=cancel, dbias=grads.dbias, **kwargs)
