@@ -52,8 +52,8 @@ def _mla(**extra):
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, d_model=32, n_embd=32, embed_dim=32, num_hidden_layers=2, num_layers=2,
              n_layer=2, encoder_layers=2, decoder_layers=2, num_decoder_layers=2, num_attention_heads=4, n_head=4,
              n_heads=4, encoder_attention_heads=4, decoder_attention_heads=4, num_heads=4, attention_heads=4,
-             intermediate_size=64, ffn_dim=64, encoder_ffn_dim=64, decoder_ffn_dim=64, d_ff=64, d_kv=8,
-             max_position_embeddings=64, n_positions=64, initializer_range=0.2, init_std=0.2, embedding_size=32,
+             num_key_value_heads=2, intermediate_size=64, ffn_dim=64, encoder_ffn_dim=64, decoder_ffn_dim=64, d_ff=64,
+             d_kv=8, max_position_embeddings=64, n_positions=64, initializer_range=0.2, init_std=0.2, embedding_size=32,
              num_experts=4, attention_window=4, d_inner=64, max_seq_len=64, entity_vocab_size=16, entity_emb_size=16)
 
 

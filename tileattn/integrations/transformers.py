@@ -84,6 +84,8 @@ KWARGS = {
     "output_router_logits": ("harmless", "MoE router outputs, not attention"),
     "return_dict": ("harmless", "the model's output container"),
     "num_items_in_batch": ("harmless", "loss normalisation"),
+    "logits_to_keep": ("harmless", "which positions the language-model head computes logits for, after attention "
+                                   "(GOT-OCR2 passes it on to its language model's layers)"),
     "seq_idx": ("harmless", "sequence index for the Mamba/convolution layers of hybrid models; attention gets "
                             "packing from the mask or cu_seq_lens"),
 }

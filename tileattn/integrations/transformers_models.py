@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import warnings
 import weakref
@@ -90,6 +91,9 @@ ARCHITECTURES = (
     Architecture("PEGASUS-X", "pegasus_x", True, "routed, eager mask",
                  "its decoder calls tileattn (rel. error 0.7-0.8 on the SDPA mask); its encoder's global-local "
                  "attention is its own, on masks it builds itself (check_model reports it)"),
+    Architecture("MiniMax", "minimax", True, "routed",
+                 "hybrid: its lightning (linear) attention layers are its own and take no such mask"),
+    Architecture("OLMo hybrid", "olmo_hybrid", True, "routed", "hybrid: gated delta (linear) layers of its own"),
     Architecture("GPT-Neo", "gpt_neo", False, "fails to build", _SEEN_SWAPS),
     Architecture("Falcon", "falcon", False, "fails to build", _SEEN_SWAPS),
     Architecture("BLOOM", "bloom", False, "refused", _MISREAD + "1.0-1.2, also without padding); ALiBi"),
@@ -122,7 +126,25 @@ ARCHITECTURES = (
 # Does a module class reach the attention interface?
 
 _ROUTES = {}
+_SOFTMAX = {}
 _INTERFACE_WORDS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "AttentionInterface")
+#: What the code of a module computing softmax attention itself says (linear attention, state-space
+#: and gated delta layers, which may be called "...Attention" too, take no attention mask of this kind).
+_SOFTMAX_WORDS = re.compile(r"softmax|logsumexp|scaled_dot_product_attention", re.IGNORECASE)
+
+
+def _own_sources(cls):
+    """Source of ``cls`` and of its model-specific base classes (not PreTrainedModel and other
+    transformers mixins, which mention the interface without calling it)."""
+    for base in cls.__mro__:
+        if base is torch.nn.Module:
+            break
+        if base.__module__.startswith("transformers.") and not base.__module__.startswith("transformers.models."):
+            continue
+        try:
+            yield inspect.getsource(base)
+        except (OSError, TypeError):
+            continue
 
 
 def routes(cls) -> Optional[bool]:
@@ -130,31 +152,30 @@ def routes(cls) -> Optional[bool]:
     AttentionInterface; None when the source cannot be read."""
     if cls not in _ROUTES:
         found = None
-        for base in cls.__mro__:
-            if base is torch.nn.Module:
-                break
-            if base.__module__.startswith("transformers.") and not base.__module__.startswith("transformers.models."):
-                continue  # PreTrainedModel, layer mixins: they mention the interface without calling it
-            try:
-                source = inspect.getsource(base)
-            except (OSError, TypeError):
-                continue
+        for source in _own_sources(cls):
             found = bool(found) or any(word in source for word in _INTERFACE_WORDS)
         _ROUTES[cls] = found
     return _ROUTES[cls]
 
 
+def _softmax(cls) -> bool:
+    if cls not in _SOFTMAX:
+        _SOFTMAX[cls] = any(_SOFTMAX_WORDS.search(source) for source in _own_sources(cls))
+    return _SOFTMAX[cls]
+
+
 def attention_classes(model) -> tuple:
     """(routed, bypassing): names of the attention module classes of ``model`` that look the
-    implementation up in the interface, and of those that compute attention themselves (an
-    ``*Attention*`` module that neither reaches the interface nor holds a module that does)."""
+    implementation up in the interface, and of those that compute softmax attention themselves (an
+    ``*Attention*`` module that neither reaches the interface nor holds a module that does, and whose
+    code or a submodule's computes a softmax)."""
     routed, bypassing = [], []
     for module in model.modules():
         cls = type(module)
         if routes(cls):
             routed.append(cls.__name__)
         elif "Attention" in cls.__name__ and routes(cls) is False and not any(
-                routes(type(m)) for m in module.modules()):
+                routes(type(m)) for m in module.modules()) and any(_softmax(type(m)) for m in module.modules()):
             bypassing.append(cls.__name__)
     return tuple(dict.fromkeys(routed)), tuple(dict.fromkeys(bypassing))
 
@@ -169,7 +190,7 @@ def _bypassing_in_source(module) -> tuple:
         return ()
     classes = [c for name, c in vars(module).items() if inspect.isclass(c) and issubclass(c, torch.nn.Module)
                and "Attention" in name and c.__module__ == module.__name__] if source else []
-    return tuple(c.__name__ for c in classes if routes(c) is False)
+    return tuple(c.__name__ for c in classes if routes(c) is False and _softmax(c))
 
 
 # ---------------------------------------------------------------------------------------------
