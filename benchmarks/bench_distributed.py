@@ -2,6 +2,7 @@
 
     python benchmarks/bench_distributed.py            # the grid below, several minutes on 2 cores
     python benchmarks/bench_distributed.py --quick    # tiny sizes, seconds
+    python benchmarks/bench_distributed.py --memory   # peak memory per rank against one process, 16k tokens
 
 Each configuration runs in fresh processes (gloo, started by ``run_local``): ``single`` is one
 process calling :func:`tileattn.flash_attention` on the whole sequence with every core; ``ring``,
@@ -20,6 +21,12 @@ so times compare equal CPU budgets, not a speed-up; on 4 ranks the cores are ove
 other jobs on the machine make single timings vary by 2x. What transfers to real clusters is the
 memory per rank and the traffic.
 Results: ``benchmarks/results/distributed_<tag>.csv`` and ``.json``.
+
+``--memory``: the peak memory per rank of every mode on 2 and 4 ranks against one process over the
+whole sequence (16k tokens, causal, 4 query / 2 kv heads, head dim 64), bf16 and fp32, forward and
+forward + backward, one call each (memory does not depend on timing). The column ``peak_x_world``
+is ``peak / single peak * world``: 1.0 is a rank holding exactly its 1/W share of one process's
+peak. Results: ``benchmarks/results/distributed_memory.csv`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -46,6 +53,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FIELDS = ("mode", "world", "seqlen", "heads", "kv_heads", "head_dim", "dtype", "pass", "rank", "threads", "ms",
           "peak_mib", "peak_vs_single", "retained_mib", "retained_vs_single", "wait_ms", "messages", "sent_bytes",
           "model_bytes")
+
+
+MEMORY_FIELDS = ("mode", "world", "seqlen", "heads", "kv_heads", "head_dim", "dtype", "pass", "rank", "peak_mib",
+                 "single_peak_mib", "peak_x_world", "retained_mib", "messages", "sent_bytes")
+
+
+def memory_grid():
+    """(mode, world, seqlen, heads, kv_heads, pass, dtype) rows of the memory section."""
+    modes = (("single", 1), ("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4), ("hybrid", 4))
+    return [(m, w, 16384, 4, 2, passes, dtype) for dtype in ("bf16", "fp32") for passes in ("fwd", "fwd+bwd")
+            for m, w in modes]
 
 
 def grid(quick: bool):
@@ -126,13 +144,16 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--tag", default=None, help="results file suffix (default: quick or full)")
+    ap.add_argument("--tag", default=None, help="results file suffix (default: quick, full or memory)")
+    ap.add_argument("--memory", action="store_true", help="only the peak-memory section")
     args = ap.parse_args(argv)
-    tag = args.tag or ("quick" if args.quick else "full")
+    tag = args.tag or ("memory" if args.memory else "quick" if args.quick else "full")
     cores = len(os.sched_getaffinity(0))
     # Every allocation above 64 KiB gets its own mapping, returned to the system when freed: the
     # resident set then follows live memory instead of what glibc's heap happens to keep.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    if args.memory:
+        return memory_section(args.head_dim, tag, cores)
     out, t_start = [], time.perf_counter()
     single = {}
     for row in grid(args.quick):
@@ -163,6 +184,37 @@ def main(argv=None):
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"distributed_{tag}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(out)
+    meta = dict(machine=measure.cpu_model(), cores=cores, torch=torch.__version__, backend="gloo",
+                seconds=round(time.perf_counter() - t_start, 1), command=" ".join(sys.argv))
+    (RESULTS / f"distributed_{tag}.json").write_text(json.dumps(dict(meta=meta, rows=out), indent=1))
+    print(f"wrote {RESULTS / f'distributed_{tag}.csv'} ({meta['seconds']} s)")
+
+
+def memory_section(d, tag, cores):
+    out, t_start, single = [], time.perf_counter(), {}
+    for mode, world, s, heads, kv_heads, passes, dtype_name in memory_grid():
+        row = (mode, world, s, heads, kv_heads, passes)
+        per_rank = run_local(rank_job, world, row, d, dtype_name, 1, timeout=3600, threads=max(1, cores // world))
+        want = model_bytes(row, d, dtype_name)
+        for rank, r in enumerate(per_rank):
+            if r["peak"] is None:
+                raise SystemExit("no peak-memory counter on this system (Linux /proc/self/status and clear_refs)")
+            if mode == "single":
+                single[(passes, dtype_name)] = r["peak"]
+            base = single[(passes, dtype_name)]
+            rec = dict(mode=mode, world=world, seqlen=s, heads=heads, kv_heads=kv_heads, head_dim=d, dtype=dtype_name,
+                       **{"pass": passes}, rank=rank, peak_mib=round(r["peak"] / 2**20, 2),
+                       single_peak_mib=round(base / 2**20, 2), peak_x_world=round(r["peak"] / base * world, 3),
+                       retained_mib=round(r["retained"] / 2**20, 2), messages=r["messages"], sent_bytes=r["sent"])
+            out.append(rec)
+            print(" ".join(f"{k}={rec[k]}" for k in MEMORY_FIELDS), flush=True)
+            if mode != "single" and r["sent"] != int(want):
+                raise SystemExit(f"measured traffic {r['sent']} B differs from the model's {int(want)} B: {rec}")
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / f"distributed_{tag}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=MEMORY_FIELDS)
         w.writeheader()
         w.writerows(out)
     meta = dict(machine=measure.cpu_model(), cores=cores, torch=torch.__version__, backend="gloo",

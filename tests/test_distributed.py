@@ -15,6 +15,8 @@ The ranks need no launcher; under torchrun the same worker runs unchanged: on ea
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import zlib
 
 import pytest
@@ -23,13 +25,17 @@ import torch.distributed as dist
 
 import tileattn
 import tileattn.distributed as cp
+from tileattn import measure
+from tileattn.distributed import ring
 from tileattn.distributed.launch import run_local
+from tileattn.distributed.plan import ShardPlan
 from tileattn.testing import judge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_PIECE_ROWS = ring.MIN_PIECE_ROWS
 BASE = dict(mode="ring", dtype="fp32", layout="BNSD", causal=True, lb=True, S=64, lens=None, b=2, hq=4, hkv=2,
             d=16, dv=16, window=None, alibi=False, softcap=0.0, sinks=False, bias=None, mask=False, align=None,
-            dlse=True)
+            dlse=True, piece_rows=None)
 
 
 def case(name, **kw):
@@ -55,7 +61,14 @@ CASES_2 = [
     case("ring-varlen-fp32", layout="TND", lens=[13, 40, 3, 24]),
     case("ring-varlen-window-alibi-bf16", layout="TND", lens=[13, 40, 3, 24], window=(6, 0), alibi=True,
          dtype="bf16"),
+    # K/V blocks travelling in pieces of 4-5 rows and queries computed in chunks of as many rows (what
+    # long sequences do, cut at 256+ rows): the same results, in more messages of the same bytes.
+    case("ring-pieces-causal-zigzag-odd37-bf16", S=37, dtype="bf16", piece_rows=4),
+    case("ring-pieces-window-alibi-bias-rows-fp32", window=(9, 0), alibi=True, bias="rows", piece_rows=4),
+    case("ring-pieces-varlen-sinks-fp32", layout="TND", lens=[13, 40, 3, 24], sinks=True, piece_rows=4),
+    case("ring-pieces-mask-full-fp32", mask=True, causal=False, dlse=False, piece_rows=4),
     case("ulysses-causal-fp32", mode="ulysses"),
+    case("ulysses-sinks-alibi-bf16", mode="ulysses", sinks=True, alibi=True, dtype="bf16"),
     case("ulysses-causal-odd37-bf16", mode="ulysses", S=37, dtype="bf16"),
     case("ulysses-mqa-replicated-fp32", mode="ulysses", hkv=1),
     case("ulysses-varlen-sinks-fp32", mode="ulysses", layout="TND", lens=[13, 40, 3, 24], sinks=True),
@@ -71,6 +84,7 @@ CASES_4 = [
     case("ring-causal-contiguous-fp32", lb=False),
     case("ring-window-alibi-fp32", window=(10, 0), alibi=True),
     case("ring-varlen-bf16", layout="TND", lens=[13, 40, 3, 24], dtype="bf16"),
+    case("ring-pieces-causal-zigzag-fp32", piece_rows=4),
     case("ulysses-gqa-replicated-fp32", mode="ulysses", hkv=2),
     case("ulysses-mqa-bf16", mode="ulysses", hkv=1, dtype="bf16"),
     case("ulysses-8-heads-odd37-fp32", mode="ulysses", hq=8, hkv=4, S=37),
@@ -79,6 +93,7 @@ CASES_4 = [
     case("hybrid-odd37-window-alibi-fp32", mode="hybrid", S=37, window=(9, 0), alibi=True),
     case("hybrid-varlen-sinks-fp32", mode="hybrid", layout="TND", lens=[13, 40, 3, 24], sinks=True),
     case("hybrid-bias-rows-grad-fp32", mode="hybrid", bias="rows", causal=False),
+    case("hybrid-pieces-window-bf16", mode="hybrid", window=(9, 0), dtype="bf16", piece_rows=4),
 ]
 
 
@@ -136,6 +151,15 @@ def _stats(s: cp.CommStats):
 
 
 def _run_case(c, mesh):
+    if c["piece_rows"]:
+        ring.MIN_PIECE_ROWS = c["piece_rows"]
+    try:
+        return _run_case_with_pieces(c, mesh)
+    finally:
+        ring.MIN_PIECE_ROWS = MIN_PIECE_ROWS
+
+
+def _run_case_with_pieces(c, mesh):
     t, kw = _inputs(c)
     group = mesh if c["mode"] == "hybrid" else None
     sd = cp.SEQ_DIM[c["layout"]]
@@ -201,10 +225,27 @@ def _error_checks():
     res["dtype"] = _expect_error(
         lambda: call(*((q, k, v) if rank == 0 else (x.bfloat16() for x in (q, k, v))), timeout=60), ValueError,
         "argument 'q'", "torch.bfloat16", "CP rank 1")
-    res["flag"] = _expect_error(lambda: call(q, k, v, causal=rank == 0, timeout=60), ValueError,
-                                "argument 'causal/window'")
+    # Each argument is named as the user wrote it, with the value every rank passed.
+    res["causal"] = _expect_error(lambda: call(q, k, v, causal=rank == 0, timeout=60), ValueError,
+                                  "argument 'causal': got True on CP rank 0 and False on CP rank 1;")
+    res["window"] = _expect_error(lambda: call(q, k, v, window=(4, -1) if rank else None, timeout=60), ValueError,
+                                  "argument 'window': got None on CP rank 0 and (4, None) on CP rank 1;")
+    res["mode"] = _expect_error(lambda: call(q, k, v, mode=("ring", "ulysses")[rank], timeout=60), ValueError,
+                                "argument 'mode': got 'ring' on CP rank 0 and 'ulysses' on CP rank 1;")
+    res["scale"] = _expect_error(lambda: call(q, k, v, scale=(0.5, None)[rank], timeout=60), ValueError,
+                                 "argument 'scale': got 0.5 on CP rank 0 and 0.35355339059327373 on CP rank 1;")
+    res["sinks"] = _expect_error(lambda: call(q, k, v, sinks=torch.zeros(4) if rank else None, timeout=60),
+                                 ValueError, "argument 'sinks': got None on CP rank 0 and a torch.float32 tensor of "
+                                 "shape (4,) on CP rank 1;")
+    cu = torch.tensor([0, 10, 32] if rank else [0, 12, 32], dtype=torch.int32)
+    res["cu_seqlens"] = _expect_error(
+        lambda: call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), layout="TND",
+                     cu_seqlens_q=cu, cu_seqlens_k=cu, timeout=60), ValueError,
+        "argument 'cu_seqlens_q': got [0, 12, 32] on CP rank 0 and [0, 10, 32] on CP rank 1;")
+    # 6 and 10 tokens are no shards of one sequence: both ranks are named, with what each one fits.
     res["length"] = _expect_error(lambda: call(*(x[:, :, : 6 + 4 * rank] for x in (q, k, v)), timeout=60), ValueError,
-                                  "argument 'q'", "tokens on CP rank", "tileattn.distributed.shard")
+                                  "argument 'q': got 6 local tokens on CP rank 0 and 10 local tokens on CP rank 1;",
+                                  "CP rank 0's 6 tokens fit a sequence of 12 tokens", "tileattn.distributed.shard")
     res["heads"] = _expect_error(lambda: call(q[:, :3], k[:, :3], v[:, :3], mode="ulysses"), ValueError,
                                  "argument 'q'", "3 query heads for 2 Ulysses ranks")
     res["dropout"] = _expect_error(lambda: call(q, k, v, dropout_p=0.1), NotImplementedError, "argument 'dropout_p'")
@@ -221,11 +262,78 @@ def _error_checks():
     return res
 
 
+def _length_checks():
+    """Four ranks, one of them with a wrong shard: that rank is named, not the first rank that differs
+    from a plan of the summed lengths (here rank 0 would be, whose shard is right)."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+    mine = [cp.shard(x, seq_dim=2) for x in (q, k, v)]
+    if rank == 3:
+        mine = [torch.cat([x, x[:, :, :1]], 2) for x in mine]
+    call = cp.context_parallel_attention
+    res = {}
+    res["one_long"] = _expect_error(lambda: call(*mine, causal=True, timeout=60), ValueError,
+                                    "argument 'q': got 5 local tokens on CP rank 3; expected 4: the shard of a "
+                                    "sequence of 16 tokens, which the other ranks' shards imply")
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    tnd = [cp.shard(x[0].transpose(0, 1), seq_dim=0, cu_seqlens=cu) for x in (q, k, v)]
+    if rank in (1, 2):
+        tnd = [x[:-1] for x in tnd]
+    res["varlen"] = _expect_error(lambda: call(*tnd, layout="TND", cu_seqlens_q=cu, cu_seqlens_k=cu, timeout=60),
+                                  ValueError, "argument 'q': got 3 local tokens on CP ranks 1 and 2; expected 4 and "
+                                  "4: the shards of the varlen batch of cu_seqlens_q (2 sequences, 16 tokens)")
+    out = call(*(cp.shard(x, seq_dim=2) for x in (q, k, v)), causal=True, timeout=60)
+    res["after"] = "ok" if out.shape == (1, 2, 4, 8) and torch.isfinite(out).all() else "bad output"
+    return res
+
+
+MEMORY_SEQ = 8192
+
+
+def _peak_memory():
+    """Peak memory a ring call adds on this rank (forward; forward and backward), causal bf16 over
+    MEMORY_SEQ tokens, each rank's shard drawn at shard size; and on rank 0 the same for one process
+    over the whole sequence. Measured first, in fresh processes, from the resident-set high-water
+    mark, with every buffer over 64 KiB mapped on its own so that the resident set follows what is
+    alive (glibc's M_MMAP_THRESHOLD, -3)."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = ShardPlan.build(world, True, seq_len=MEMORY_SEQ)
+
+    def tensors(n, grad):
+        gen = torch.Generator().manual_seed(7)
+        q = torch.randn(1, 4, n, 64, generator=gen, dtype=torch.bfloat16).requires_grad_(grad)
+        return [q] + [torch.randn(1, 2, n, 64, generator=gen, dtype=torch.bfloat16).requires_grad_(grad)
+                      for _ in range(2)]
+
+    def run(attention, n, grad):
+        q, k, v = tensors(n, grad)
+
+        def call():
+            with torch.set_grad_enabled(grad):
+                out = attention(q, k, v)
+            if grad:
+                out.backward(torch.ones_like(out))
+
+        return measure.peak_memory(call)[1]
+
+    ring_call = lambda q, k, v: cp.context_parallel_attention(q, k, v, causal=True, timeout=120)  # noqa: E731
+    run(ring_call, 128, True)  # warm-up: engine, connections
+    peaks = dict(fwd=run(ring_call, plan.local_len(rank), False), fwd_bwd=run(ring_call, plan.local_len(rank), True))
+    if rank == 0:
+        single_call = lambda q, k, v: tileattn.flash_attention(q, k, v, causal=True)  # noqa: E731
+        run(single_call, 128, True)
+        peaks.update(single_fwd=run(single_call, MEMORY_SEQ, False), single_fwd_bwd=run(single_call, MEMORY_SEQ, True))
+    return peaks
+
+
 def _group_main(cases):
     mesh = cp.hybrid_mesh(2, dist.get_world_size() // 2) if dist.get_world_size() == 4 else None
+    memory = _peak_memory() if dist.get_world_size() == 4 and sys.platform == "linux" else None
     results = {c["name"]: _run_case(c, mesh) for c in cases}
-    if dist.get_world_size() == 2:
-        results["errors"] = _error_checks()
+    results["memory"] = memory
+    results["errors"] = _error_checks() if dist.get_world_size() == 2 else _length_checks()
     return results
 
 
@@ -289,15 +397,26 @@ def _verdicts(c, got, world):
     return rows
 
 
+def _pieces(c, world, u):
+    """How many pieces each K/V block travels in: the ring's blocks are the shards of U ranks."""
+    varlen = c["layout"] == "TND"
+    plan = ShardPlan.build(world, c["lb"], cu_seqlens=[0, *torch.tensor(c["lens"]).cumsum(0).tolist()]) if varlen \
+        else ShardPlan.build(world, c["lb"], seq_len=c["S"])
+    rows = max(sum(plan.local_len(g) for g in range(i * u, (i + 1) * u)) for i in range(world // u))
+    return max(1, min(ring.MAX_PIECES, rows // (c["piece_rows"] or MIN_PIECE_ROWS)))
+
+
 def _check_counts(c, ranks, world):
     u = {"ring": 1, "ulysses": world, "hybrid": 2}[c["mode"]]
     r = world // u
+    p = _pieces(c, world, u)
+    assert (p > 1) == bool(c["piece_rows"]), (c["name"], p)
     for rank, res in enumerate(ranks):
         fwd, bwd = res["fwd"]["calls"], res["bwd"]["calls"]
         sends = lambda calls, tag: calls.get(("send", tag), 0)  # noqa: E731
-        # Ring: world - 1 K/V blocks forward; backward world - 1 K/V and world dK/dV.
-        assert sends(fwd, "kv") == r - 1 and sends(fwd, "dkv") == 0, (rank, fwd)
-        assert sends(bwd, "kv") == r - 1 and sends(bwd, "dkv") == (r if r > 1 else 0), (rank, bwd)
+        # Ring: world - 1 K/V blocks forward; backward world - 1 K/V and world dK/dV; each block in p pieces.
+        assert sends(fwd, "kv") == (r - 1) * p and sends(fwd, "dkv") == 0, (rank, fwd)
+        assert sends(bwd, "kv") == (r - 1) * p and sends(bwd, "dkv") == (r * p if r > 1 else 0), (rank, bwd)
         if r > 1 and c["layout"] != "TND" and c["S"] % (2 * world) == 0 and u == 1:
             kv = res["local"]["k_bytes"] + res["local"]["v_bytes"]
             assert res["fwd"]["bytes"][("send", "kv")] == (r - 1) * kv, (rank, res["fwd"]["bytes"])
@@ -328,11 +447,34 @@ def test_matches_single_process_reference(groups, world, c):
     _check_counts(c, [r[c["name"]] for r in ranks], world)
 
 
-def test_bad_calls_raise_the_same_clear_error_on_every_rank(groups):
-    ranks = groups(2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_calls_raise_the_same_clear_error_on_every_rank(groups, world):
+    ranks = groups(world)
     for rank, res in enumerate(ranks):
         bad = {k: v for k, v in res["errors"].items() if v != "ok"}
         assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="peak memory from /proc/self (Linux)")
+def test_ring_peak_memory_per_rank_falls_as_one_over_world(groups):
+    """On 4 ranks, the peak a ring call adds on each rank is at most 1.3/W of one process's peak over
+    the whole sequence, forward and backward: K/V travel in pieces through reused buffers, query rows
+    are merged a chunk at a time into one fp32 accumulator, dK/dV accumulators follow the pieces.
+    Whole blocks in flight (two K/V blocks, three fp32 dK/dV blocks, a block-sized partial result)
+    made it 2.0-2.5/W. The forward alone keeps an fp32 accumulator next to its bf16 output, which one
+    process never holds: 2/W is its floor (measured 2.2-2.35/W; whole blocks made it 4.5-6/W)."""
+    ranks = groups(4)
+    single = ranks[0]["memory"]
+    for rank, res in enumerate(ranks):
+        peaks = res["memory"]
+        if None in (peaks["fwd"], peaks["fwd_bwd"], single["single_fwd"], single["single_fwd_bwd"]):
+            pytest.skip("no peak-memory counter on this system")
+        fwd_bwd = 4 * peaks["fwd_bwd"] / single["single_fwd_bwd"]
+        fwd = 4 * peaks["fwd"] / single["single_fwd"]
+        assert fwd_bwd <= 1.3, f"rank {rank}: forward+backward peak {peaks['fwd_bwd'] / 2**20:.1f} MiB = {fwd_bwd:.2f}/W " \
+            f"of one process's {single['single_fwd_bwd'] / 2**20:.1f} MiB"
+        assert fwd <= 3.0, f"rank {rank}: forward peak {peaks['fwd'] / 2**20:.1f} MiB = {fwd:.2f}/W of one " \
+            f"process's {single['single_fwd'] / 2**20:.1f} MiB"
 
 
 def test_every_result_also_meets_the_unscaled_rule(groups):

@@ -11,7 +11,8 @@ import torch
 import tileattn
 import tileattn.distributed as cp
 from tileattn.distributed import model
-from tileattn.distributed.plan import ShardPlan, split_sizes
+from tileattn.distributed.agreement import check_lengths
+from tileattn.distributed.plan import ShardPlan, local_lengths, split_sizes
 from tileattn.distributed.ring import plan_calls
 from tileattn.modifiers import Band
 
@@ -41,6 +42,45 @@ def test_every_token_is_held_exactly_once(world, load_balance, lengths):
         assert all(0 <= p < max(lengths) for p in pos.tolist())
     sizes = [plan.local_len(r) for r in range(world)]
     assert max(sizes) - min(sizes) <= (2 if load_balance else 1) * len(lengths)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_local_lengths_of_many_sequence_lengths_at_once_are_the_plans(world, load_balance):
+    table = local_lengths(torch.arange(100), world, load_balance)
+    for s in range(100):
+        plan = ShardPlan.build(world, load_balance, seq_len=s)
+        assert table[s].tolist() == [plan.local_len(r) for r in range(world)]
+
+
+@pytest.mark.parametrize("world, load_balance, seq_len, wrong, message", [
+    (4, True, 16, {3: 5}, "got 5 local tokens on CP rank 3; expected 4: the shard of a sequence of 16 tokens"),
+    (4, True, 16, {2: 3}, "got 3 local tokens on CP rank 2; expected 4: the shard of a sequence of 16 tokens"),
+    (8, True, 37, {2: 9, 6: 1}, "got 9 local tokens on CP rank 2 and 1 local tokens on CP rank 6; expected 5 and 4: "
+                                "the shards of a sequence of 37 tokens"),
+    (4, False, 16, {1: 7}, "got 7 local tokens on CP rank 1; expected 4: the shard of a sequence of 16 tokens"),
+    # Two sequence lengths fit ranks 0 and 2 equally well: both are said.
+    (3, True, 20, {1: 0}, "got 0 local tokens on CP rank 1; expected 6 or 7: the shard of a sequence of 19 or 20 "
+                          "tokens"),
+])
+def test_a_shard_that_does_not_fit_is_blamed_not_the_first_rank_that_differs(world, load_balance, seq_len, wrong,
+                                                                             message):
+    """The sequence length is the one most shards fit: the ranks named are those whose shard is wrong
+    (a plan of the summed lengths would blame rank 0 in most of these)."""
+    plan = ShardPlan.build(world, load_balance, seq_len=seq_len)
+    lengths = [wrong.get(r, plan.local_len(r)) for r in range(world)]
+    with pytest.raises(ValueError) as info:
+        check_lengths(lengths, world, load_balance)
+    assert f"tileattn: argument 'q': {message}, which the other ranks' shards imply" in str(info.value), \
+        str(info.value)
+    assert check_lengths([plan.local_len(r) for r in range(world)], world, load_balance) == plan
+
+
+def test_shards_of_no_one_sequence_name_every_rank_with_what_it_fits():
+    with pytest.raises(ValueError, match=r"got 8 local tokens on CP rank 0 and 9 local tokens on CP rank 1; "
+                                         r".*CP rank 0's 8 tokens fit a sequence of 16 tokens; "
+                                         r"CP rank 1's 9 tokens fit a sequence of 18 tokens"):
+        check_lengths([8, 9], 2, True)
 
 
 @pytest.mark.parametrize("ring, ulysses", [(2, 2), (2, 4), (4, 2)])

@@ -84,6 +84,28 @@ def test_backward_from_global_statistics_gives_each_shard_its_share(backend):
     _judged(got, {n: oracle[n] for n in got}, {n: baseline[n] for n in got}, torch.float32)
 
 
+def test_backward_of_query_row_slices_of_one_head(backend):
+    """Context parallelism computes the backward a chunk of query rows at a time, passing row views
+    of the global out and LSE: with one head, the LSE view keeps the whole tensor's strides on its
+    size-1 dims, which must not matter. dq is the rows' own; dk/dv add up over the chunks."""
+    q, k, v = make_qkv(b=1, hq=1, hkv=1, sq=48, sk=48, d=8, seed=5)
+    skip_unless_supported(backend, q, k, v, grad=True, causal=True)
+    out, lse = tileattn.flash_attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    dqs, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for a, b in _shards(48, [20]):
+        rows = slice(a, b)
+        g = tileattn.attention_backward(dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows],
+                                        causal=True, align=a, backend=backend)
+        dqs.append(g.dq)
+        dk += g.dk
+        dv += g.dv
+    got = dict(dq=torch.cat(dqs, 2), dk=dk, dv=dv)
+    oracle = _reference_run(q, k, v, torch.float64, dout, causal=True)
+    baseline = _reference_run(q, k, v, None, dout, causal=True)
+    _judged(got, {n: oracle[n] for n in got}, {n: baseline[n] for n in got}, torch.float32)
+
+
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(5, 3), softcap=4.0),
                                     dict(alibi_slopes=torch.tensor([0.3, 0.6, 0.9, 1.2]))],
                          ids=["causal", "window+softcap", "alibi"])

@@ -106,7 +106,7 @@ def test_harmless_keywords_change_nothing_and_can_be_extended(monkeypatch):
     harmless = dict(position_ids=torch.arange(6)[None], use_cache=True, cache_position=torch.arange(6),
                     output_hidden_states=True, output_router_logits=False, return_dict=True,
                     num_items_in_batch=torch.tensor(12), seq_idx=torch.zeros(1, 6, dtype=torch.int32),
-                    max_length_q=6, max_length_k=6, output_attentions=False)
+                    max_length_q=6, max_length_k=6, output_attentions=False, logits_to_keep=0)
     assert set(harmless) == {n for n, (how, _) in tt.KWARGS.items() if how != "honoured"}
     out, _ = tt.tileattn_attention_forward(module, q, k, v, None, **harmless)
     assert torch.equal(out, plain)

@@ -9,6 +9,7 @@ O(5) and a dropped sink or index moves them by O(1).
 """
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (extra 'transformers')")
 
 import tileattn.integrations.transformers as tt  # noqa: E402
+from transformers.models.auto import modeling_auto as auto_names  # noqa: E402
 from conftest import training_step  # noqa: E402
 
 VOCAB = 96
@@ -44,6 +46,29 @@ def _mla(**extra):
                 num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                 v_head_dim=12, qk_nope_head_dim=8, first_k_dense_replace=1, max_position_embeddings=64,
                 initializer_range=0.2, **extra)
+
+
+#: Sizes given to the configs of the older architectures (each takes the names it knows).
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, d_model=32, n_embd=32, embed_dim=32, num_hidden_layers=2, num_layers=2,
+             n_layer=2, encoder_layers=2, decoder_layers=2, num_decoder_layers=2, num_attention_heads=4, n_head=4,
+             n_heads=4, encoder_attention_heads=4, decoder_attention_heads=4, num_heads=4, attention_heads=4,
+             num_key_value_heads=2, intermediate_size=64, ffn_dim=64, encoder_ffn_dim=64, decoder_ffn_dim=64, d_ff=64,
+             d_kv=8, max_position_embeddings=64, n_positions=64, initializer_range=0.2, init_std=0.2, embedding_size=32,
+             num_experts=4, attention_window=4, d_inner=64, max_seq_len=64, entity_vocab_size=16, entity_emb_size=16)
+
+
+def _small(model_type, **extra):
+    """The config of ``model_type`` at SMALL sizes, no dropout, every special token id in the vocabulary."""
+    cls = transformers.CONFIG_MAPPING[model_type]
+    params = inspect.signature(cls.__init__).parameters
+    config = cls(**{k: v for k, v in dict(SMALL, **extra).items() if k in params})
+    for name in dir(config):
+        value = getattr(config, name, None)
+        if name.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+            setattr(config, name, 3)
+        if ("dropout" in name or name.endswith("_prob")) and isinstance(value, float):
+            setattr(config, name, 0.0)
+    return config
 
 
 SLIDING = ["sliding_attention", "full_attention"]
@@ -80,14 +105,24 @@ CONFIGS = {
     "xglm": lambda: transformers.XGLMConfig(vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
                                             init_std=0.2),
 }
+CONFIGS = {row.model_type: CONFIGS.get(row.model_type, lambda t=row.model_type: _small(t)) for row in tt.ARCHITECTURES}
+
+
+def _auto(model_type):
+    """The Auto class of the model's language-model head (the base model when it has none)."""
+    for mapping, auto in ((auto_names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, transformers.AutoModelForCausalLM),
+                          (auto_names.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, transformers.AutoModelForSeq2SeqLM),
+                          (auto_names.MODEL_FOR_MASKED_LM_MAPPING_NAMES, transformers.AutoModelForMaskedLM)):
+        if model_type in mapping:
+            return auto
+    return transformers.AutoModel
 
 
 def _build(model_type, implementation, config=None):
     config = copy.deepcopy(config) if config is not None else CONFIGS[model_type]()
-    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return auto.from_config(config, attn_implementation=implementation).eval()
+        return _auto(config.model_type).from_config(config, attn_implementation=implementation).eval()
 
 
 def _pair(model_type, config=None):
@@ -109,10 +144,18 @@ def _batch(batch=2, length=10):
 
 
 def _logits(model, ids, attention_mask, **kwargs):
-    if model.config.is_encoder_decoder:
+    """The logits (the last hidden state of a model without a language-model head)."""
+    if model.config.is_encoder_decoder and _auto(model.config.model_type) is transformers.AutoModelForSeq2SeqLM:
         kwargs.setdefault("decoder_input_ids", ids[:, :4])
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=attention_mask, **kwargs).logits
+        out = model(input_ids=ids, attention_mask=attention_mask, **kwargs)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _compared(model, attention_mask):
+    """Positions whose outputs are compared: all but left-padded queries (eager averages the values
+    there, tileattn outputs 0, as sdpa); encoder-decoder logits are the decoder's, all compared."""
+    return None if model.config.is_encoder_decoder or attention_mask is None else attention_mask
 
 
 class _Counting:
@@ -136,44 +179,194 @@ def test_every_architecture_row_has_a_tiny_config():
     assert [row.model_type for row in tt.ARCHITECTURES] == list(CONFIGS)
 
 
-@pytest.mark.parametrize("row", [r for r in tt.ARCHITECTURES if r.uses_tileattn], ids=lambda r: r.model_type)
+def _rows(*handlings):
+    return [r for r in tt.ARCHITECTURES if r.handling in handlings]
+
+
+@pytest.mark.parametrize("row", _rows("routed", "routed, eager mask"), ids=lambda r: r.model_type)
 def test_architecture_that_uses_tileattn_calls_it_and_matches_eager(row):
     eager, ours = _pair(row.model_type)
     ids, attention_mask = _batch()
     with _Counting() as counter, warnings.catch_warnings():
-        warnings.simplefilter("error")  # no bypass warning from the mask builder or check_model
-        assert tt.check_model(ours).ok
+        warnings.simplefilter("error")  # no warning from the mask builder or check_model
+        if row.handling == "routed":
+            assert tt.check_model(ours).ok
         got = _logits(ours, ids, attention_mask)
-    expected = _logits(eager, ids, attention_mask)
+        unpadded = _logits(ours, ids, None)
     assert counter.calls >= 2, f"{row.name}: tileattn ran {counter.calls} times for 2 layers"
-    _assert_logits_close(got, expected, None if eager.config.is_encoder_decoder else attention_mask)
+    _assert_logits_close(got, _logits(eager, ids, attention_mask), _compared(eager, attention_mask))
+    # Without padding (causal models then get no mask at all): FlashAttention's rule at the model's
+    # output, eager in fp64 the oracle (T5's unscaled scores make fp32 logits differ by 6e-5 there).
+    in_fp64 = copy.deepcopy(eager).double()
+    if in_fp64._can_set_experts_implementation():
+        in_fp64.set_experts_implementation("eager")  # grouped_mm has no fp64
+    oracle = _logits(in_fp64, ids, None)
+    error, yardstick = (unpadded.double() - oracle).abs().max(), (_logits(eager, ids, None).double() - oracle).abs().max()
+    assert error <= 2 * yardstick + 1e-6 * oracle.abs().max(), (error.item(), yardstick.item())
 
 
-@pytest.mark.parametrize("row", [r for r in tt.ARCHITECTURES if not r.uses_tileattn], ids=lambda r: r.model_type)
-def test_architecture_that_bypasses_tileattn_is_refused_or_flagged(row):
-    tt.register()
-    torch.manual_seed(0)
-    eager = _build(row.model_type, "eager")
+@pytest.mark.parametrize("row", _rows("refused"), ids=lambda r: r.model_type)
+def test_architecture_that_computes_attention_itself_is_refused_at_its_first_forward(row, monkeypatch):
+    """Built with "tileattn" it would never call tileattn and would misread the SDPA-style mask: its
+    first forward raises, naming it and what to use instead. With the opt-out (keyword or environment)
+    it runs on its own attention with eager's mask: exactly eager's results, tileattn never called."""
+    eager, ours = _pair(row.model_type)
+    ids, attention_mask = _batch()
+    with pytest.raises(tt.UnsupportedModelError, match=rf"\('{row.model_type}'\) computes attention itself .*"
+                                                       r"Use attn_implementation='eager'.*allow_bypass=True"):
+        _logits(ours, ids, attention_mask)
+    with pytest.raises(tt.UnsupportedModelError):
+        _logits(ours, ids, None)  # whatever the mask
+    expected = [_logits(eager, ids, attention_mask), _logits(eager, ids, None)]
     try:
-        ours = _build(row.model_type, "tileattn")
-    except KeyError as exc:
-        assert "KeyError('tileattn')" in row.notes and exc.args == ("tileattn",)
-        with pytest.warns(UserWarning, match=f"{type(eager).__name__} computes attention itself"):
-            check = tt.check_model(eager)
-        assert check.routed == () and check.bypassing
-        return
-    assert "KeyError" not in row.notes
-    ours.load_state_dict(eager.state_dict())
+        for opt_out in ("keyword", "environment"):
+            if opt_out == "keyword":
+                tt.register(allow_bypass=True)
+            else:
+                tt.register()
+                monkeypatch.setenv(tt.ALLOW_BYPASS_ENV, "1")
+            with _Counting() as counter, warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the opt-out warns once per model class
+                got = [_logits(ours, ids, attention_mask), _logits(ours, ids, None)]
+            assert counter.calls == 0
+            _assert_logits_close(got[0], expected[0], _compared(eager, attention_mask))
+            _assert_logits_close(got[1], expected[1])
+            monkeypatch.delenv(tt.ALLOW_BYPASS_ENV, raising=False)
+    finally:
+        tt.register()
+    with pytest.warns(UserWarning, match="computes attention itself"):
+        assert not tt.check_model(ours).ok
+
+
+@pytest.mark.parametrize("row", _rows("fails to build"), ids=lambda r: r.model_type)
+def test_architecture_that_picks_its_attention_class_by_name_fails_to_build(row):
+    tt.register()
+    eager = _build(row.model_type, "eager")
+    with pytest.raises(KeyError) as info:
+        _build(row.model_type, "tileattn")
+    assert info.value.args == ("tileattn",)
+    with pytest.warns(UserWarning, match=f"{type(eager).__name__} computes attention itself"):
+        check = tt.check_model(eager)
+    assert check.routed == () and check.bypassing
+
+
+@pytest.mark.parametrize("row", _rows("unaffected"), ids=lambda r: r.model_type)
+def test_architecture_that_never_reads_the_implementation_computes_eagers_result(row):
+    """Nothing of tileattn runs in it (no interface, no mask builder), so nothing can refuse it at its
+    forward: its result is eager's, and check_model reports that it never calls tileattn."""
+    eager, ours = _pair(row.model_type)
+    ids, attention_mask = _batch()
+    with _Counting() as counter:
+        got = _logits(ours, ids, attention_mask)
+    assert counter.calls == 0
+    _assert_logits_close(got, _logits(eager, ids, attention_mask), _compared(eager, attention_mask))
     with pytest.warns(UserWarning, match="computes attention itself"):
         check = tt.check_model(ours)
     assert not check.ok and check.routed == () and check.bypassing
+
+
+# --- an architecture no table knows (what a newer transformers may bring) ----------------------
+
+
+class _NewConfig(transformers.PretrainedConfig):
+    model_type = "tileattn_test_new_architecture"
+
+    def __init__(self, hidden_size=16, num_attention_heads=2, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
+
+
+class _OwnAttention(torch.nn.Module):
+    """Computes attention itself, adding the mask transformers built as eager's float bias."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config, self.heads, self.num_key_value_groups = config, config.num_attention_heads, 1
+        self.qkv = torch.nn.Linear(config.hidden_size, 3 * config.hidden_size)
+
+    def project(self, x):
+        return (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+
+    def forward(self, x, mask):
+        q, k, v = self.project(x)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        scores = scores if mask is None else scores + mask
+        return (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
+
+
+class _RoutedAttention(_OwnAttention):
+    """Looks the implementation up in transformers' AttentionInterface."""
+
+    def forward(self, x, mask):
+        q, k, v = self.project(x)
+        attention = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, transformers.models.llama.modeling_llama.eager_attention_forward)
+        return attention(self, q, k, v, mask, scaling=q.shape[-1] ** -0.5, dropout=0.0)[0].flatten(2)
+
+
+def _new_model(attention_class, supports_sdpa):
+    class NewModel(transformers.PreTrainedModel):
+        config_class = _NewConfig
+        _supports_sdpa = supports_sdpa
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(VOCAB, config.hidden_size)
+            self.attention = attention_class(config)
+            self.is_causal = True
+            self.post_init()
+
+        def forward(self, input_ids, attention_mask=None):
+            x = self.embed(input_ids)
+            positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+            mask = transformers.masking_utils.create_causal_mask(
+                config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=None,
+                position_ids=positions)
+            return self.attention(x, mask)
+
+    torch.manual_seed(0)
+    return NewModel(_NewConfig(attn_implementation="tileattn")).eval()
+
+
+def test_an_unknown_architecture_computing_attention_itself_is_refused():
+    """Judged from its modules, not from a list: a model class no transformers release has."""
+    tt.register()
     ids, attention_mask = _batch()
-    tt._CHECKED_CONFIGS.discard(type(ours.config))
-    with _Counting() as counter, pytest.warns(UserWarning, match=f"'{row.model_type}' models compute attention"):
-        got = _logits(ours, ids, attention_mask)
-    assert counter.calls == 0
-    # What the warnings are about: the model misreads the mask transformers builds for "tileattn".
-    assert (got - _logits(eager, ids, attention_mask))[attention_mask.bool()].abs().max() > 1e-3
+    with pytest.raises(tt.UnsupportedModelError, match=r"NewModel \('tileattn_test_new_architecture'\) computes "
+                                                       r"attention itself \(_OwnAttention never call"):
+        _new_model(_OwnAttention, supports_sdpa=True)(ids, attention_mask)
+
+
+@pytest.mark.parametrize("supports_sdpa", [True, False])
+def test_an_unknown_architecture_that_calls_the_interface_runs_on_the_mask_it_declares(supports_sdpa):
+    """SDPA's bool mask for a model that declares SDPA support, eager's float mask for one that does
+    not (it may rely on it); both give the model's eager result."""
+    tt.register()
+    ids, attention_mask = _batch()
+    model = _new_model(_RoutedAttention, supports_sdpa)
+    masks = []
+
+    def spying(module, query, key, value, mask, **kwargs):
+        masks.append(mask)
+        return tt.tileattn_attention_forward(module, query, key, value, mask, **kwargs)
+
+    transformers.AttentionInterface.register(tt.NAME, spying)
+    try:
+        with torch.no_grad():
+            got = model(ids, attention_mask)
+    finally:
+        tt.register()
+    assert masks[0].dtype == (torch.bool if supports_sdpa else torch.float32)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        expected = model(ids, attention_mask)
+    keep = attention_mask.bool()  # left-padded queries: eager averages the values, tileattn gives 0
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-6)
+
+
+def test_every_row_is_routed_refused_or_said_why_not():
+    assert {row.handling for row in tt.ARCHITECTURES} <= set(tt.HANDLING)
+    assert all(row.uses_tileattn == row.handling.startswith("routed") for row in tt.ARCHITECTURES)
 
 
 def test_register_with_a_model_switches_and_checks_it():
@@ -184,6 +377,7 @@ def test_register_with_a_model_switches_and_checks_it():
     assert model.config._attn_implementation == tt.NAME
     with pytest.warns(UserWarning, match="BloomForCausalLM computes attention itself"):
         tt.register(model=_build("bloom", "eager"))
+    tt.register()
 
 
 def test_check_model_watches_the_first_forward():

@@ -11,7 +11,7 @@ from ..modifiers import (Alibi, Band, Bias, Mask, Sinks, Softcap, check_keywords
                          to_4d)
 from ..spec import CALL_KEYWORDS, build_spec, check_bool, to_canonical
 from . import ring as ring_mod
-from . import topology, ulysses
+from . import agreement, topology, ulysses
 from .plan import ShardPlan
 
 #: Dimension of the sequence in each layout.
@@ -166,17 +166,19 @@ def context_parallel_attention(
     batch = 1 if varlen else spec.batch
 
     # Every rank must be making the same call; the global length follows from the local ones.
-    fields = _call_fields(q, k, v, layout, mode, topo, load_balance, band, off0, spec.scale, softcap, alibi_slopes,
-                          sinks, bias, mask, cu_seqlens_q if varlen else None)
-    lengths = topology.check_agreement(topo, fields, local, q.device)
-    plan = (ShardPlan.build(topo.world, load_balance, cu_seqlens=cu_seqlens_q) if varlen
-            else ShardPlan.build(topo.world, load_balance, seq_len=sum(lengths)))
-    expected = [plan.local_len(r) for r in range(topo.world)]
-    if lengths != expected:
-        bad = next(r for r in range(topo.world) if lengths[r] != expected[r])
-        fail(ValueError, "q", f"{lengths[bad]} tokens on CP rank {bad}",
-             f"{expected[bad]}: the shard of a {'varlen batch' if varlen else f'{sum(lengths)}-token sequence'} "
-             f"over {topo.world} ranks with load_balance={load_balance} (cut it with tileattn.distributed.shard)")
+    # causal and window as the user passed them; a Band passed as a modifier shows as its window
+    causal, window = variants.get("causal", False), variants.get("window")
+    if band is not None and "causal" not in variants and "window" not in variants:
+        window = (band.left, band.right)
+    fields = _call_fields(q, k, v, layout, mode, topo, load_balance, causal, window, spec.align, spec.scale, softcap,
+                          alibi_slopes, sinks, bias, mask, cu_seqlens_q if varlen else None)
+    lengths = agreement.check_agreement(lambda t: topo.gather_all(t, "validate", "the check that every rank makes "
+                                                                  "the same call"), fields, local, q.device)
+    plan = agreement.check_lengths(
+        lengths, topo.world, load_balance,
+        ShardPlan.build(topo.world, load_balance, cu_seqlens=cu_seqlens_q) if varlen else None,
+        f"the varlen batch of cu_seqlens_q ({cu_seqlens_q.numel() - 1} sequences, {int(cu_seqlens_q[-1])} tokens)"
+        if varlen else "")
     seq_len = sum(plan.lengths) if varlen else plan.lengths[0]
     heads_arg = spec.heads_q if layout in ("BSH", "SBH") else None
     bias4 = _sharded_4d("bias", bias, batch, spec.heads_q, local, seq_len, lambda t: t.is_floating_point(),
@@ -221,26 +223,23 @@ def context_parallel_attention(
     return out, (lse[0] if varlen else lse)
 
 
-def _call_fields(q, k, v, layout, mode, topo, load_balance, band, off0, scale, softcap, alibi_slopes, sinks, bias,
-                 mask, cu_seqlens):
-    """What every rank must agree on, as (argument name, ints) for :func:`topology.check_agreement`;
-    shard lengths (the sequence dim of q/k/v, the row dim of bias/mask) may differ."""
+def _call_fields(q, k, v, layout, mode, topo, load_balance, causal, window, align, scale, softcap, alibi_slopes,
+                 sinks, bias, mask, cu_seqlens):
+    """What every rank must agree on, each field named after the user's argument and shown as the
+    user passed it; shard lengths (the sequence dim of q/k/v, the row dim of bias/mask) may differ.
+    The arguments are validated already (``build_spec``)."""
     sd = SEQ_DIM[layout]
     rows = lambda t: t.dim() - 2 if t is not None and t.dim() >= 2 else None  # noqa: E731
-    digest = (-1,)
-    if cu_seqlens is not None:
-        weights = torch.arange(1, cu_seqlens.numel() + 1, device=cu_seqlens.device)
-        digest = (cu_seqlens.numel(), int(cu_seqlens[-1]), int((cu_seqlens.long() * weights).sum()))
+    sides = (None, None) if window is None else tuple(None if s is None or s < 0 else int(s) for s in window)
     return [
-        ("q", topology.describe_tensor(q, sd)), ("k", topology.describe_tensor(k, sd)),
-        ("v", topology.describe_tensor(v, sd)), ("layout", (list(SEQ_DIM).index(layout),)),
-        ("mode", (topology.MODES.index(mode), topo.U, topo.R)), ("load_balance", (int(load_balance),)),
-        ("causal/window", (0,) if band is None else (1, -1 if band.left is None else band.left,
-                                                      -1 if band.right is None else band.right)),
-        ("align", (off0,)), ("scale", topology.describe_float(scale)), ("softcap", topology.describe_float(softcap)),
-        ("alibi_slopes", topology.describe_tensor(alibi_slopes)), ("sinks", topology.describe_tensor(sinks)),
-        ("bias", topology.describe_tensor(bias, rows(bias))), ("mask", topology.describe_tensor(mask, rows(mask))),
-        ("cu_seqlens_q", digest),
+        agreement.tensor_field("q", q, sd), agreement.tensor_field("k", k, sd), agreement.tensor_field("v", v, sd),
+        agreement.choice_field("layout", layout, list(SEQ_DIM)), agreement.choice_field("mode", mode, topology.MODES),
+        agreement.group_field(topo.U, topo.R), agreement.bool_field("load_balance", load_balance),
+        agreement.bool_field("causal", causal), agreement.window_field(*sides), agreement.align_field(align),
+        agreement.float_field("scale", scale), agreement.float_field("softcap", softcap),
+        agreement.tensor_field("alibi_slopes", alibi_slopes), agreement.tensor_field("sinks", sinks),
+        agreement.tensor_field("bias", bias, rows(bias)), agreement.tensor_field("mask", mask, rows(mask)),
+        agreement.offsets_field("cu_seqlens_q", cu_seqlens),
     ]
 
 

@@ -63,6 +63,17 @@ def zigzag_chunks(seq_len: int, world: int, rank: int, load_balance: bool = True
     return [(starts[c], sizes[c]) for c in chosen]
 
 
+def local_lengths(seq_lens: torch.Tensor, world: int, load_balance: bool = True) -> torch.Tensor:
+    """(len(seq_lens), world): the token count of every rank's shard of each sequence length, at once
+    (what :func:`zigzag_chunks` gives, summed; for diagnosing shards that do not fit together)."""
+    parts = 2 * world if load_balance else world
+    base, extra = (seq_lens // parts).unsqueeze(1), (seq_lens % parts).unsqueeze(1)
+    rank = torch.arange(world)
+    if not load_balance:
+        return base + (rank < extra).long()
+    return 2 * base + (rank < extra).long() + (parts - 1 - rank < extra).long()
+
+
 def merge_runs(runs: Sequence[Tuple[int, int, int]]) -> List[Run]:
     """(seq, pos, length) pieces -> sorted, adjacent pieces joined, empty ones dropped, rows assigned."""
     out: List[Run] = []

@@ -1,17 +1,23 @@
-"""Ring attention: K/V blocks travel around the ranks; each rank merges its queries' partial results.
+"""Ring attention: K/V travel around the ranks; each rank merges its queries' partial results.
 
-Forward (per rank ``r`` of ``W``): at step ``i`` the rank holds the K/V block of rank
-``(r - i) mod W`` and, while it computes on it, already sends it on to ``r + 1`` and receives the
-next one from ``r - 1`` (``batch_isend_irecv``): ``W - 1`` K/V transfers overlapped with compute.
-Each (query run, key run) pair is placed by its diagonal offset ``off = pos_q - pos_k`` (an ``align``
-int) and classified by the band as skipped, full (computed without the band) or partial (computed
-with it); the partial results ``(out in fp32, lse)`` are merged into the running result by LSE.
+Forward (per rank ``r`` of ``W``): each rank's K/V block is cut into the same number of pieces
+(a few, of hundreds of rows or more), and for each piece index ``j`` the ring makes one walk of
+``W`` steps: at step ``i`` the rank holds piece ``j`` of the block of rank ``(r - i) mod W`` and,
+while it computes on it, already sends it on to ``r + 1`` and receives piece ``j`` of the next
+block from ``r - 1`` (``batch_isend_irecv``): ``W - 1`` transfers per walk, overlapped with
+compute, the same bytes as whole blocks. A received piece is computed on at the next step, so two
+receive buffers of a piece's size, reused by every step, hold all the K/V a rank receives.
+Each (query run, key run) pair is placed by its diagonal offset ``off = pos_q - pos_k`` (an
+``align`` int) and classified by the band as skipped, full (computed without the band) or partial
+(computed with it); the partial results ``(out in fp32, lse)``, a chunk of query rows at a time,
+are merged in place into one fp32 accumulator.
 
-Backward (FlashAttention-2's ring backward): the same walk, with the *global* (out, LSE) given to
-:func:`tileattn.attention_backward`, so each block's gradients are its exact share. dQ accumulates
-locally; dK/dV accumulators (fp32) travel with the blocks and reach their owner after ``W`` sends.
+Backward (FlashAttention-2's ring backward): the same walks, with the *global* (out, LSE) given to
+:func:`tileattn.attention_backward`, so each piece's gradients are its exact share. dQ accumulates
+locally; each piece's dK/dV accumulator (fp32) follows the piece one step behind and reaches its
+owner after ``W`` sends, which writes it into dk/dv.
 
-Sinks are merged once, after the walk (a sink added by every block would be counted ``W`` times).
+Sinks are merged once, after the walks (a sink added by every piece would be counted many times).
 Padded batches use one call per pair (or one call for all full pairs of a step when nothing in the
 call depends on positions); varlen batches group the pairs of every sequence that share an offset
 into one varlen call, since ``align`` is one int per call.
@@ -21,15 +27,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..api import attention_backward, attention_partial
+from ..api import attention_backward, attention_partial, flash_attention
 from ..merge import merge_into, merge_sink
 from ..modifiers import Band, Bias, Mask, Modifier, Sinks, TileState
 from . import comm
-from .plan import Run
+from .plan import Run, split_sizes
 
 Sel = Union[slice, torch.Tensor]
 
@@ -166,6 +173,19 @@ def plan_calls(q_runs: Sequence[Run], k_runs: Sequence[Run], band: Optional[Band
 # ---------------------------------------------------------------------------------------------
 # The ring.
 
+#: A rank's K/V block travels in ``pieces`` of at least MIN_PIECE_ROWS rows, at most MAX_PIECES of
+#: them; query rows are computed in chunks of the same size. What a rank holds besides its own
+#: shards and results is then a few pieces (receive buffers, dK/dV accumulators, a call's partial
+#: result), not whole blocks. More pieces would shrink that further but multiply the engine calls
+#: and the points where neighbours wait for each other: 16 pieces took 2.5x the time of 4 at 16k
+#: tokens on 4 ranks (2 shared cores), where 4 pieces take the time of whole blocks.
+MIN_PIECE_ROWS = 256
+MAX_PIECES = 4
+
+
+def _pieces(rows: int) -> int:
+    return max(1, min(MAX_PIECES, rows // MIN_PIECE_ROWS))
+
 
 @dataclass
 class RingConfig:
@@ -179,7 +199,7 @@ class RingConfig:
     kwargs: dict  # scale, deterministic, backend
     modifiers: Tuple[Modifier, ...]  # applied by every block as they are (softcap, ALiBi)
     mask: Optional[torch.Tensor] = None  # 4-d (B|1, H|1, rows|1, S|1), bool
-    calls: Optional[Dict[int, List[Call]]] = None
+    calls: Optional[Dict[Tuple[int, int], List[Call]]] = None
 
     @property
     def size(self) -> int:
@@ -192,14 +212,51 @@ class RingConfig:
     def block_rows(self, src: int) -> int:
         return sum(r.length for r in self.runs[src])
 
-    def calls_for(self, src: int, device) -> List[Call]:
+    @cached_property
+    def pieces(self) -> int:
+        """K/V pieces per block, the same for every block (every rank must agree on the messages)."""
+        return _pieces(max(self.block_rows(r) for r in range(self.size)))
+
+    def piece(self, src: int, j: int) -> Tuple[int, int]:
+        """(first row, rows) of piece ``j`` of the block of ring rank ``src``."""
+        sizes = split_sizes(self.block_rows(src), self.pieces)
+        return sum(sizes[:j]), sizes[j]
+
+    def piece_runs(self, src: int, j: int) -> List[Run]:
+        """The runs of piece ``j`` of block ``src``, rows counted from the piece's first row."""
+        a, n = self.piece(src, j)
+        runs = []
+        for r in self.runs[src]:
+            lo, hi = max(a, r.row), min(a + n, r.row + r.length)
+            if lo < hi:
+                runs.append(Run(r.seq, r.pos + lo - r.row, hi - lo, lo - a))
+        return runs
+
+    def calls_for(self, src: int, j: int, device) -> List[Call]:
+        """The calls of this rank's queries against piece ``j`` of block ``src``; padded calls take
+        at most a piece's worth of query rows each (their partial results are that small)."""
         if self.calls is None:
             self.calls = {}
-        if src not in self.calls:
+        if (src, j) not in self.calls:
             positional = any(m.positional for m in self.modifiers)
-            self.calls[src] = plan_calls(self.runs[self.rank], self.runs[src], self.band, self.align, positional,
-                                         self.varlen, device)
-        return self.calls[src]
+            calls = plan_calls(self.runs[self.rank], self.piece_runs(src, j), self.band, self.align, positional,
+                               self.varlen, device)
+            if not self.varlen:
+                rows = self.block_rows(self.rank)
+                chunk = -(-rows // _pieces(rows)) if rows else 1
+                calls = [part for call in calls for part in _row_chunks(call, chunk)]
+            self.calls[(src, j)] = calls
+        return self.calls[(src, j)]
+
+
+def _row_chunks(call: Call, chunk: int) -> List[Call]:
+    """``call`` cut into calls of at most ``chunk`` query rows; a chunk starting ``d`` rows later has
+    its diagonal at ``off + d``."""
+    a, b = call.q.start, call.q.stop
+    if b - a <= chunk:
+        return [call]
+    return [Call(slice(s, min(s + chunk, b)), call.k, call.off + (s - a), call.band, call.k_pos)
+            for s in range(a, b, chunk)]
 
 
 def _take(x: torch.Tensor, dim: int, sel: Sel) -> torch.Tensor:
@@ -264,10 +321,6 @@ class _Block:
         return _take(lse[0], 1, self.call.q) if self.cfg.varlen else _take(lse, 2, self.call.q)
 
 
-def _pack(*tensors: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
 def _unpack(buf: torch.Tensor, shapes: Sequence[tuple]) -> List[torch.Tensor]:
     out, at = [], 0
     for shape in shapes:
@@ -277,105 +330,187 @@ def _unpack(buf: torch.Tensor, shapes: Sequence[tuple]) -> List[torch.Tensor]:
     return out
 
 
-def _kv_shapes(k: torch.Tensor, v: torch.Tensor, rows: int):
-    return (k.shape[0], k.shape[1], rows, k.shape[3]), (v.shape[0], v.shape[1], rows, v.shape[3])
+class _Pieces:
+    """The K/V pieces a rank computes on, walk by walk: for each piece index ``j``, one walk of
+    ``W`` steps; at step ``i`` the rank holds piece ``j`` of block ``(r - i) mod W`` and, while it
+    computes on it, sends it on to ``r + 1`` and receives piece ``j`` of the next block from ``r - 1``.
+    A received piece is computed on at the very next step, so two flat buffers of a piece's size,
+    reused by every step of every walk, hold all the K/V that travels (no block is ever whole)."""
+
+    def __init__(self, cfg: RingConfig, k: torch.Tensor, v: torch.Tensor, what: str):
+        self.cfg, self.k, self.v, self.what = cfg, k, v, what
+        biggest = max(cfg.piece(src, j)[1] for src in range(cfg.size) for j in range(cfg.pieces))
+        self.size = sum(math.prod(s) for s in self.shapes(biggest))  # elements of the largest piece
+        self.buffers = [k.new_empty(self.size) for _ in range(2)] if cfg.size > 1 else []
+        self.current, self.pending = 0, None
+
+    def shapes(self, rows: int):
+        return (self.k.shape[0], self.k.shape[1], rows, self.k.shape[3]), \
+               (self.v.shape[0], self.v.shape[1], rows, self.v.shape[3])
+
+    def numel(self, src: int, j: int) -> int:
+        return sum(math.prod(s) for s in self.shapes(self.cfg.piece(src, j)[1]))
+
+    def start(self, step: int, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of this step's piece; the exchange of pieces for the next step is under way."""
+        cfg = self.cfg
+        world, rank = cfg.size, cfg.rank
+        src = (rank - step) % world
+        a, rows = cfg.piece(src, j)
+        if step == 0:  # this rank's own piece: views of its shard; a contiguous copy travels
+            kc, vc = self.k.narrow(2, a, rows), self.v.narrow(2, a, rows)
+            send = None
+            if world > 1 and rows:
+                send = self.buffers[1][:self.numel(src, j)]
+                for dst, t in zip(_unpack(send, self.shapes(rows)), (kc, vc)):
+                    dst.copy_(t)
+            self.current = 1
+        else:
+            send = self.buffers[self.current][:self.numel(src, j)]
+            kc, vc = _unpack(send, self.shapes(rows))
+            send = send if rows else None
+        if step + 1 < world:
+            n = self.numel((src - 1) % world, j)
+            recv = self.buffers[1 - self.current][:n] if n else None
+            self.pending = comm.exchange(cfg.group, send, (rank + 1) % world, recv, (rank - 1) % world, "kv",
+                                         f"the ring K/V exchange ({self.what}, piece {j + 1} of {cfg.pieces}, step "
+                                         f"{step + 1} of {world - 1})")
+            self.current = 1 - self.current
+        return kc, vc
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
 
 def ring_forward(cfg: RingConfig, q, k, v, bias, sinks):
-    """(out fp32 (B, Hq, S, Dv), lse (B, Hq, S)) of this rank's queries over every rank's keys."""
+    """(out fp32 (B, Hq, S, Dv), lse (B, Hq, S)) of this rank's queries over every rank's keys,
+    merged in place into one accumulator."""
     world, rank = cfg.size, cfg.rank
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
-    cur = _pack(k, v) if world > 1 else None
-    kc, vc = k, v
-    for step in range(world):
-        src = (rank - step) % world
-        pending = None
-        if step + 1 < world:
-            nxt = torch.empty(sum(math.prod(s) for s in _kv_shapes(k, v, cfg.block_rows((src - 1) % world))),
-                              dtype=cur.dtype, device=cur.device)
-            pending = comm.exchange(cfg.group, cur, (rank + 1) % world, nxt, (rank - 1) % world, "kv",
-                                    f"the ring K/V exchange (forward, step {step + 1} of {world - 1})")
-        for call in cfg.calls_for(src, q.device):
-            blk = _Block(cfg, call, q, kc, vc, bias)
-            o, l = attention_partial(blk.q, blk.k, blk.v, **blk.call_kwargs())
-            if cfg.varlen:  # (T', H, Dv), (H, T') -> gathered rows of the (1, H, T, .) accumulators
-                rows_o, rows_l = _take(out[0], 1, call.q), _take(lse[0], 1, call.q)
-                merge_into(rows_o, rows_l, o.transpose(0, 1), l, scratch=True)
-                if not isinstance(call.q, slice):
-                    out[0].index_copy_(1, call.q, rows_o)
-                    lse[0].index_copy_(1, call.q, rows_l)
-            else:
-                merge_into(_take(out, 2, call.q), _take(lse, 2, call.q), o, l, scratch=True)
-        if pending is not None:
-            pending.wait()
-            cur = nxt
-            kc, vc = _unpack(cur, _kv_shapes(k, v, cfg.block_rows((src - 1) % world)))
+    pieces = _Pieces(cfg, k, v, "forward")
+    for j in range(cfg.pieces):
+        for step in range(world):
+            kc, vc = pieces.start(step, j)
+            for call in cfg.calls_for((rank - step) % world, j, q.device):
+                blk = _Block(cfg, call, q, kc, vc, bias)
+                o, l = attention_partial(blk.q, blk.k, blk.v, **blk.call_kwargs())
+                if cfg.varlen:  # (T', H, Dv), (H, T') -> gathered rows of the (1, H, T, .) accumulators
+                    rows_o, rows_l = _take(out[0], 1, call.q), _take(lse[0], 1, call.q)
+                    merge_into(rows_o, rows_l, o.transpose(0, 1), l, scratch=True)
+                    if not isinstance(call.q, slice):
+                        out[0].index_copy_(1, call.q, rows_o)
+                        lse[0].index_copy_(1, call.q, rows_l)
+                else:
+                    merge_into(_take(out, 2, call.q), _take(lse, 2, call.q), o, l, scratch=True)
+                del o, l
+            pieces.finish()
     if sinks is not None:
         merge_sink(out, lse, sinks)
     return out, lse
 
 
+class _Gradients:
+    """The dK/dV accumulators of the pieces: each one starts at the piece's owner, collects every
+    rank's share as it follows the piece around the ring (one step behind it) and returns to its
+    owner after ``W`` sends, where it is written into dk/dv. Three flat fp32 buffers of a piece's
+    size (filling, arriving, leaving) serve every step of every walk."""
+
+    def __init__(self, cfg: RingConfig, pieces: _Pieces, acc, dk: torch.Tensor, dv: torch.Tensor):
+        self.cfg, self.pieces, self.dk, self.dv = cfg, pieces, dk, dv
+        self.buffers = [torch.empty(pieces.size, dtype=acc, device=dk.device) for _ in range(3 if cfg.size > 1 else 1)]
+        self.fill, self.arriving, self.pending = 0, None, None
+
+    def open(self, step: int, j: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed (dk, dv) accumulators of this step's piece, for this rank's share."""
+        src = (self.cfg.rank - step) % self.cfg.size
+        buf = self.buffers[self.fill][:self.pieces.numel(src, j)].zero_()
+        return tuple(_unpack(buf, self.pieces.shapes(self.cfg.piece(src, j)[1])))
+
+    def close(self, step: int, j: int) -> None:
+        """Add what the earlier ranks collected for this piece and pass it on."""
+        cfg = self.cfg
+        world, rank = cfg.size, cfg.rank
+        src = (rank - step) % world
+        mine = self.buffers[self.fill][:self.pieces.numel(src, j)]
+        if self.pending is not None:
+            self.pending.wait()  # the share of the earlier ranks has arrived, the previous send has left
+            mine += self.buffers[self.arriving][:mine.numel()]
+        if world == 1:
+            self._deliver(j, mine)
+            return
+        n = self.pieces.numel((src - 1) % world, j)
+        self.arriving, self.fill = (i for i in range(3) if i != self.fill)
+        self.pending = comm.exchange(cfg.group, mine if mine.numel() else None, (rank + 1) % world,
+                                     self.buffers[self.arriving][:n] if n else None, (rank - 1) % world, "dkv",
+                                     f"the ring dK/dV exchange (backward, piece {j + 1} of {cfg.pieces}, step "
+                                     f"{step + 1} of {world})")
+        if step + 1 == world:  # the last send: what arrives is this rank's own piece, complete
+            self.pending.wait()
+            self._deliver(j, self.buffers[self.arriving][:n])
+            self.arriving, self.pending = None, None
+
+    def _deliver(self, j: int, flat: torch.Tensor) -> None:
+        a, rows = self.cfg.piece(self.cfg.rank, j)
+        for dst, part in zip((self.dk, self.dv), _unpack(flat, self.pieces.shapes(rows))):
+            dst.narrow(2, a, rows).copy_(part)
+
+
 def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_grad: bool, sinks):
-    """(dq, dk, dv, dbias, dsinks) of this rank's shards, from the global ``out`` and ``lse``."""
+    """(dq fp32, dk, dv in k's dtype, dbias, dsinks) of this rank's shards, from the global ``out``
+    and ``lse``."""
     world, rank = cfg.size, cfg.rank
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias_grad else None
-    cur = _pack(k, v) if world > 1 else None
-    kc, vc = k, v
-    d_pending, d_recv = None, None
-    for step in range(world):
-        src = (rank - step) % world
-        shapes = _kv_shapes(k, v, cfg.block_rows(src))
-        pending = None
-        if step + 1 < world:
-            nxt = torch.empty(sum(math.prod(s) for s in _kv_shapes(k, v, cfg.block_rows((src - 1) % world))),
-                              dtype=cur.dtype, device=cur.device)
-            pending = comm.exchange(cfg.group, cur, (rank + 1) % world, nxt, (rank - 1) % world, "kv",
-                                    f"the ring K/V exchange (backward, step {step + 1} of {world - 1})")
-        # The block's dK and dV accumulate in one flat fp32 buffer: it is sent as it is, no packing copy.
-        d_blk = torch.zeros(sum(math.prod(x) for x in shapes), dtype=acc, device=q.device)
-        dk_blk, dv_blk = _unpack(d_blk, shapes)
-        for call in cfg.calls_for(src, q.device):
-            blk = _Block(cfg, call, q, kc, vc, bias)
-            # attention_backward returns dbias for a bias that requires grad
-            leaf = blk.bias.detach().requires_grad_() if bias_grad else None
-            g = attention_backward(blk.rows(dout), blk.q, blk.k, blk.v, blk.rows(out), blk.lse_rows(lse),
-                                   dlse=None if dlse is None else blk.lse_rows(dlse), **blk.call_kwargs(leaf))
-            if cfg.varlen:
-                dq[0].index_add_(1, call.q, g.dq.transpose(0, 1).to(acc))
-                dk_blk[0].index_add_(1, call.k, g.dk.transpose(0, 1).to(acc))
-                dv_blk[0].index_add_(1, call.k, g.dv.transpose(0, 1).to(acc))
-            else:
-                _take(dq, 2, call.q).add_(g.dq)
-                _take(dk_blk, 2, call.k).add_(g.dk)
-                _take(dv_blk, 2, call.k).add_(g.dv)
-                if dbias is not None:
-                    _add_4d(dbias, call.q, call.k_pos, g.dbias)
-        if d_pending is not None:
-            d_pending.wait()
-            d_blk += d_recv
-        if pending is not None:
-            pending.wait()
-            cur = nxt
-            kc, vc = _unpack(cur, _kv_shapes(k, v, cfg.block_rows((src - 1) % world)))
-        if world > 1:
-            d_recv = torch.empty(sum(math.prod(s) for s in _kv_shapes(k, v, cfg.block_rows((src - 1) % world))),
-                                 dtype=acc, device=q.device)
-            d_pending = comm.exchange(cfg.group, d_blk, (rank + 1) % world, d_recv, (rank - 1) % world,
-                                      "dkv", f"the ring dK/dV exchange (backward, step {step + 1} of {world})")
-    if world > 1:
-        d_pending.wait()
-        dk_blk, dv_blk = _unpack(d_recv, _kv_shapes(k, v, cfg.block_rows(rank)))
+    pieces = _Pieces(cfg, k, v, "backward")
+    grads = _Gradients(cfg, pieces, acc, dk, dv)
+    for j in range(cfg.pieces):
+        for step in range(world):
+            kc, vc = pieces.start(step, j)
+            dk_piece, dv_piece = grads.open(step, j)
+            for call in cfg.calls_for((rank - step) % world, j, q.device):
+                blk = _Block(cfg, call, q, kc, vc, bias)
+                # attention_backward returns dbias for a bias that requires grad
+                leaf = blk.bias.detach().requires_grad_() if bias_grad else None
+                g = attention_backward(blk.rows(dout), blk.q, blk.k, blk.v, blk.rows(out), blk.lse_rows(lse),
+                                       dlse=None if dlse is None else blk.lse_rows(dlse), **blk.call_kwargs(leaf))
+                if cfg.varlen:
+                    dq[0].index_add_(1, call.q, g.dq.transpose(0, 1).to(acc))
+                    dk_piece[0].index_add_(1, call.k, g.dk.transpose(0, 1).to(acc))
+                    dv_piece[0].index_add_(1, call.k, g.dv.transpose(0, 1).to(acc))
+                else:
+                    _take(dq, 2, call.q).add_(g.dq)
+                    _take(dk_piece, 2, call.k).add_(g.dk)
+                    _take(dv_piece, 2, call.k).add_(g.dv)
+                    if dbias is not None:
+                        _add_4d(dbias, call.q, call.k_pos, g.dbias)
+                del g
+            grads.close(step, j)
+            pieces.finish()
     dsinks = None
     if sinks is not None:
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        dsinks = _sink_gradient(dout, dlse, out, lse, sinks, acc)
+    return dq, dk, dv, dbias, dsinks
+
+
+def _sink_gradient(dout, dlse, out, lse, sinks, acc) -> torch.Tensor:
+    """d loss / d sinks of this rank's rows, computed a piece of rows at a time (no fp32 copy of
+    the whole output)."""
+    rows = out.shape[2]
+    chunk = max(1, -(-rows // _pieces(rows)))
+    total = torch.zeros(sinks.shape, dtype=acc, device=out.device)
+    for a in range(0, rows, chunk):
+        n = min(chunk, rows - a)
+        delta = (dout.narrow(2, a, n).to(acc) * out.narrow(2, a, n).to(acc)).sum(-1)
         if dlse is not None:
-            delta = delta - dlse.to(acc)
-        dsinks = Sinks(sinks).result_grad(lse.to(acc), delta, heads_axis=1)
-    return dq, dk_blk, dv_blk, dbias, dsinks
+            delta = delta - dlse.narrow(2, a, n).to(acc)
+        total += Sinks(sinks.to(acc)).result_grad(lse.narrow(2, a, n).to(acc), delta, heads_axis=1)
+    return total.to(sinks.dtype)
 
 
 def _add_4d(dst: torch.Tensor, rows: Sel, cols: torch.Tensor, value: torch.Tensor) -> None:
@@ -387,12 +522,26 @@ def _add_4d(dst: torch.Tensor, rows: Sel, cols: torch.Tensor, value: torch.Tenso
         target.add_(value.to(dst.dtype))
 
 
+def whole_forward(cfg: RingConfig, q, k, v, bias, sinks):
+    """(out in q's dtype, lse) when one ring rank holds every key (Ulysses alone) and its queries and
+    keys make one call: the engine writes the output directly, no fp32 accumulator. None otherwise."""
+    rows = cfg.block_rows(0)
+    if cfg.size > 1 or cfg.varlen or not rows:
+        return None
+    positional = any(m.positional for m in cfg.modifiers)
+    calls = plan_calls(cfg.runs[0], cfg.runs[0], cfg.band, cfg.align, positional, False, q.device)
+    if len(calls) != 1 or calls[0].q != slice(0, rows) or calls[0].k != slice(0, rows):
+        return None
+    blk = _Block(cfg, calls[0], q, k, v, bias)
+    return flash_attention(blk.q, blk.k, blk.v, return_lse=True, sinks=sinks, **blk.call_kwargs())
+
+
 class RingAttention(torch.autograd.Function):
     """Autograd around :func:`ring_forward` / :func:`ring_backward`; tensors in (B, H, S, D)."""
 
     @staticmethod
     def forward(ctx, cfg: RingConfig, q, k, v, bias, sinks):
-        out, lse = ring_forward(cfg, q, k, v, bias, sinks)
+        out, lse = whole_forward(cfg, q, k, v, bias, sinks) or ring_forward(cfg, q, k, v, bias, sinks)
         out = out.to(q.dtype)
         ctx.cfg = cfg
         ctx.bias_grad = bias is not None and bias.requires_grad
@@ -406,5 +555,4 @@ class RingAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv, dbias, dsinks = ring_backward(ctx.cfg, dout, dlse, q, k, v, out, lse, bias, ctx.bias_grad, sinks)
-        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None if dbias is None else dbias.to(bias.dtype), dsinks)
+        return (None, dq.to(q.dtype), dk, dv, None if dbias is None else dbias.to(bias.dtype), dsinks)

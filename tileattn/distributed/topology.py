@@ -6,16 +6,14 @@ dimension 0 is the ring, 1 Ulysses, USP's and Megatron's ``a2a+p2p`` arrangement
 a node, where all-to-all bandwidth is high, the ring across nodes). The CP rank of a process is
 ``g = ring_rank * U + ulysses_rank``; :mod:`tileattn.distributed.plan` places tokens by ``g``.
 
-Before any compute, :func:`check_agreement` all-gathers a small integer description of every rank's
-call and raises the same clear error on every rank when they differ (shapes, dtypes, flags):
-otherwise the collectives would be mismatched and hang or fail obscurely.
+:meth:`Topology.gather_all` is the one all-gather over CP ranks that the agreement check before any
+compute uses (:mod:`tileattn.distributed.agreement`).
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,61 +119,3 @@ def hybrid_mesh(ring_size: int, ulysses_size: int, device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (ring_size, ulysses_size), mesh_dim_names=("ring", "ulysses"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Every rank must make the same call.
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int32, torch.int64)
-_WIDTH = 7  # slots per field
-
-
-def describe_tensor(t, skip_dim: Optional[int] = None) -> Tuple[int, ...]:
-    """(dtype code, ndim, shape...) with the sharded dim (which may differ) written as -2."""
-    if t is None:
-        return (-1,)
-    shape = [(-2 if i == skip_dim else n) for i, n in enumerate(t.shape)]
-    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
-    return (code, t.dim(), *shape)
-
-
-def describe_float(x) -> Tuple[int, ...]:
-    return (struct.unpack("<q", struct.pack("<d", float(x)))[0],)
-
-
-def _show(field: str, row: Sequence[int]) -> str:
-    if row[0] == -1 and all(x == 0 for x in row[1:]):
-        return "None"
-    if field in TENSOR_FIELDS:
-        dtype = _DTYPES[row[0]] if 0 <= row[0] < len(_DTYPES) else "?"
-        shape = tuple("S" if x == -2 else x for x in row[2:2 + row[1]])
-        return f"{dtype} {shape}"
-    if field in FLOAT_FIELDS:
-        return repr(struct.unpack("<d", struct.pack("<q", row[0]))[0])
-    return repr(tuple(x for x in row if x != 0) or 0)
-
-
-TENSOR_FIELDS = {"q", "k", "v", "bias", "mask", "alibi_slopes", "sinks"}
-FLOAT_FIELDS = {"scale", "softcap"}
-
-
-def check_agreement(topo: Topology, fields: Sequence[Tuple[str, Tuple[int, ...]]], local_len: int,
-                    device) -> List[int]:
-    """All-gather the described call; raise the same error on every rank when two ranks differ.
-    Returns every CP rank's ``local_len`` (token count), in CP-rank order."""
-    rows = []
-    for name, values in fields:
-        if len(values) > _WIDTH:
-            raise AssertionError(f"field {name} needs {len(values)} slots")
-        rows.append(list(values) + [0] * (_WIDTH - len(values)))
-    mine = torch.tensor([x for r in rows for x in r] + [local_len], dtype=torch.int64, device=device)
-    everyone = topo.gather_all(mine, "validate", "the check that every rank makes the same call")
-    table = [t.tolist() for t in everyone]
-    for rank, theirs in enumerate(table):
-        for f, (name, _) in enumerate(fields):
-            a, b = table[0][f * _WIDTH:(f + 1) * _WIDTH], theirs[f * _WIDTH:(f + 1) * _WIDTH]
-            if a != b:
-                fail(ValueError, name, f"{_show(name, b)} on CP rank {rank} but {_show(name, a)} on CP rank 0",
-                     "the same on every rank of the context-parallel group (each rank passes its shard of one "
-                     "call; only the sequence length of a shard may differ)")
-    return [t[-1] for t in table]

@@ -46,8 +46,19 @@ def _send_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.uint8) if x.dtype == torch.bool else x
 
 
+def _slots(ex: Exchange, device) -> List[torch.Tensor]:
+    """For each member, the positions its tokens take in the gathered, position-sorted sequence."""
+    inv = ex.inverse()
+    slots, at = [], 0
+    for n in ex.lengths:
+        slots.append(torch.arange(at, at + n, device=device) if inv is None else inv[at:at + n].to(device))
+        at += n
+    return slots
+
+
 def seq_to_heads(ex: Exchange, x: torch.Tensor, tag: str) -> torch.Tensor:
-    """(B, H, S_local, X) -> (B, H/U, S_group, X) in ascending position order."""
+    """(B, H, S_local, X) -> (B, H/U, S_group, X) in ascending position order. Each member's piece is
+    written straight into its slots of the result: no concatenated or reordered copy in between."""
     g, u = ex.group, ex.group.size
     b, h, s, e = x.shape
     src = _send_dtype(x)
@@ -56,30 +67,32 @@ def seq_to_heads(ex: Exchange, x: torch.Tensor, tag: str) -> torch.Tensor:
     recv = torch.empty(piece * sum(ex.lengths), dtype=src.dtype, device=x.device)
     comm.all_to_all(g, recv, send, [piece * n for n in ex.lengths], [piece * s] * u, tag,
                     f"the Ulysses all-to-all of {tag} (sequence -> heads)")
-    parts, at = [], 0
-    for n in ex.lengths:
-        parts.append(recv[at:at + piece * n].view(b, h // u, n, e))
+    del send
+    out = torch.empty(b, h // u, sum(ex.lengths), e, dtype=x.dtype, device=x.device)
+    at = 0
+    for n, slots in zip(ex.lengths, _slots(ex, x.device)):
+        out.index_copy_(2, slots, recv[at:at + piece * n].view(b, h // u, n, e).to(x.dtype))
         at += piece * n
-    out = torch.cat(parts, 2)
-    if ex.order is not None:
-        out = out.index_select(2, ex.order.to(x.device))
-    return out.to(x.dtype)
+    return out
 
 
 def heads_to_seq(ex: Exchange, y: torch.Tensor, tag: str) -> torch.Tensor:
-    """(B, H/U, S_group, X) in ascending position order -> (B, H, S_local, X)."""
+    """(B, H/U, S_group, X) in ascending position order -> (B, H, S_local, X). Each member's rows are
+    gathered straight into its piece of the send buffer."""
     g, u = ex.group, ex.group.size
-    inv = ex.inverse()
-    if inv is not None:
-        y = y.index_select(2, inv.to(y.device))
     b, hu, _, e = y.shape
     src = _send_dtype(y)
-    send = torch.cat([p.reshape(-1) for p in torch.split(src, ex.lengths, dim=2)])
-    mine = ex.lengths[g.rank]
     piece = b * hu * e
+    send = torch.empty(piece * sum(ex.lengths), dtype=src.dtype, device=y.device)
+    at = 0
+    for n, slots in zip(ex.lengths, _slots(ex, y.device)):
+        torch.index_select(src, 2, slots, out=send[at:at + piece * n].view(b, hu, n, e))
+        at += piece * n
+    mine = ex.lengths[g.rank]
     recv = torch.empty(piece * mine * u, dtype=src.dtype, device=y.device)
     comm.all_to_all(g, recv, send, [piece * mine] * u, [piece * n for n in ex.lengths], tag,
                     f"the Ulysses all-to-all of {tag} (heads -> sequence)")
+    del send
     out = recv.view(u, b, hu, mine, e).transpose(0, 1).reshape(b, u * hu, mine, e)
     return out.to(y.dtype)
 

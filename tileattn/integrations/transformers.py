@@ -4,6 +4,7 @@
     tt.register()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="tileattn")
     tt.check_model(model)          # warns if this architecture will not call tileattn
+    # a model that computes attention itself raises UnsupportedModelError at its first forward
 
 The attention function receives transformers' (B, H, S, D) tensors (transposed views of (B, S, H, D)
 projections); it hands them to :func:`tileattn.flash_attention` as ``layout="BSND"`` views, so
@@ -21,17 +22,18 @@ feature). Under ``torch.autocast`` the inputs are cast exactly as torch casts SD
 (:func:`tileattn.sdpa.autocast_inputs`), so results match ``attn_implementation="sdpa"``.
 
 **Which models call it.** Only architectures whose attention layers look the implementation up in
-transformers' ``AttentionInterface`` call tileattn; :data:`ARCHITECTURES` is the tested table,
-:func:`check_model` checks a given model, :func:`integration_report` summarises both.
+transformers' ``AttentionInterface`` call tileattn. The others, when they build masks through
+transformers, are refused at their first forward (:class:`UnsupportedModelError`, naming the
+architecture; opt-out ``register(allow_bypass=True)`` or ``$TILEATTN_HF_ALLOW_BYPASS=1``): found from
+the model's own modules, not from a list (:mod:`tileattn.integrations.transformers_models`).
+:data:`ARCHITECTURES` is the tested table, :func:`check_model` checks a given model,
+:func:`integration_report` summarises both.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import numbers
-import re
-import sys
 import warnings
 from typing import NamedTuple, Optional
 
@@ -40,6 +42,8 @@ import torch
 from ..api import attention_partial, flash_attention
 from ..merge import merge_weights
 from ..sdpa import autocast_dtype, autocast_inputs
+from .transformers_models import (ALLOW_BYPASS_ENV, ARCHITECTURES, HANDLING, Architecture,  # noqa: F401
+                                  UnsupportedModelError, attention_classes, mask_builder)
 
 NAME = "tileattn"
 #: The transformers version the keyword audit and the architecture table were made against.
@@ -81,49 +85,14 @@ KWARGS = {
     "output_router_logits": ("harmless", "MoE router outputs, not attention"),
     "return_dict": ("harmless", "the model's output container"),
     "num_items_in_batch": ("harmless", "loss normalisation"),
+    "logits_to_keep": ("harmless", "which positions the language-model head computes logits for, after attention "
+                                   "(GOT-OCR2 passes it on to its language model's layers)"),
     "seq_idx": ("harmless", "sequence index for the Mamba/convolution layers of hybrid models; attention gets "
                             "packing from the mask or cu_seq_lens"),
 }
 #: Names the attention function accepts and ignores. Extend it for a keyword of your own model that
 #: does not affect attention (``HARMLESS_KWARGS["my_flag"] = "why"``); anything else unknown raises.
 HARMLESS_KWARGS = {name: why for name, (how, why) in KWARGS.items() if how == "harmless"}
-
-
-class Architecture(NamedTuple):
-    """One row of the tested architecture table."""
-
-    name: str
-    model_type: str
-    uses_tileattn: bool
-    notes: str
-
-
-#: Architectures tested with transformers 5.24 (``tests/test_transformers_models.py`` builds a tiny
-#: random model of each one from its config and checks the claim of its row).
-ARCHITECTURES = (
-    Architecture("Llama", "llama", True, "logits, greedy tokens and a training step match eager/sdpa"),
-    Architecture("Mistral", "mistral", True, "GQA, sliding window (inside transformers' mask)"),
-    Architecture("Qwen2", "qwen2", True, "GQA"),
-    Architecture("Qwen3", "qwen3", True, "GQA, q/k norms"),
-    Architecture("Gemma 2", "gemma2", True, "softcap honoured natively; sliding and full layers"),
-    Architecture("Gemma 3", "gemma3_text", True, "sliding and full layers"),
-    Architecture("gpt-oss", "gpt_oss", True, "learnable sinks (s_aux), sliding and full layers"),
-    Architecture("DeepSeek-V3", "deepseek_v3", True, "MLA: the value head dim differs from the key's"),
-    Architecture("DeepSeek-V3.2", "deepseek_v32", True, "top-k sparse attention (indices)"),
-    Architecture("MiniMax-M3", "minimax_m3_vl_text", True, "top-k block-sparse attention (block_indices)"),
-    Architecture("Granite SWA", "granite_swa", True, "learnable sinks (s_aux) applied as an LSE rescale"),
-    Architecture("T5", "t5", True, "relative position_bias; encoder, decoder and cross-attention"),
-    Architecture("GPT-2", "gpt2", True, "absolute positions; Conv1D projections"),
-    Architecture("GPT-Neo", "gpt_neo", False,
-                 "picks its attention class by implementation name: building it with 'tileattn' raises "
-                 "KeyError('tileattn'); switched afterwards it runs its own attention"),
-    Architecture("Falcon", "falcon", False,
-                 "picks its attention class by implementation name: building it with 'tileattn' raises "
-                 "KeyError('tileattn'); switched afterwards it runs its own attention"),
-    Architecture("BLOOM", "bloom", False, "runs its own ALiBi attention on transformers' mask for the implementation: "
-                                          "with 'tileattn' (an SDPA bool mask) its logits are wrong; flagged"),
-    Architecture("XGLM", "xglm", False, "as BLOOM (its own attention misreads the SDPA-style mask); flagged"),
-)
 
 
 class _Calls:
@@ -385,12 +354,16 @@ def _autocast_off(device_type, cast_to):
             yield
 
 
-def register(name: str = NAME, *, model=None) -> str:
+def register(name: str = NAME, *, model=None, allow_bypass: Optional[bool] = None) -> str:
     """Register the attention function and its mask builder under ``name`` (default "tileattn").
 
-    The mask builder is transformers' SDPA one, plus a check the first time each architecture builds
-    a mask with it: an architecture whose modeling code computes attention itself (BLOOM, XGLM...)
-    would never call tileattn, and would misread the SDPA-style mask, so that warns (``UserWarning``).
+    The mask builder looks at each model the first time it builds a mask (see
+    :mod:`tileattn.integrations.transformers_models`): a model whose attention modules never call
+    transformers' AttentionInterface (BLOOM, XGLM, MPNet...) would not run tileattn and would misread
+    the SDPA-style mask, so it is refused at that first forward with :class:`UnsupportedModelError`,
+    unless ``allow_bypass=True`` (or ``$TILEATTN_HF_ALLOW_BYPASS=1`` when ``allow_bypass`` is None): then
+    it runs on its own attention with the mask eager builds (eager's results, tileattn unused). Models
+    that call the interface get SDPA's bool mask, or eager's when they do not declare SDPA support.
     With ``model``, also switch that model to ``name`` (``model.set_attn_implementation``) and run
     :func:`check_model` on it. Architectures that pick their attention class by name when they are
     built (GPT-Neo, Falcon) raise ``KeyError('tileattn')`` in transformers before any of this runs.
@@ -404,50 +377,17 @@ def register(name: str = NAME, *, model=None) -> str:
         ) from exc
     AttentionInterface.register(name, tileattn_attention_forward)
     try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         # transformers < 4.53 builds one additive float mask for every non-flash implementation;
         # tileattn_attention_forward takes it as a bias.
         pass
     else:
-        AttentionMaskInterface.register(name, _checking_mask_builder(sdpa_mask, name))
+        AttentionMaskInterface.register(name, mask_builder(name, allow_bypass, _compiling))
     if model is not None:
         model.set_attn_implementation(name)
         check_model(model, name=name)
     return name
-
-
-def _checking_mask_builder(sdpa_mask, name):
-    def tileattn_mask(*args, **kwargs):
-        """transformers' ``sdpa_mask``; the first call for each architecture checks that it calls tileattn."""
-        config = kwargs.get("config")
-        if config is not None and not _compiling() and type(config) not in _CHECKED_CONFIGS:
-            _CHECKED_CONFIGS.add(type(config))
-            bypassing = _bypassing_classes(sys.modules.get(type(config).__module__.replace(
-                ".configuration_", ".modeling_")))
-            if bypassing:
-                warnings.warn(
-                    f"tileattn: '{getattr(config, 'model_type', type(config).__name__)}' models compute attention "
-                    f"themselves ({', '.join(bypassing)}): with attn_implementation='{name}' they never call tileattn "
-                    "and get transformers' SDPA-style mask, which they may misread (BLOOM and XGLM give wrong "
-                    "logits). Use attn_implementation='eager' for them.", UserWarning, stacklevel=2)
-        return sdpa_mask(*args, **kwargs)
-
-    return tileattn_mask
-
-
-_CHECKED_CONFIGS = set()
-
-
-def _bypassing_classes(module) -> tuple:
-    """Attention classes of a modeling module that never look up transformers' AttentionInterface
-    (transformers' own heuristic for ``set_attn_implementation``); () when it routes or is unknown."""
-    try:
-        source = inspect.getsource(module) if module is not None else ""
-    except (OSError, TypeError):
-        return ()
-    classes = re.findall(r"^class (\w*Attention\w*)\(nn\.Module\):", source, re.MULTILINE)
-    return tuple(classes) if classes and "ALL_ATTENTION_FUNCTIONS" not in source else ()
 
 
 class ModelCheck(NamedTuple):
@@ -462,29 +402,6 @@ class ModelCheck(NamedTuple):
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-_ROUTES = {}
-
-
-def _routes(cls) -> Optional[bool]:
-    """Whether ``cls`` (its own source or a base class's) looks its attention up in transformers'
-    AttentionInterface; None when the source cannot be read."""
-    if cls not in _ROUTES:
-        found = None
-        for base in cls.__mro__:
-            if base is torch.nn.Module:
-                break
-            if base.__module__.startswith("transformers.") and not base.__module__.startswith("transformers.models."):
-                continue  # PreTrainedModel, layer mixins: they mention the interface without calling it
-            try:
-                source = inspect.getsource(base)
-            except (OSError, TypeError):
-                continue
-            found = found or any(word in source for word in ("ALL_ATTENTION_FUNCTIONS", "attention_interface",
-                                                             "AttentionInterface"))
-        _ROUTES[cls] = found
-    return _ROUTES[cls]
 
 
 def _configs(config):
@@ -503,7 +420,9 @@ def check_model(model, *, name: str = NAME, warn: bool = True, first_forward: bo
 
     Static part, no compute: is ``name`` registered, does the model's config ask for it, and which
     attention modules look the implementation up in transformers' ``AttentionInterface`` (routed)
-    versus compute attention themselves (bypassing; e.g. BLOOM, GPT-Neo, Falcon).
+    versus compute attention themselves (bypassing; e.g. BLOOM, GPT-Neo, Falcon, XLNet). Bypassing
+    models that build masks through transformers are also refused at their first forward by the mask
+    builder :func:`register` installs; this reports the others too.
     With ``first_forward`` (default), the model's next forward is also watched: if it runs without
     calling tileattn (a model that routes only some code paths through the interface), it warns then.
     """
@@ -521,15 +440,7 @@ def check_model(model, *, name: str = NAME, warn: bool = True, first_forward: bo
     if name not in implementations:
         problems.append(f"the model's attention implementation is {implementations}, not '{name}': "
                         f"set attn_implementation='{name}' or register(model=model)")
-    routed, bypassing = [], []
-    for module in model.modules():
-        cls = type(module)
-        if _routes(cls):
-            routed.append(cls.__name__)
-        elif "Attention" in cls.__name__ and _routes(cls) is False and not any(
-                _routes(type(m)) for m in module.modules()):
-            bypassing.append(cls.__name__)
-    routed, bypassing = tuple(dict.fromkeys(routed)), tuple(dict.fromkeys(bypassing))
+    routed, bypassing = attention_classes(model)
     label = type(model).__name__
     if not routed:
         problems.append(f"{label} computes attention itself ({', '.join(bypassing) or 'no attention module found'}"

@@ -15,6 +15,8 @@ import contextlib
 import threading
 import warnings
 
+import torch
+
 from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
 from ...spec import AttentionSpec
 from ...tunecache import lookup
@@ -67,7 +69,9 @@ class NativeBackend(Backend):
         # Statistics given by a caller (an SDPA op's logsumexp, Ascend softmax_max/sum) may be fp32
         # for fp64 inputs; the kernels read them in their accumulation type.
         lse = grads.lse.to(kernels.accumulation_dtype(spec.q.dtype)).contiguous()
-        delta = grads.delta.to(lse.dtype).contiguous()
+        # The kernels read delta with lse's strides, which a row slice of one head's LSE keeps from
+        # the whole (contiguous() leaves the strides of size-1 dims alone).
+        delta = torch.empty_like(lse).copy_(grads.delta)
         with self._interruptible(spec) as cancel:
             kernels.backward(kernels.unit_stride(spec.q_c), kernels.unit_stride(spec.k_c),
                              kernels.unit_stride(spec.v_c), grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
