@@ -70,8 +70,12 @@ from . import build as _build
 
 _F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 _DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
-_ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q"}
-_WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4}
+_ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q", "i6": "6q"}
+_WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4, "i6": 6}
+#: element formats of a quantised K/V cache (csrc/kv.h), besides q's own dtype
+_KV_FORMATS = {torch.int8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
+#: options bit that says the "quant" section is set; only forward() sets it
+_KV_QUANT = 128
 _ERR_LEN = 512
 
 #: status codes of the C functions
@@ -87,6 +91,8 @@ CAPABILITIES = {
                           "mask", "bias", "dropout", "decode"}),
     "backward": frozenset({"band", "shift", "gqa", "varlen", "seqused_k", "softcap", "alibi", "mask", "bias",
                            "dbias", "dropout"}),
+    #: K/V formats read natively by the forward pass (with k_scale/k_offset/v_scale/v_offset/q_scale)
+    "kv_formats": frozenset(_KV_FORMATS),
 }
 
 #: The core section in C's order, packed by every call (checked against the library at load time).
@@ -164,10 +170,11 @@ class _Library:
         self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
         # the argument struct: one (byte offset, struct.Struct, field names) per section
-        fmt, names, offset, self.size = {}, {}, {}, 0
+        fmt, names, offset, self.size, self.field_offset = {}, {}, {}, 0, {}
         for field in lib.ta_abi().decode().strip(",").split(","):
             section, name, kind = field.split(":")
             offset.setdefault(section, self.size)
+            self.field_offset[name] = self.size
             fmt[section] = fmt.get(section, "<") + _ELEMENT[kind]
             names.setdefault(section, []).append(name)
             self.size += 8 * _WIDTH[kind]
@@ -383,9 +390,10 @@ def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, 
 
 def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
           seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
-          cancel, options, backward):
+          cancel, options, backward, kv_dtype=None):
     """Validate the forward-shaped arguments and pack every section but the backward ones. Returns
-    the full (B, Hq, Sq, Sk) shape and whether the call is varlen, for the backward wrapper."""
+    the full (B, Hq, Sq, Sk) shape and whether the call is varlen, for the backward wrapper.
+    ``kv_dtype``: the dtype of k and v when it is not q's (a quantised cache)."""
     if cu_seqlens_q is None and cu_seqlens_k is None and block_table is None and mask is None \
             and bias is None and alibi_slopes is None and cancel is None:
         full = _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
@@ -408,8 +416,8 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
     qdim = 3 if varlen else 4
     kdim = 4 if paged else qdim
     qs, qst = _check("q", q, qdim)
-    ks, kst = _check("k", k, kdim, dtype)
-    vs, vst = _check("v", v, kdim, dtype)
+    ks, kst = _check("k", k, kdim, kv_dtype or dtype)
+    vs, vst = _check("v", v, kdim, kv_dtype or dtype)
     if varlen:
         tq, hq, d = qs
         batch, sq = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0, 0
@@ -500,6 +508,69 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
              1 if varlen else 0, 1 if paged else 0, options | lib.default_options, scale, softcap, dropout_p)
     return full, varlen
 
+# -------------------------------------------------------------------------------------- quantised K/V
+
+
+def _kv_format(q, k):
+    """The dtype of a quantised (or scaled) cache, checked against q's: one of the formats, or q's own."""
+    dtype, kv = getattr(q, "dtype", None), getattr(k, "dtype", None)
+    if dtype not in (_F32, _BF16, _F16):
+        _fail("q", f"dtype {dtype} with a quantised or scaled cache", "float32, bfloat16 or float16", TypeError)
+    if kv is not dtype and kv not in _KV_FORMATS:
+        _fail("k", f"dtype {kv}", f"q's dtype {dtype} or a quantised format "
+              f"({', '.join(str(f) for f in _KV_FORMATS)})", TypeError)
+    return kv
+
+
+def _scale_strides(name, t, k, width, batch, varlen, paged):
+    """csrc/kv.h's (batch, kv head, position, slot, channel-group stride, groups) of a scale or offset
+    tensor: fp32, broadcastable to k's shape with its last dim replaced by the number of channel
+    groups (1, a divisor of the head dim, or the head dim), plus a leading batch axis when k has none
+    (varlen or paged k: per-sequence scales such as FlashAttention-3's descales)."""
+    if not isinstance(t, torch.Tensor) or t.dtype is not _F32 or not t.is_cpu:
+        _fail(name, getattr(t, "dtype", type(t).__name__), "an fp32 CPU tensor", TypeError)
+    per_slot = tuple(k.shape[:-1])
+    shapes = [per_slot] + ([(batch,) + per_slot] if varlen or paged else [])
+    full = next((f for f in shapes if len(f) == t.dim() - 1), None)
+    groups = t.shape[-1] if t.dim() else 0
+    if full is None or groups < 1 or width % groups or \
+            any(n != f and n != 1 for n, f in zip(t.shape[:-1], full)):
+        _fail(name, f"shape {tuple(t.shape)}", " or ".join(f"a shape broadcastable to {f + ('G',)}" for f in shapes)
+              + f" with G channel groups dividing the head dim {width} (1: no channel axis)")
+    st = [t.stride(d) if t.shape[d] != 1 else 0 for d in range(t.dim())]
+    axes = st[:-1] if len(full) == len(per_slot) + 1 or not (varlen or paged) else [0] + st[:-1]
+    group_stride = st[-1] if groups > 1 else 0
+    if paged:  # (batch, page, slot, kv head)
+        return axes[0], axes[3], axes[1], axes[2], group_stride, groups
+    if varlen:  # (batch, token, kv head)
+        return axes[0], axes[2], axes[1], 0, group_stride, groups
+    return axes[0], axes[1], axes[2], 0, group_stride, groups  # (batch, kv head, key)
+
+
+def _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale):
+    """Validate the scales of a quantised cache and pack the "quant" section (after _pack checked
+    the shapes of q, k and v)."""
+    varlen, paged = cu_seqlens_q is not None, block_table is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    hkv = k.shape[2] if paged else k.shape[1]
+    ptrs, strides = [], []
+    for name, t, like in (("k_scale", k_scale, k), ("k_offset", k_offset, k), ("v_scale", v_scale, v),
+                          ("v_offset", v_offset, v)):
+        ptrs.append(0 if t is None else t.data_ptr())
+        strides.append((0,) * 6 if t is None else _scale_strides(name, t, like, like.shape[-1], batch, varlen, paged))
+    q_st = (0, 0, 0)
+    if q_scale is not None:
+        if not isinstance(q_scale, torch.Tensor) or q_scale.dtype is not _F32 or not q_scale.is_cpu or \
+                q_scale.dim() != 2 or any(n != f and n != 1 for n, f in zip(q_scale.shape, (batch, hkv))):
+            _fail("q_scale", getattr(q_scale, "shape", type(q_scale).__name__),
+                  f"an fp32 CPU tensor broadcastable to (batch, kv heads) = ({batch}, {hkv})", TypeError)
+        q_st = tuple(q_scale.stride(d) if q_scale.shape[d] != 1 else 0 for d in range(2)) + (0,)
+    code = _KV_FORMATS.get(k.dtype, _DTYPES[q.dtype])
+    lib.pack("quant", loc, code, *ptrs, 0 if q_scale is None else q_scale.data_ptr(), *(x for st in strides for x in st),
+             *q_st)
+    off = lib.field_offset["options"]
+    struct.pack_into("<q", loc.args, off, struct.unpack_from("<q", loc.args, off)[0] | _KV_QUANT)
+
 
 def _raise(loc, status):
     if status == CANCELLED:
@@ -512,11 +583,21 @@ def _raise(loc, status):
 def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0, cu_seqlens_q=None,
             cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
             bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
-            options=0) -> None:
-    """Attention forward into ``out`` and ``lse`` (see the module docstring)."""
+            options=0, k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None) -> None:
+    """Attention forward into ``out`` and ``lse`` (see the module docstring; a quantised cache and
+    its scales: "Quantised K/V" there)."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
-    if cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
+    if options & _KV_QUANT:
+        _fail("options", options, f"flags without {_KV_QUANT} (set by the k_scale/... arguments)")
+    if k_scale is not None or k_offset is not None or v_scale is not None or v_offset is not None or \
+            q_scale is not None or getattr(k, "dtype", None) in _KV_FORMATS:
+        kv_dtype = _kv_format(q, k)
+        _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+              seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
+              num_threads, cancel, options, False, kv_dtype)
+        _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale)
+    elif cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
             bias is not None or alibi_slopes is not None or cancel is not None or \
             _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
                          dropout_p, seed, block_m, block_n, num_threads, options) is None:
