@@ -352,7 +352,7 @@ def _out2(dtype):
 
 
 def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                 dropout_p, seed, block_m, block_n, num_threads, options):
+                 dropout_p, seed, block_m, block_n, num_threads, options, kv_dtype=None):
     """The common call (padded q/k/v, no mask, bias, ALiBi or cancel flag) checked and packed with as
     few Python operations as possible (a decode step is a few microseconds of C). Returns the full
     (B, Hq, Sq, Sk) shape, or None when a check fails or the call is not this common one: then
@@ -365,8 +365,9 @@ def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, 
         batch, hq, sq, d = qs
         _, hkv, sk, dk = ks
         dv = vs[3]
+        kv = kv_dtype or dtype
         if not (q.is_cpu and k.is_cpu and v.is_cpu and out.is_cpu and lse.is_cpu) or \
-                k.dtype is not dtype or v.dtype is not dtype or \
+                k.dtype is not kv or v.dtype is not kv or \
                 (out.dtype is not dtype and (out.dtype is not _F32 or dtype is _F64)) or \
                 lse.dtype is not (_F64 if dtype is _F64 else _F32) or \
                 ks != (batch, hkv, sk, d) or vs != (batch, hkv, sk, dv) or os_ != (batch, hq, sq, dv) or \
@@ -522,52 +523,63 @@ def _kv_format(q, k):
     return kv
 
 
-def _scale_strides(name, t, k, width, batch, varlen, paged):
+def _scale_strides(name, t, k, width, batch, leading):
     """csrc/kv.h's (batch, kv head, position, slot, channel-group stride, groups) of a scale or offset
     tensor: fp32, broadcastable to k's shape with its last dim replaced by the number of channel
-    groups (1, a divisor of the head dim, or the head dim), plus a leading batch axis when k has none
-    (varlen or paged k: per-sequence scales such as FlashAttention-3's descales)."""
-    if not isinstance(t, torch.Tensor) or t.dtype is not _F32 or not t.is_cpu:
-        _fail(name, getattr(t, "dtype", type(t).__name__), "an fp32 CPU tensor", TypeError)
-    per_slot = tuple(k.shape[:-1])
-    shapes = [per_slot] + ([(batch,) + per_slot] if varlen or paged else [])
-    full = next((f for f in shapes if len(f) == t.dim() - 1), None)
-    groups = t.shape[-1] if t.dim() else 0
-    if full is None or groups < 1 or width % groups or \
-            any(n != f and n != 1 for n, f in zip(t.shape[:-1], full)):
-        _fail(name, f"shape {tuple(t.shape)}", " or ".join(f"a shape broadcastable to {f + ('G',)}" for f in shapes)
+    groups (1, a divisor of the head dim, or the head dim), and with a leading batch axis when
+    ``leading`` ("paged" or "varlen": k has no batch axis; per-sequence scales such as
+    FlashAttention-3's descales need one)."""
+    kshape = k.shape
+    if isinstance(t, torch.Tensor) and t.dtype is _F32 and t.is_cpu:
+        shape, st = t.shape, t.stride()
+        nd, kd = len(shape), len(kshape)
+        batched = leading is not None and nd == kd + 1
+        groups = shape[-1] if nd else 0
+        ok = (nd == kd or batched) and groups >= 1 and width % groups == 0
+        if ok:
+            axes = [] if batched or leading is None else [0]
+            for d in range(nd - 1):
+                n = shape[d]
+                if n != 1 and n != (batch if batched and d == 0 else kshape[d - batched]):
+                    ok = False
+                axes.append(st[d] if n != 1 else 0)
+        if ok:
+            group_stride = st[-1] if groups > 1 else 0
+            if leading == "paged":  # (batch, page, slot, kv head)
+                return axes[0], axes[3], axes[1], axes[2], group_stride, groups
+            if leading == "varlen":  # (batch, token, kv head)
+                return axes[0], axes[2], axes[1], 0, group_stride, groups
+            return axes[0], axes[1], axes[2], 0, group_stride, groups  # (batch, kv head, key)
+        per_slot = tuple(kshape[:-1])
+        shapes = [per_slot] + ([(batch,) + per_slot] if leading else [])
+        _fail(name, f"shape {tuple(shape)}", " or ".join(f"a shape broadcastable to {f + ('G',)}" for f in shapes)
               + f" with G channel groups dividing the head dim {width} (1: no channel axis)")
-    st = [t.stride(d) if t.shape[d] != 1 else 0 for d in range(t.dim())]
-    axes = st[:-1] if len(full) == len(per_slot) + 1 or not (varlen or paged) else [0] + st[:-1]
-    group_stride = st[-1] if groups > 1 else 0
-    if paged:  # (batch, page, slot, kv head)
-        return axes[0], axes[3], axes[1], axes[2], group_stride, groups
-    if varlen:  # (batch, token, kv head)
-        return axes[0], axes[2], axes[1], 0, group_stride, groups
-    return axes[0], axes[1], axes[2], 0, group_stride, groups  # (batch, kv head, key)
+    _fail(name, getattr(t, "dtype", type(t).__name__), "an fp32 CPU tensor", TypeError)
 
 
 def _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale):
-    """Validate the scales of a quantised cache and pack the "quant" section (after _pack checked
-    the shapes of q, k and v)."""
-    varlen, paged = cu_seqlens_q is not None, block_table is not None
-    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
-    hkv = k.shape[2] if paged else k.shape[1]
-    ptrs, strides = [], []
-    for name, t, like in (("k_scale", k_scale, k), ("k_offset", k_offset, k), ("v_scale", v_scale, v),
-                          ("v_offset", v_offset, v)):
-        ptrs.append(0 if t is None else t.data_ptr())
-        strides.append((0,) * 6 if t is None else _scale_strides(name, t, like, like.shape[-1], batch, varlen, paged))
-    q_st = (0, 0, 0)
+    """Validate the scales of a quantised cache and pack the "quant" section (after _pack or
+    _pack_padded checked the shapes of q, k and v)."""
+    leading = "paged" if block_table is not None else "varlen" if cu_seqlens_q is not None else None
+    batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+    none = (0, 0, 0, 0, 0, 0)
+    ks = none if k_scale is None else _scale_strides("k_scale", k_scale, k, k.shape[-1], batch, leading)
+    ko = none if k_offset is None else _scale_strides("k_offset", k_offset, k, k.shape[-1], batch, leading)
+    vs = none if v_scale is None else _scale_strides("v_scale", v_scale, v, v.shape[-1], batch, leading)
+    vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, v.shape[-1], batch, leading)
+    q_st, q_ptr = (0, 0, 0), 0
     if q_scale is not None:
+        hkv = k.shape[2] if leading == "paged" else k.shape[1]
         if not isinstance(q_scale, torch.Tensor) or q_scale.dtype is not _F32 or not q_scale.is_cpu or \
                 q_scale.dim() != 2 or any(n != f and n != 1 for n, f in zip(q_scale.shape, (batch, hkv))):
             _fail("q_scale", getattr(q_scale, "shape", type(q_scale).__name__),
                   f"an fp32 CPU tensor broadcastable to (batch, kv heads) = ({batch}, {hkv})", TypeError)
         q_st = tuple(q_scale.stride(d) if q_scale.shape[d] != 1 else 0 for d in range(2)) + (0,)
-    code = _KV_FORMATS.get(k.dtype, _DTYPES[q.dtype])
-    lib.pack("quant", loc, code, *ptrs, 0 if q_scale is None else q_scale.data_ptr(), *(x for st in strides for x in st),
-             *q_st)
+        q_ptr = q_scale.data_ptr()
+    lib.pack("quant", loc, _KV_FORMATS.get(k.dtype, _DTYPES[q.dtype]),
+             0 if k_scale is None else k_scale.data_ptr(), 0 if k_offset is None else k_offset.data_ptr(),
+             0 if v_scale is None else v_scale.data_ptr(), 0 if v_offset is None else v_offset.data_ptr(), q_ptr,
+             *ks, *ko, *vs, *vo, *q_st)
     off = lib.field_offset["options"]
     struct.pack_into("<q", loc.args, off, struct.unpack_from("<q", loc.args, off)[0] | _KV_QUANT)
 
@@ -593,9 +605,13 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
     if k_scale is not None or k_offset is not None or v_scale is not None or v_offset is not None or \
             q_scale is not None or getattr(k, "dtype", None) in _KV_FORMATS:
         kv_dtype = _kv_format(q, k)
-        _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
-              seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
-              num_threads, cancel, options, False, kv_dtype)
+        if cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
+                bias is not None or alibi_slopes is not None or cancel is not None or \
+                _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
+                             dropout_p, seed, block_m, block_n, num_threads, options, kv_dtype) is None:
+            _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+                  seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
+                  num_threads, cancel, options, False, kv_dtype)
         _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale)
     elif cu_seqlens_q is not None or cu_seqlens_k is not None or block_table is not None or mask is not None or \
             bias is not None or alibi_slopes is not None or cancel is not None or \
