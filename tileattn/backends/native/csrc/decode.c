@@ -31,7 +31,6 @@
 #include "kernels.h"
 #include "kv.h"
 #include "tile.h"
-#include "decode_amx.h"
 
 /* Rows per task of a sequence with many query rows (a prefill chunk on a quantised cache). */
 #define DEC_BLOCK_ROWS 16
@@ -44,7 +43,6 @@ typedef struct {
     int64_t Dp, Dvp; /* head dims padded to VW */
     int64_t kd;      /* format of K and V as the tasks read them */
     int direct;      /* K and V read in place; else converted rows */
-    int amx;         /* the dot products on AMX tiles (decode_amx.h) */
     int ks, ko, vs, vo; /* classes (TA_QS_*) of k_scale, k_offset, v_scale, v_offset on the direct path */
     real *part;      /* per task and row: Dv accumulators, m, l */
     const dec_task *tasks;
@@ -330,13 +328,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     const int64_t F = np > W ? np : W; /* a scale factor's space: per key or per channel */
     size_t nreal = (size_t)(M * (Dp + np + Dvp + 2) + 4 * F + 2 * W + VW);
     if (!P->direct) nreal += (size_t)(n * (Dp + Dvp));
-    size_t head = ta_round_up((int64_t)(nreal * sizeof(real) + (size_t)(2 * n) * sizeof(void *)), 64), tiles = 0;
-#ifdef TA_HAVE_AMX
-    size_t amx_work = 0, amx_v = 0;
-    if (P->amx) dec_amx_bytes(P->kd, D, Dv, n, &amx_work, &amx_v);
-    tiles = amx_work + amx_v;
-#endif
-    char *mem = (char *)ta_scratch(0, head + tiles);
+    char *mem = (char *)ta_scratch(0, nreal * sizeof(real) + (size_t)(2 * n) * sizeof(void *));
     if (!mem) return TA_ENOMEM;
     real *q = (real *)mem, *S = q + M * Dp, *acc = S + M * np, *rowc = acc + M * Dvp, *fk = rowc + 2 * M;
     real *zero = fk + 4 * F, *kbuf = zero + 2 * W + VW, *vbuf = kbuf + n * Dp;
@@ -396,13 +388,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
         alpha *= ((const float *)a->q_scale)[s.b * a->q_scale_st[0] + hk * a->q_scale_st[1]];
     if (ks.kind == TA_QS_SCALAR) alpha *= ks.scalar;
     const int per_key = ks.kind == TA_QS_TOKEN || ko.kind != TA_QS_NONE;
-#ifdef TA_HAVE_AMX
-    if (P->amx) {
-        ta_amx_begin();
-        dec_amx_scores(kd, q, M, Dp, D, krows, n, per_key ? 1 : (real)alpha, S, np, mem + head);
-    } else
-#endif
-        dec_scores(kd, q, M, Dp, krows, n, per_key ? 1 : (real)alpha, S, np, zero);
+    dec_scores(kd, q, M, Dp, krows, n, per_key ? 1 : (real)alpha, S, np, zero);
     if (per_key) /* s = alpha * scale_j * (q'.k_j + offset term) */
         for (int64_t r = 0; r < M; r++) {
             real *srow = S + r * np;
@@ -448,14 +434,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
             for (int64_t j = 0; j < n; j++) off += (double)srow[j] * (vo.kind == TA_QS_TOKEN ? vo.v[j] : 1);
         rowc[2 * r] = (real)off;
     }
-#ifdef TA_HAVE_AMX
-    if (P->amx) {
-        dec_amx_pack_v(kd, vrows, n, Dv, (uint8_t *)(mem + head + amx_work));
-        dec_amx_pv(kd, acc, Dvp, Dv, S, np, M, n, (const uint8_t *)(mem + head + amx_work), mem + head);
-        ta_amx_end();
-    } else
-#endif
-        dec_pv_rows(kd, acc, Dvp, S, np, vrows, M, n);
+    dec_pv_rows(kd, acc, Dvp, S, np, vrows, M, n);
     for (int64_t r = 0; r < M; r++) {
         const real *ar = acc + r * Dvp;
         real *pr = part + r * (Dv + 2), off = rowc[2 * r];
@@ -562,7 +541,7 @@ static int64_t dec_plan_tasks(const ta_args *a, dec_task *tasks, int64_t *groups
 }
 
 int FN(decode)(const ta_args *a, int64_t *rest) {
-    dec_plan P = {ta_round_up(a->D, VW), ta_round_up(a->Dv, VW), ta_kv_dtype(a), 1, 0, TA_QS_NONE, TA_QS_NONE,
+    dec_plan P = {ta_round_up(a->D, VW), ta_round_up(a->Dv, VW), ta_kv_dtype(a), 1, TA_QS_NONE, TA_QS_NONE,
                   TA_QS_NONE, TA_QS_NONE, NULL, NULL, NULL};
     if (a->options & TA_OPT_KV_QUANT) {
         P.ks = ta_qs_kind(a->k_scale, a->k_scale_st);
@@ -573,9 +552,6 @@ int FN(decode)(const ta_args *a, int64_t *rest) {
     int general = P.ks == TA_QS_GENERAL || P.ko == TA_QS_GENERAL || P.vs == TA_QS_GENERAL || P.vo == TA_QS_GENERAL;
     int vector_kd = P.kd == DEC_NATIVE || (TA_REAL_BITS == 32 && P.kd != TA_F64);
     P.direct = !general && vector_kd && P.Dp == a->D && P.Dvp == a->Dv;
-#ifdef TA_HAVE_AMX
-    P.amx = P.direct && dec_amx_eligible(a, P.kd);
-#endif
     int64_t ng, slots;
     double work;
     int64_t nt = dec_plan_tasks(a, NULL, NULL, &ng, &slots, &work, rest);
