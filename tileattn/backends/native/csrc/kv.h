@@ -26,12 +26,36 @@
 
 enum { TA_QS_NONE, TA_QS_SCALAR, TA_QS_CHANNEL, TA_QS_TOKEN, TA_QS_GENERAL };
 
+/* e4m3 rows known to hold no NaN byte (0x7f, 0xff): read without the NaN check. Internal to the
+ * kernels (never a kv_dtype of the interface). */
+#define TA_F8E4M3_FINITE 7
+
 static inline int64_t ta_kv_dtype(const ta_args *a) {
     return (a->options & TA_OPT_KV_QUANT) ? a->kv_dtype : a->dtype;
 }
 
 static inline int64_t ta_kv_elsize(int64_t kd) {
     return kd == TA_F64 ? 8 : kd == TA_F32 ? 4 : kd >= TA_I8 ? 1 : 2;
+}
+
+/* Whether any of the rows [0, n) (width bytes each) of an e4m3 tensor holds a NaN. */
+static inline int ta_e4m3_any_nan(const void *const *rows, int64_t n, int64_t width) {
+#if defined(TA_ISA_AVX512)
+    const __m512i m = _mm512_set1_epi8(0x7f);
+    __mmask64 any = 0;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < width; c += 64) {
+            __mmask64 live = width - c >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (width - c)) - 1);
+            __m512i x = _mm512_maskz_loadu_epi8(live, (const char *)rows[j] + c);
+            any |= _mm512_mask_cmpeq_epi8_mask(live, _mm512_and_si512(x, m), m);
+        }
+    return any != 0;
+#else
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < width; c++)
+            if ((((const uint8_t *)rows[j])[c] & 0x7f) == 0x7f) return 1;
+    return 0;
+#endif
 }
 
 static inline int ta_qs_kind(const void *p, const int64_t st[6]) {
@@ -76,7 +100,8 @@ static inline double ta_kv_load1(const void *row, int64_t i, int64_t kd) {
     case TA_BF16: return ta_bf16_to_f32(((const uint16_t *)row)[i]);
     case TA_F16: return ta_f16_to_f32(((const uint16_t *)row)[i]);
     case TA_I8: return ((const int8_t *)row)[i];
-    case TA_F8E4M3: return ta_e4m3_to_f32(((const uint8_t *)row)[i]);
+    case TA_F8E4M3:
+    case TA_F8E4M3_FINITE: return ta_e4m3_to_f32(((const uint8_t *)row)[i]);
     default: return ta_e5m2_to_f32(((const uint8_t *)row)[i]);
     }
 }
@@ -92,7 +117,9 @@ static inline double ta_kv_load1(const void *row, int64_t i, int64_t kd) {
 #endif
 
 /* The power of two by which ta_kv_vload's lanes fall short of the values of format kd. */
-static inline real ta_kv_unit(int64_t kd) { return kd == TA_F8E4M3 && TA_E4M3_IN_REGISTERS ? 256 : 1; }
+static inline real ta_kv_unit(int64_t kd) {
+    return (kd == TA_F8E4M3 || kd == TA_F8E4M3_FINITE) && TA_E4M3_IN_REGISTERS ? 256 : 1;
+}
 
 /* VW elements [i, i + VW) of a row of format kd as real lanes (times 1 / ta_kv_unit(kd)). kd is a
  * compile-time constant at every call, so each format gets its own instructions: one widening load
@@ -108,9 +135,11 @@ TA_INLINE vr ta_kv_vload(const void *row, int64_t i, const int kd) {
     case TA_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(p + 2 * i)));
     case TA_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(p + i))));
     case TA_F8E5M2: return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)(p + i))), 8));
-    case TA_F8E4M3: {
+    case TA_F8E4M3:
+    case TA_F8E4M3_FINITE: {
         __m128i x = _mm_loadu_si128((const void *)(p + i));
         __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7), _mm256_set1_epi16((short)0xbfff));
+        if (kd == TA_F8E4M3_FINITE) return _mm512_cvtph_ps(h);
         __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(x, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
         return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(NAN));
     }
@@ -126,9 +155,11 @@ TA_INLINE vr ta_kv_vload(const void *row, int64_t i, const int kd) {
 #ifdef __F16C__
     case TA_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const void *)(p + 2 * i)));
     case TA_F8E5M2: return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const void *)(p + i))), 8));
-    case TA_F8E4M3: {
+    case TA_F8E4M3:
+    case TA_F8E4M3_FINITE: {
         __m128i x = _mm_loadl_epi64((const void *)(p + i));
         __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16((short)0xbfff));
+        if (kd == TA_F8E4M3_FINITE) return _mm256_cvtph_ps(h);
         __m128i nan = _mm_cmpeq_epi8(_mm_and_si128(x, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
         __m256 nan32 = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan));
         return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(NAN), nan32);
