@@ -377,6 +377,27 @@ def test_ragged_batch_over_a_contiguous_cache_as_one_page_per_sequence():
         assert judge("out", out[rows].transpose(0, 1)[None], ref, base, torch.float32).ok
 
 
+def test_ragged_batch_over_packed_quantised_keys():
+    """Varlen q and varlen k (cu_seqlens_k) in int8: per-token-head scales in the packed token layout
+    (Tk, Hkv, 1), per-sequence descales with a leading batch axis (B, 1, Hkv, 1)."""
+    g = gen(12)
+    lq, lk = [1, 9, 1], [300, 40, 1]
+    q = torch.randn(sum(lq), 8, 64, generator=g)
+    k, v = (quantised((sum(lk), 2, 64), torch.int8, g) for _ in range(2))
+    ks = torch.rand(sum(lk), 2, 1, generator=g) * 0.03 + 0.01
+    vs = torch.rand(3, 1, 2, 1, generator=g) * 0.03 + 0.01
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(x).cumsum(0).tolist(), dtype=torch.int32) for x in (lq, lk))
+    out, lse = torch.empty(sum(lq), 8, 64), torch.empty(8, sum(lq))
+    nk.forward(q, k, v, out, lse, scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, right=0, k_scale=ks, v_scale=vs)
+    for b in range(3):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        kd = (k[keys].double() * ks[keys].double()).transpose(0, 1)[None]
+        vd = (v[keys].double() * vs[b].double()).transpose(0, 1)[None]
+        ref, _, base = oracle(q[rows].transpose(0, 1)[None], kd, vd, [lk[b]], causal=True, scale=0.125)
+        verdict = judge("out", out[rows].transpose(0, 1)[None], ref, base, torch.float32)
+        assert verdict.ok, str(verdict)
+
+
 # ------------------------------------------------------------------------------------- bad input
 
 

@@ -5,7 +5,8 @@ Interface (stable; the backend calls exactly this)::
     forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
             softcap=0.0, alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0,
-            block_m=0, block_n=0, num_threads=None, cancel=None, options=0) -> None
+            block_m=0, block_n=0, num_threads=None, cancel=None, options=0,
+            k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None) -> None
 
     backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, <the same keywords>, dbias=None) -> None
 
@@ -17,7 +18,7 @@ Tensors (CPU; any strides with a unit last-dim stride; views are read and writte
   v (Tk, Hkv, Dv); out (Tq, Hq, Dv); lse (Hq, Tq)
 * paged KV (``block_table`` int32 (B, max_pages), forward only): k (pages, page_size, Hkv, D),
   v (pages, page_size, Hkv, Dv), key j of batch item b in page ``block_table[b, j // page_size]``;
-  q padded (B, Hq, Sq, D) or varlen with ``cu_seqlens_q`` alone
+  q padded (B, Hq, Sq, D) or varlen with ``cu_seqlens_q`` alone (a ragged batch, below)
 * ``seqused_k`` int32 (B,): batch item b uses only its first ``seqused_k[b]`` keys
 
 dtypes: q, k, v share one of fp32, fp64, bf16, fp16. ``out``, ``dq``, ``dk``, ``dv`` and ``dout``
@@ -35,6 +36,27 @@ mask -> softmax -> dropout -> . v``; query row i of a sequence sees key j iff
 ``off = shift + (k_len - q_len if bottom_right else 0)``; ALiBi adds ``-slope * |i + off - j|``;
 a row that sees no key gets out = 0 and lse = -inf. Dropout keeps (seed, batch, head, row, col)
 by the counter-based hash of :mod:`tileattn.scores` (row and column within the sequence).
+
+Ragged batches: varlen q (``cu_seqlens_q``) with a paged cache (``block_table`` + ``seqused_k``), or
+with varlen k (``cu_seqlens_k``, ``seqused_k`` optional), mixes decode rows and prefill chunks in one
+call, each causal at its own end with ``right=0`` (bottom-right). Every sequence takes its own path:
+at most 8 rows per kv head (q_len * Hq / Hkv) the split-KV decode kernel, else the prefill tiles, so
+a sequence's bits do not depend on the rest of the batch. A contiguous cache (B, S, Hkv, D) with
+``seqused_k`` is the pool of B pages of S slots: ``block_table = arange(B)[:, None]``.
+
+Quantised K/V (forward only): k and v may be int8, float8_e4m3fn or float8_e5m2 (q fp32, bf16 or
+fp16; out q's dtype or fp32), read as stored and dequantised in the kernel as
+``(x + offset) * scale`` (the Ascend antiquant convention; no offset = symmetric). ``k_scale``,
+``k_offset``, ``v_scale``, ``v_offset`` are optional fp32 tensors broadcastable to the cache's own
+shape with its last dim replaced by G channel groups (1: no channel axis; D: per channel; a divisor
+of D: groups of D/G channels), and, for varlen or paged k, an optional leading batch axis of size B
+(per-sequence scales): padded k (B, Hkv, Sk, D) -> (B|1, Hkv|1, Sk|1, G); varlen k (Tk, Hkv, D)
+-> ([B|1,] Tk|1, Hkv|1, G); paged pools (pages, page_size, Hkv, D) -> ([B|1,] pages|1,
+page_size|1, Hkv|1, G), per-key scales living in the pool's slots. ``q_scale`` fp32 (B|1, Hkv|1)
+multiplies the scores of kv head h's query heads (FlashAttention-3's q_descale). The same scale
+arguments apply to an unquantised cache of q's dtype (descales of a bf16 cache). Precision: int8
+and fp8 widen exactly to fp32; dot products in fp32 FMA (q times a per-channel K scale rounded once
+to fp32); bf16 / fp16 caches likewise, as stored. See csrc/kv.h for how each granularity is applied.
 
 ``num_threads`` (default ``torch.get_num_threads()``) OpenMP threads run inside the call; the work
 split depends only on the problem, so the results are bitwise identical for any thread count and a
