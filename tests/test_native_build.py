@@ -32,6 +32,10 @@ INFO = "from tileattn.backends.native import kernels as nk; import json; print(j
 #: its transposing reductions), paged KV, modifiers, dropout, dbias and thread-count determinism
 VARIANT_TESTS = ("(matches_reference and not tiles) or (decode_shapes and (17 or 1000)) or (varlen and fp32) "
                  "or softcap or bias_and_its_gradient or paged or bitwise or dropout or active_isa")
+#: and of test_native_serving.py: K/V formats widened in registers or element by element, scale classes,
+#: converted rows (head dims off the vector width), ragged batches, thread and batch invariance
+SERVING_VARIANT_TESTS = ("(dequantised_reference and seqused and (head_channel or token_group or batch_head)) "
+                         "or ragged or bits or off_the or (low_precision_cache and gqa4)")
 
 
 def run(args, tmp_path, **env):
@@ -45,8 +49,9 @@ def test_variant_without_avx512_passes_the_kernel_tests(isa, tmp_path):
     got = build._variant(CC, isa)
     if isinstance(got, str):
         pytest.skip(f"{isa} cannot be built here: {got}")
-    res = run(["-m", "pytest", "-x", "-p", "no:cacheprovider", "tests/test_native_kernels.py", "-k",
-               VARIANT_TESTS], tmp_path, TILEATTN_NATIVE_ISA=isa)
+    selection = f"(test_native_kernels and ({VARIANT_TESTS})) or (test_native_serving and ({SERVING_VARIANT_TESTS}))"
+    res = run(["-m", "pytest", "-x", "-p", "no:cacheprovider", "tests/test_native_kernels.py",
+               "tests/test_native_serving.py", "-k", selection], tmp_path, TILEATTN_NATIVE_ISA=isa)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     summary = res.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary

@@ -5,7 +5,8 @@ Interface (stable; the backend calls exactly this)::
     forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
             softcap=0.0, alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0,
-            block_m=0, block_n=0, num_threads=None, cancel=None, options=0, validate=True) -> None
+            block_m=0, block_n=0, num_threads=None, cancel=None, options=0, validate=True,
+            k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None) -> None
 
     backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, <the same keywords>, dbias=None) -> None
 
@@ -20,7 +21,7 @@ Tensors (CPU; any strides with a unit last-dim stride; views are read and writte
   v (Tk, Hkv, Dv); out (Tq, Hq, Dv); lse (Hq, Tq)
 * paged KV (``block_table`` int32 (B, max_pages), forward only): k (pages, page_size, Hkv, D),
   v (pages, page_size, Hkv, Dv), key j of batch item b in page ``block_table[b, j // page_size]``;
-  q padded (B, Hq, Sq, D) or varlen with ``cu_seqlens_q`` alone
+  q padded (B, Hq, Sq, D) or varlen with ``cu_seqlens_q`` alone (a ragged batch, below)
 * ``seqused_k`` int32 (B,): batch item b uses only its first ``seqused_k[b]`` keys
 
 dtypes: q, k, v share one of fp32, fp64, bf16, fp16. ``out``, ``dq``, ``dk``, ``dv`` and ``dout``
@@ -38,6 +39,27 @@ mask -> softmax -> dropout -> . v``; query row i of a sequence sees key j iff
 ``off = shift + (k_len - q_len if bottom_right else 0)``; ALiBi adds ``-slope * |i + off - j|``;
 a row that sees no key gets out = 0 and lse = -inf. Dropout keeps (seed, batch, head, row, col)
 by the counter-based hash of :mod:`tileattn.score_math` (row and column within the sequence).
+
+Ragged batches: varlen q (``cu_seqlens_q``) with a paged cache (``block_table`` + ``seqused_k``), or
+with varlen k (``cu_seqlens_k``, ``seqused_k`` optional), mixes decode rows and prefill chunks in one
+call, each causal at its own end with ``right=0`` (bottom-right). Every sequence takes its own path:
+at most 8 rows per kv head (q_len * Hq / Hkv) the split-KV decode kernel, else the prefill tiles, so
+a sequence's bits do not depend on the rest of the batch. A contiguous cache (B, S, Hkv, D) with
+``seqused_k`` is the pool of B pages of S slots: ``block_table = arange(B)[:, None]``.
+
+Quantised K/V (forward only): k and v may be int8, float8_e4m3fn or float8_e5m2 (q fp32, bf16 or
+fp16; out q's dtype or fp32), read as stored and dequantised in the kernel as
+``(x + offset) * scale`` (the Ascend antiquant convention; no offset = symmetric). ``k_scale``,
+``k_offset``, ``v_scale``, ``v_offset`` are optional fp32 tensors broadcastable to the cache's own
+shape with its last dim replaced by G channel groups (1: no channel axis; D: per channel; a divisor
+of D: groups of D/G channels), and, for varlen or paged k, an optional leading batch axis of size B
+(per-sequence scales): padded k (B, Hkv, Sk, D) -> (B|1, Hkv|1, Sk|1, G); varlen k (Tk, Hkv, D)
+-> ([B|1,] Tk|1, Hkv|1, G); paged pools (pages, page_size, Hkv, D) -> ([B|1,] pages|1,
+page_size|1, Hkv|1, G), per-key scales living in the pool's slots. ``q_scale`` fp32 (B|1, Hkv|1)
+multiplies the scores of kv head h's query heads (FlashAttention-3's q_descale). The same scale
+arguments apply to an unquantised cache of q's dtype (descales of a bf16 cache). Precision: int8
+and fp8 widen exactly to fp32; dot products in fp32 FMA (q times a per-channel K scale rounded once
+to fp32); bf16 / fp16 caches likewise, as stored. See csrc/kv.h for how each granularity is applied.
 
 ``num_threads`` (default ``torch.get_num_threads()``) OpenMP threads run inside the call; the work
 split depends only on the problem, so the results are bitwise identical for any thread count and a
@@ -75,8 +97,12 @@ from . import build as _build
 
 _F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 _DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
-_ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q"}
-_WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4}
+_ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q", "i6": "6q"}
+_WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4, "i6": 6}
+#: element formats of a quantised K/V cache (csrc/kv.h), besides q's own dtype
+_KV_FORMATS = {torch.int8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
+#: options bit that says the "quant" section is set; only forward() sets it
+_KV_QUANT = 128
 _ERR_LEN = 512
 
 #: status codes of the C functions
@@ -92,6 +118,8 @@ CAPABILITIES = {
                           "mask", "bias", "dropout", "decode"}),
     "backward": frozenset({"band", "shift", "gqa", "varlen", "seqused_k", "softcap", "alibi", "mask", "bias",
                            "dbias", "dropout"}),
+    #: K/V formats read natively by the forward pass (with k_scale/k_offset/v_scale/v_offset/q_scale)
+    "kv_formats": frozenset(_KV_FORMATS),
 }
 
 #: The core section in C's order, packed by every call (checked against the library at load time).
@@ -176,10 +204,11 @@ class _Library:
         self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
         # the argument struct: one (byte offset, struct.Struct, field names) per section
-        fmt, names, offset, self.size = {}, {}, {}, 0
+        fmt, names, offset, self.size, self.field_offset = {}, {}, {}, 0, {}
         for field in lib.ta_abi().decode().strip(",").split(","):
             section, name, kind = field.split(":")
             offset.setdefault(section, self.size)
+            self.field_offset[name] = self.size
             fmt[section] = fmt.get(section, "<") + _ELEMENT[kind]
             names.setdefault(section, []).append(name)
             self.size += 8 * _WIDTH[kind]
@@ -392,8 +421,9 @@ def _out2(dtype):
 
 
 def _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask,
-              bias, dropout_p, cancel, backward):
-    """Every check of the forward-shaped arguments of a direct call (see the comment above)."""
+              bias, dropout_p, cancel, backward, kv_dtype=None):
+    """Every check of the forward-shaped arguments of a direct call (see the comment above).
+    ``kv_dtype``: the dtype of k and v when it is not q's (a quantised cache)."""
     dtype = q.dtype if isinstance(q, torch.Tensor) else None
     if dtype not in _DTYPES:
         _fail("q", f"dtype {dtype}", "float32, float64, bfloat16 or float16", TypeError)
@@ -409,8 +439,8 @@ def _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
     qdim = 3 if varlen else 4
     kdim = 4 if paged else qdim
     qs = _check("q", q, qdim)
-    ks = _check("k", k, kdim, dtype)
-    vs = _check("v", v, kdim, dtype)
+    ks = _check("k", k, kdim, kv_dtype or dtype)
+    vs = _check("v", v, kdim, kv_dtype or dtype)
     if varlen:
         tq, hq, d = qs
         batch, sq = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0, 0
@@ -577,6 +607,80 @@ def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
              1 if varlen else 0, 1 if paged else 0, options | lib.default_options, scale, softcap, dropout_p)
     return full, varlen
 
+# -------------------------------------------------------------------------------------- quantised K/V
+
+
+def _kv_format(q, k):
+    """The dtype of a quantised (or scaled) cache, checked against q's: one of the formats, or q's own."""
+    dtype, kv = getattr(q, "dtype", None), getattr(k, "dtype", None)
+    if dtype not in (_F32, _BF16, _F16):
+        _fail("q", f"dtype {dtype} with a quantised or scaled cache", "float32, bfloat16 or float16", TypeError)
+    if kv is not dtype and kv not in _KV_FORMATS:
+        _fail("k", f"dtype {kv}", f"q's dtype {dtype} or a quantised format "
+              f"({', '.join(str(f) for f in _KV_FORMATS)})", TypeError)
+    return kv
+
+
+def _scale_strides(name, t, k, width, batch, leading):
+    """csrc/kv.h's (batch, kv head, position, slot, channel-group stride, groups) of a scale or offset
+    tensor: fp32, broadcastable to k's shape with its last dim replaced by the number of channel
+    groups (1, a divisor of the head dim, or the head dim), and with a leading batch axis when
+    ``leading`` ("paged" or "varlen": k has no batch axis; per-sequence scales such as
+    FlashAttention-3's descales need one)."""
+    kshape = k.shape
+    if isinstance(t, torch.Tensor) and t.dtype is _F32 and t.is_cpu:
+        shape, st = t.shape, t.stride()
+        nd, kd = len(shape), len(kshape)
+        batched = leading is not None and nd == kd + 1
+        groups = shape[-1] if nd else 0
+        ok = (nd == kd or batched) and groups >= 1 and width % groups == 0
+        if ok:
+            axes = [] if batched or leading is None else [0]
+            for d in range(nd - 1):
+                n = shape[d]
+                if n != 1 and n != (batch if batched and d == 0 else kshape[d - batched]):
+                    ok = False
+                axes.append(st[d] if n != 1 else 0)
+        if ok:
+            group_stride = st[-1] if groups > 1 else 0
+            if leading == "paged":  # (batch, page, slot, kv head)
+                return axes[0], axes[3], axes[1], axes[2], group_stride, groups
+            if leading == "varlen":  # (batch, token, kv head)
+                return axes[0], axes[2], axes[1], 0, group_stride, groups
+            return axes[0], axes[1], axes[2], 0, group_stride, groups  # (batch, kv head, key)
+        per_slot = tuple(kshape[:-1])
+        shapes = [per_slot] + ([(batch,) + per_slot] if leading else [])
+        _fail(name, f"shape {tuple(shape)}", " or ".join(f"a shape broadcastable to {f + ('G',)}" for f in shapes)
+              + f" with G channel groups dividing the head dim {width} (1: no channel axis)")
+    _fail(name, getattr(t, "dtype", type(t).__name__), "an fp32 CPU tensor", TypeError)
+
+
+def _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale):
+    """Validate the scales of a quantised cache and pack the "quant" section (after _pack or
+    _pack_padded checked the shapes of q, k and v)."""
+    leading = "paged" if block_table is not None else "varlen" if cu_seqlens_q is not None else None
+    batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
+    none = (0, 0, 0, 0, 0, 0)
+    ks = none if k_scale is None else _scale_strides("k_scale", k_scale, k, k.shape[-1], batch, leading)
+    ko = none if k_offset is None else _scale_strides("k_offset", k_offset, k, k.shape[-1], batch, leading)
+    vs = none if v_scale is None else _scale_strides("v_scale", v_scale, v, v.shape[-1], batch, leading)
+    vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, v.shape[-1], batch, leading)
+    q_st, q_ptr = (0, 0, 0), 0
+    if q_scale is not None:
+        hkv = k.shape[2] if leading == "paged" else k.shape[1]
+        if not isinstance(q_scale, torch.Tensor) or q_scale.dtype is not _F32 or not q_scale.is_cpu or \
+                q_scale.dim() != 2 or any(n != f and n != 1 for n, f in zip(q_scale.shape, (batch, hkv))):
+            _fail("q_scale", getattr(q_scale, "shape", type(q_scale).__name__),
+                  f"an fp32 CPU tensor broadcastable to (batch, kv heads) = ({batch}, {hkv})", TypeError)
+        q_st = tuple(q_scale.stride(d) if q_scale.shape[d] != 1 else 0 for d in range(2)) + (0,)
+        q_ptr = q_scale.data_ptr()
+    lib.pack("quant", loc, _KV_FORMATS.get(k.dtype, _DTYPES[q.dtype]),
+             0 if k_scale is None else k_scale.data_ptr(), 0 if k_offset is None else k_offset.data_ptr(),
+             0 if v_scale is None else v_scale.data_ptr(), 0 if v_offset is None else v_offset.data_ptr(), q_ptr,
+             *ks, *ko, *vs, *vo, *q_st)
+    off = lib.field_offset["options"]
+    struct.pack_into("<q", loc.args, off, struct.unpack_from("<q", loc.args, off)[0] | _KV_QUANT)
+
 
 def _raise(loc, status):
     if status == CANCELLED:
@@ -589,14 +693,21 @@ def _raise(loc, status):
 def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, shift=0, cu_seqlens_q=None,
             cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
             bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
-            options=0, validate=True) -> None:
-    """Attention forward into ``out`` and ``lse`` (see the module docstring). ``validate=False``
-    skips the argument checks: only for arguments validated already (the engine's calls)."""
+            options=0, validate=True, k_scale=None, k_offset=None, v_scale=None, v_offset=None,
+            q_scale=None) -> None:
+    """Attention forward into ``out`` and ``lse`` (see the module docstring; a quantised cache and
+    its scales: "Quantised K/V" there). ``validate=False`` skips the argument checks: only for
+    arguments validated already (the engine's calls); the scales of a quantised cache are always
+    checked."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
+    quant = k_scale is not None or k_offset is not None or v_scale is not None or v_offset is not None or \
+        q_scale is not None or getattr(k, "dtype", None) in _KV_FORMATS
     if validate:
+        if options & _KV_QUANT:
+            _fail("options", options, f"flags without {_KV_QUANT} (set by the k_scale/... arguments)")
         _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes,
-                  mask, bias, dropout_p, cancel, False)
+                  mask, bias, dropout_p, cancel, False, _kv_format(q, k) if quant else None)
     if cu_seqlens_q is None and block_table is None and mask is None and bias is None and alibi_slopes is None \
             and cancel is None:  # the common call (a decode step): packed with as few operations as possible
         _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
@@ -605,6 +716,8 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
         _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
               seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
               num_threads, cancel, options)
+    if quant:
+        _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale)
     status = lib.forward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)

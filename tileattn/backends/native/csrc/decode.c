@@ -1,30 +1,52 @@
-/* Forward pass for a few query rows against many keys: a decode step against a KV cache.
+/* Forward pass for a few query rows against many keys: decode steps against a KV cache, as stored.
  *
- * With Sq * G <= TA_DECODE_MAX_ROWS rows per kv head a transposed tile would be mostly empty, and
- * the call is bound by reading K and V once. So the keys of each sequence are cut into chunks whose
+ * With few rows per kv head (Sq * G <= TA_DECODE_MAX_ROWS) a transposed tile would be mostly empty,
+ * and the call is bound by reading K and V once. So each sequence's keys are cut into chunks whose
  * length depends only on that sequence's key count (never on the thread count or on the other
- * sequences), and a task is (sequence, kv head, chunk):
+ * sequences), and a task is (sequence, kv head, block of query rows, chunk):
  *
  *   1. scores  each row's dot products with VW keys at a time: VW accumulators over d, then one
- *              transposing reduction gives the VW scores in one vector
+ *              transposing reduction gives the VW scores in one vector; up to four rows (the G
+ *              heads of a kv head) share every load of K
  *   2. softmax the score pipeline along the row, the chunk's exact maximum, P = 2^(s - m), l
- *   3. P.V     acc[row] += P[row][j] * V[j], V rows read in place
+ *   3. P.V     acc[row] += P[row][j] * V[j], each V vector loaded once for up to four rows
  *
- * Each task leaves (acc, m, l) per row; a merge pass combines the chunks of a row in chunk order,
+ * K and V are read in place in their own format (kv.h) and widened to fp32 in registers: bf16,
+ * fp16, int8, fp8 e4m3 / e5m2. A quantised cache's scales are folded where they are linear:
+ * a per-channel K scale into q, a per-key K scale and offset into the score, a per-key V scale into
+ * P, per-channel V scales and offsets into the accumulator (kv.h's classes); only scales that vary
+ * with both the key and the channel (per-token groups), and head dims that are not a multiple of
+ * the vector width, take rows dequantised into a tile buffer first ("converted rows").
+ *
+ * Each task leaves (acc, m, l) per row; a merge combines the chunks of a row in chunk order,
  * lse = log2-sum of the partial sums (see the anchors' "merging partial attention"). Chunks run in
  * parallel when the batch and heads cannot fill the threads (split-KV), and the bits of a row are
  * the same whatever else is in the batch and however many threads run.
+ *
+ * In a ragged call (varlen queries) every sequence takes its own path: those with few rows come
+ * here, the others go to the prefill tiles (forward.c), so a decode row's bits do not depend on the
+ * prefill chunks beside it. A quantised cache is read only here: long sequences are cut into blocks
+ * of DEC_BLOCK_ROWS rows, each its own tasks.
  */
 #include "kernels.h"
+#include "kv.h"
 #include "tile.h"
 
+/* Rows per task of a sequence with many query rows (a prefill chunk on a quantised cache). */
+#define DEC_BLOCK_ROWS 16
+
 typedef struct {
-    int64_t b, hk, c, j0, j1, slot; /* chunk keys [j0, j1), partial results at slot */
+    int64_t b, hk, i0, nq, j0, j1, slot; /* query rows [i0, i0 + nq), keys [j0, j1), partials at slot */
 } dec_task;
 
 typedef struct {
-    int64_t rows, Dp, Dvp; /* rows per kv head (Sq * G), head dims padded to VW */
-    real *part;            /* per task and row: Dv accumulators, m, l */
+    int64_t Dp, Dvp; /* head dims padded to VW */
+    int64_t kd;      /* format of K and V as the tasks read them */
+    int direct;      /* K and V read in place; else converted rows */
+    int ks, ko, vs, vo; /* classes (TA_QS_*) of k_scale, k_offset, v_scale, v_offset on the direct path */
+    real *part;      /* per task and row: Dv accumulators, m, l */
+    const dec_task *tasks;
+    const int64_t *groups; /* tasks of (sequence, kv head, row block) g: [groups[g], groups[g + 1]) */
 } dec_plan;
 
 /* Key chunk length: a function of the key count only. 512 keys keep a chunk's K and V in L2;
@@ -33,6 +55,12 @@ static int64_t dec_chunk(int64_t k_len) {
     int64_t c = 512;
     while (c < 4096 && c * 16 < k_len) c *= 2;
     return c;
+}
+
+/* Query rows per task: a whole sequence when it has few, else blocks of DEC_BLOCK_ROWS rows. */
+static int64_t dec_block_tokens(int64_t q_len, int64_t G) {
+    if (q_len * G <= DEC_BLOCK_ROWS) return q_len;
+    return DEC_BLOCK_ROWS / G > 0 ? DEC_BLOCK_ROWS / G : 1;
 }
 
 /* out[t] = sum of the lanes of v[t], t < VW: a transposing reduction tree. */
@@ -64,67 +92,120 @@ TA_INLINE vr dec_hsum(const vr *v) {
 #endif
 }
 
-/* K or V rows of a chunk: pointers to real rows whose width is a multiple of VW (zero padded). In
- * place for fp32 (fp64) inputs whose width already is such a multiple, else converted into buf. */
-static void dec_rows(const ta_args *a, const ta_seq *s, const void *base, const int64_t st[3], int64_t seq_off,
-                     int64_t hk, int64_t j0, int64_t n, int64_t width, int64_t wpad, real *buf, const real **rows) {
-    int native = (TA_REAL_BITS == 64) ? a->dtype == TA_F64 : a->dtype == TA_F32;
-    if (native && width == wpad && !a->paged) {
-        const real *r0 = (const real *)base + seq_off + hk * st[1] + j0 * st[2];
-        for (int64_t j = 0; j < n; j++) rows[j] = r0 + j * st[2];
-        return;
-    }
-    for (int64_t j = 0; j < n; j++) {
-        const void *src = ta_at(base, ta_key_off(a, s, st, seq_off, hk, j0 + j), a->dtype);
-        if (native && width == wpad) {
-            rows[j] = (const real *)src;
-        } else {
-            real *dst = buf + j * wpad;
-            ta_load_row(dst, src, width, a->dtype);
-            memset(dst + width, 0, (size_t)(wpad - width) * sizeof(real));
-            rows[j] = dst;
-        }
-    }
-}
+/* Accumulators of the score kernel: half the vector registers. */
+#if TA_VBYTES == 64
+#define DEC_ACC 16
+#define DEC_PV_NV 4
+#else
+#define DEC_ACC 8
+#define DEC_PV_NV 2
+#endif
+#define DEC_KG_MAX (VW < DEC_ACC ? VW : DEC_ACC)
 
-/* Dot products of nr (1 or 2) query rows with VW keys: a vector of partial sums per (row, key),
- * then one transposing reduction per row. DEC_G keys advance together (DEC_G * nr independent FMA
- * chains hide the FMA latency) and two rows share every load of K. */
-#define DEC_G (VW < 8 ? VW : 8)
-TA_INLINE void dec_dots(const int nr, const real *q, int64_t Dp, const real *const *kr, real alpha, real *out,
-                        int64_t out_ld) {
-    vr acc[2][VW];
-    for (int t0 = 0; t0 < VW; t0 += DEC_G) {
-        vr x[2][DEC_G];
-        const real *p[DEC_G];
-        for (int u = 0; u < DEC_G; u++) {
-            p[u] = kr[t0 + u];
+/* Dot products of nr (<= 4) query rows with VW keys of format kd: kg keys advance together
+ * (kg * nr <= DEC_ACC independent FMA chains hide the FMA latency) and the rows share every load
+ * of K; then one transposing reduction per row, times alpha. */
+TA_INLINE void dec_dots(const int kd, const int nr, const real *q, int64_t Dp, const void *const *kr, real alpha,
+                        real *out, int64_t out_ld) {
+    const int kg0 = DEC_ACC / nr >= 16 ? 16 : DEC_ACC / nr >= 8 ? 8 : DEC_ACC / nr >= 4 ? 4 : DEC_ACC / nr >= 2 ? 2 : 1;
+    const int kg = kg0 < VW ? kg0 : VW;
+    vr acc[4][VW];
+    for (int t0 = 0; t0 < VW; t0 += kg) {
+        vr x[4][DEC_KG_MAX];
+        for (int u = 0; u < kg; u++)
             for (int r = 0; r < nr; r++) x[r][u] = vzero();
-        }
         for (int64_t d = 0; d < Dp; d += VW) {
-            vr q0 = vload(q + d), q1 = nr > 1 ? vload(q + Dp + d) : q0;
-            for (int u = 0; u < DEC_G; u++) {
-                vr k = vload(p[u] + d);
-                x[0][u] = vfma(q0, k, x[0][u]);
-                if (nr > 1) x[1][u] = vfma(q1, k, x[1][u]);
+            vr qv[4];
+            for (int r = 0; r < nr; r++) qv[r] = vload(q + r * Dp + d);
+            for (int u = 0; u < kg; u++) {
+                vr k = ta_kv_vload(kr[t0 + u], d, kd);
+                for (int r = 0; r < nr; r++) x[r][u] = vfma(qv[r], k, x[r][u]);
             }
         }
         for (int r = 0; r < nr; r++)
-            for (int u = 0; u < DEC_G; u++) acc[r][t0 + u] = x[r][u];
+            for (int u = 0; u < kg; u++) acc[r][t0 + u] = x[r][u];
     }
     for (int r = 0; r < nr; r++) vstore(out + r * out_ld, dec_hsum(acc[r]) * alpha);
 }
 
 /* Step 1 for rows [0, M) (q: M rows of Dp values): alpha * q.k of keys [0, n) into S (np per row). */
-static void dec_raw_scores(const real *q, int64_t M, int64_t Dp, const real *const *krows, int64_t n, real alpha,
-                           real *S, int64_t np, const real *zero) {
+TA_INLINE void dec_scores_kd(const int kd, const real *q, int64_t M, int64_t Dp, const void *const *krows, int64_t n,
+                             real alpha, real *S, int64_t np, const void *zero) {
     for (int64_t t0 = 0; t0 < n; t0 += VW) {
-        const real *kr[VW];
+        const void *kr[VW];
         for (int t = 0; t < VW; t++) kr[t] = t0 + t < n ? krows[t0 + t] : zero;
         int64_t r = 0;
-        for (; r + 1 < M; r += 2) dec_dots(2, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
-        if (r < M) dec_dots(1, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
+        for (; r + 4 <= M; r += 4) dec_dots(kd, 4, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
+        if (M - r == 3) dec_dots(kd, 3, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
+        if (M - r == 2) dec_dots(kd, 2, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
+        if (M - r == 1) dec_dots(kd, 1, q + r * Dp, Dp, kr, alpha, S + r * np + t0, np);
     }
+}
+
+/* acc[r][c0 : c0 + nv*VW) += sum_j P[r][j] * V[j][c0 : ...) for the rows r < nr (<= 4) over keys
+ * [0, n): each V vector is loaded (and widened) once for all rows, with nr * nv accumulators. */
+TA_INLINE void dec_pv(const int kd, const int nr, const int nv, real *acc, int64_t acc_ld, const real *P,
+                      int64_t p_ld, const void *const *vrows, int64_t c0, int64_t n) {
+    vr x[4][DEC_PV_NV];
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nv; k++) x[r][k] = vload(acc + r * acc_ld + k * VW);
+    for (int64_t j = 0; j < n; j++) {
+        vr vv[DEC_PV_NV];
+        for (int k = 0; k < nv; k++) vv[k] = ta_kv_vload(vrows[j], c0 + k * VW, kd);
+        for (int r = 0; r < nr; r++) {
+            vr p = vset1(P[r * p_ld + j]);
+            for (int k = 0; k < nv; k++) x[r][k] = vfma(p, vv[k], x[r][k]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nv; k++) vstore(acc + r * acc_ld + k * VW, x[r][k]);
+}
+
+/* Step 3 for rows [0, M): blocks of 4 rows x DEC_PV_NV vectors of Dv, then the leftovers. */
+TA_INLINE void dec_pv_kd(const int kd, real *acc, int64_t Dvp, const real *P, int64_t np, const void *const *vrows,
+                         int64_t M, int64_t n) {
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        int nr = M - r0 >= 4 ? 4 : (int)(M - r0);
+        real *a = acc + r0 * Dvp;
+        const real *p = P + r0 * np;
+        for (int64_t c = 0; c < Dvp;) {
+            int nv = Dvp - c >= DEC_PV_NV * VW ? DEC_PV_NV : 1;
+            if (nr == 4 && nv == DEC_PV_NV)
+                dec_pv(kd, 4, DEC_PV_NV, a + c, Dvp, p, np, vrows, c, n);
+            else if (nv == DEC_PV_NV)
+                for (int r = 0; r < nr; r++) dec_pv(kd, 1, DEC_PV_NV, a + r * Dvp + c, Dvp, p + r * np, np, vrows, c, n);
+            else
+                for (int r = 0; r < nr; r++) dec_pv(kd, 1, 1, a + r * Dvp + c, Dvp, p + r * np, np, vrows, c, n);
+            c += nv * VW;
+        }
+    }
+}
+
+/* One instance of steps 1 and 3 per format (kd is a constant inside each). */
+#if TA_REAL_BITS == 32
+#define DEC_FORMATS(X) X(TA_BF16) X(TA_F16) X(TA_I8) X(TA_F8E4M3) X(TA_F8E4M3_FINITE) X(TA_F8E5M2)
+#define DEC_NATIVE TA_F32
+#else
+#define DEC_FORMATS(X)
+#define DEC_NATIVE TA_F64
+#endif
+
+static void dec_scores(int64_t kd, const real *q, int64_t M, int64_t Dp, const void *const *krows, int64_t n,
+                       real alpha, real *S, int64_t np, const void *zero) {
+#define DEC_CASE(f) \
+    case f: dec_scores_kd(f, q, M, Dp, krows, n, alpha, S, np, zero); return;
+    switch (kd) { DEC_FORMATS(DEC_CASE) default: break; }
+#undef DEC_CASE
+    dec_scores_kd(DEC_NATIVE, q, M, Dp, krows, n, alpha, S, np, zero);
+}
+
+static void dec_pv_rows(int64_t kd, real *acc, int64_t Dvp, const real *P, int64_t np, const void *const *vrows,
+                        int64_t M, int64_t n) {
+#define DEC_CASE(f) \
+    case f: dec_pv_kd(f, acc, Dvp, P, np, vrows, M, n); return;
+    switch (kd) { DEC_FORMATS(DEC_CASE) default: break; }
+#undef DEC_CASE
+    dec_pv_kd(DEC_NATIVE, acc, Dvp, P, np, vrows, M, n);
 }
 
 /* Step 2 for one row: raw scores in srow to base-2 logits through the score pipeline; -inf for
@@ -158,80 +239,169 @@ static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0,
     }
 }
 
-/* acc[r][c0 : c0 + nv*VW) += sum_j P[r][j] * V[j][c0 : ...) for the rows r < nr (<= 4) over keys
- * [jb, je): each V vector is loaded once for all rows, with nr * nv (<= 16) accumulators. */
-TA_INLINE void dec_pv(const int nr, const int nv, real *acc, int64_t acc_ld, const real *P, int64_t p_ld,
-                      const real *const *vrows, int64_t c0, int64_t jb, int64_t je) {
-    vr x[4][4];
-    for (int r = 0; r < nr; r++)
-        for (int k = 0; k < nv; k++) x[r][k] = vload(acc + r * acc_ld + k * VW);
-    for (int64_t j = jb; j < je; j++) {
-        const real *vj = vrows[j] + c0;
-        vr vv[4];
-        for (int k = 0; k < nv; k++) vv[k] = vload(vj + k * VW);
-        for (int r = 0; r < nr; r++) {
-            vr p = vset1(P[r * p_ld + j]);
-            for (int k = 0; k < nv; k++) x[r][k] = vfma(p, vv[k], x[r][k]);
-        }
+/* ------------------------------------------------------------------------------ scales of a task */
+
+/* One scale or offset of a task (sequence, kv head, keys [j0, j0 + n)) in the form its class
+ * folds in: a scalar, a vector over the channels [0, width) or an array over the keys. */
+typedef struct {
+    int kind;
+    real scalar;
+    real *v; /* per channel (width) or per key (n, then padding) */
+} dec_factor;
+
+static void dec_factor_init(dec_factor *f, int kind, const ta_args *a, const ta_seq *s, int64_t hk, const void *p,
+                            const int64_t st[6], int64_t width, int64_t j0, int64_t n, real *mem, real pad) {
+    f->kind = kind;
+    f->scalar = pad;
+    f->v = mem;
+    if (kind == TA_QS_SCALAR) {
+        f->scalar = (real)ta_qs_at(p, st, s->b, hk, 0, 0);
+    } else if (kind == TA_QS_CHANNEL) {
+        int64_t per = width / st[5];
+        for (int64_t c = 0; c < width; c++) mem[c] = (real)ta_qs_at(p, st, s->b, hk, 0, c / per);
+    } else if (kind == TA_QS_TOKEN) {
+        int64_t np = ta_round_up(n, VW);
+        for (int64_t j = 0; j < n; j++) mem[j] = (real)ta_qs_at(p, st, s->b, hk, ta_qs_pos(a, s, st, j0 + j), 0);
+        for (int64_t j = n; j < np; j++) mem[j] = pad;
     }
-    for (int r = 0; r < nr; r++)
-        for (int k = 0; k < nv; k++) vstore(acc + r * acc_ld + k * VW, x[r][k]);
 }
 
-/* Step 3 for rows [0, M): blocks of 4 rows x 4 vectors of Dv, then the leftovers. */
-static void dec_pv_rows(real *acc, int64_t Dvp, const real *P, int64_t np, const real *const *vrows, int64_t M,
-                        int64_t n) {
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-        int nr = M - r0 >= 4 ? 4 : (int)(M - r0);
-        real *a = acc + r0 * Dvp;
-        const real *p = P + r0 * np;
-        for (int64_t c = 0; c < Dvp;) {
-            int nv = Dvp - c >= 4 * VW ? 4 : 1;
-            if (nr == 4 && nv == 4)
-                dec_pv(4, 4, a + c, Dvp, p, np, vrows, c, 0, n);
-            else if (nv == 4)
-                for (int r = 0; r < nr; r++) dec_pv(1, 4, a + r * Dvp + c, Dvp, p + r * np, np, vrows, c, 0, n);
-            else
-                for (int r = 0; r < nr; r++) dec_pv(1, 1, a + r * Dvp + c, Dvp, p + r * np, np, vrows, c, 0, n);
-            c += nv * VW;
-        }
+/* Addresses of keys [j0, j0 + n) of kv head hk in a k-like tensor of element size es: strided within
+ * a sequence, one block-table lookup per page for a paged cache. */
+static void dec_row_ptrs(const ta_args *a, const ta_seq *s, const void *base, const int64_t st[3], int64_t seq_off,
+                         int64_t hk, int64_t j0, int64_t n, int64_t es, const void **rows) {
+    const char *b = (const char *)base;
+    const int64_t step = es * st[2];
+    if (!a->paged) {
+        const char *p = b + es * (seq_off + hk * st[1] + j0 * st[2]);
+        for (int64_t j = 0; j < n; j++) rows[j] = p + j * step;
+        return;
+    }
+    const int32_t *bt = (const int32_t *)a->block_table;
+    for (int64_t j = 0; j < n;) {
+        int64_t key = j0 + j, slot = key % a->page_size, cnt = a->page_size - slot < n - j ? a->page_size - slot : n - j;
+        const char *p = b + es * (bt[s->b * a->bt_st[0] + (key / a->page_size) * a->bt_st[1]] * st[0] + hk * st[1] +
+                                  slot * st[2]);
+        for (int64_t u = 0; u < cnt; u++) rows[j + u] = p + u * step;
+        j += cnt;
     }
 }
+
+/* Converted rows: keys [j0, j0 + n) of kv head hk of a k-like tensor, dequantised with any scale
+ * and offset, into buf (n rows of wpad reals, zero padded). */
+static void dec_convert_rows(const ta_args *a, const ta_seq *s, const void *base, const int64_t st[3],
+                             int64_t seq_off, int64_t hk, int64_t j0, int64_t n, int64_t width, int64_t wpad,
+                             const void *scale, const int64_t sst[6], const void *offset, const int64_t ost[6],
+                             real *buf, const void **rows) {
+    const int64_t kd = ta_kv_dtype(a), es = ta_kv_elsize(kd);
+    const int64_t sper = scale ? width / sst[5] : 1, oper = offset ? width / ost[5] : 1;
+    for (int64_t j = 0; j < n; j++) {
+        const char *src = (const char *)base + es * ta_key_off(a, s, st, seq_off, hk, j0 + j);
+        real *dst = buf + j * wpad;
+        int64_t spos = scale ? ta_qs_pos(a, s, sst, j0 + j) : 0, opos = offset ? ta_qs_pos(a, s, ost, j0 + j) : 0;
+        for (int64_t c = 0; c < width; c++) {
+            real x = (real)ta_kv_load1(src, c, kd);
+            if (offset) x += (real)ta_qs_at(offset, ost, s->b, hk, opos, c / oper);
+            if (scale) x *= (real)ta_qs_at(scale, sst, s->b, hk, spos, c / sper);
+            dst[c] = x;
+        }
+        memset(dst + width, 0, (size_t)(wpad - width) * sizeof(real));
+        rows[j] = dst;
+    }
+}
+
+/* -------------------------------------------------------------------------------------- one task */
 
 static int dec_block(const ta_args *a, const void *plan, const void *task) {
     const dec_plan *P = (const dec_plan *)plan;
     const dec_task *t = (const dec_task *)task;
-    const int64_t D = a->D, Dv = a->Dv, Dp = P->Dp, Dvp = P->Dvp, G = a->Hq / a->Hkv;
+    const int64_t D = a->D, Dv = a->Dv, Dp = P->Dp, Dvp = P->Dvp, G = a->Hq / a->Hkv, hk = t->hk;
     if (ta_cancelled(a)) return TA_CANCELLED;
     ta_seq s;
     ta_seq_init(a, t->b, &s);
-    /* the keys of the chunk that some row sees (none when a window ends before the chunk) */
-    int64_t j0 = ta_band_lo(a, &s, 0), j1 = ta_band_hi(a, &s, s.q_len - 1) + 1;
+    /* the keys of the chunk that some row of the block sees (none when a window ends before it) */
+    int64_t j0 = ta_band_lo(a, &s, t->i0), j1 = ta_band_hi(a, &s, t->i0 + t->nq - 1) + 1;
     j0 = j0 > t->j0 ? j0 : t->j0;
     j1 = j1 < t->j1 ? j1 : t->j1;
     if (j1 < j0) j1 = j0;
-    int64_t M = s.q_len * G, n = j1 - j0, np = ta_round_up(n, VW);
-    size_t nreal = (size_t)(M * (Dp + np + Dvp) + n * (Dp + Dvp) + Dp + VW);
-    char *mem = (char *)ta_scratch(0, nreal * sizeof(real) + (size_t)(2 * n) * sizeof(real *));
+    const int64_t M = t->nq * G, n = j1 - j0, np = ta_round_up(n, VW), W = Dp > Dvp ? Dp : Dvp;
+    const int64_t F = np > W ? np : W; /* a scale factor's space: per key or per channel */
+    size_t nreal = (size_t)(M * (Dp + np + Dvp + 2) + 4 * F + 2 * W + VW);
+    if (!P->direct) nreal += (size_t)(n * (Dp + Dvp));
+    char *mem = (char *)ta_scratch(0, nreal * sizeof(real) + (size_t)(2 * n) * sizeof(void *));
     if (!mem) return TA_ENOMEM;
-    real *q = (real *)mem, *S = q + M * Dp, *acc = S + M * np, *kbuf = acc + M * Dvp, *vbuf = kbuf + n * Dp;
-    real *zero = vbuf + n * Dvp;
-    const real **krows = (const real **)(zero + Dp + VW), **vrows = krows + n;
-    memset(zero, 0, (size_t)(Dp + VW) * sizeof(real));
+    real *q = (real *)mem, *S = q + M * Dp, *acc = S + M * np, *rowc = acc + M * Dvp, *fk = rowc + 2 * M;
+    real *zero = fk + 4 * F, *kbuf = zero + 2 * W + VW, *vbuf = kbuf + n * Dp;
+    const void **krows = (const void **)(mem + nreal * sizeof(real)), **vrows = krows + n;
+    memset(zero, 0, (size_t)(2 * W + VW) * sizeof(real)); /* a zero row of any format */
     memset(acc, 0, (size_t)(M * Dvp) * sizeof(real));
-    real *part = P->part + t->slot * P->rows * (Dv + 2);
+    real *part = P->part + t->slot;
 
-    dec_rows(a, &s, a->k, a->k_st, s.k0, t->hk, j0, n, D, Dp, kbuf, krows);
-    dec_rows(a, &s, a->v, a->v_st, s.v0, t->hk, j0, n, Dv, Dvp, vbuf, vrows);
-    for (int64_t r = 0; r < M; r++) {
-        int64_t i = r / G, h = t->hk * G + r % G;
-        ta_load_row(q + r * Dp, ta_at(a->q, s.q0 + h * a->q_st[1] + i * a->q_st[2], a->dtype), D, a->dtype);
-        memset(q + r * Dp + D, 0, (size_t)(Dp - D) * sizeof(real));
+    dec_factor ks = {TA_QS_NONE, 1, NULL}, ko = {TA_QS_NONE, 0, NULL}, vs = ks, vo = ko;
+    int64_t kd = P->kd;
+    real unit_k = 1, unit_v = 1;
+    if (P->direct) {
+        const int64_t es = ta_kv_elsize(kd);
+        dec_row_ptrs(a, &s, a->k, a->k_st, s.k0, hk, j0, n, es, krows);
+        dec_row_ptrs(a, &s, a->v, a->v_st, s.v0, hk, j0, n, es, vrows);
+        /* most e4m3 chunks hold no NaN: a scan here spares every widening its NaN check */
+        if (kd == TA_F8E4M3 && !ta_e4m3_any_nan(krows, n, D) && !ta_e4m3_any_nan(vrows, n, Dv)) kd = TA_F8E4M3_FINITE;
+        dec_factor_init(&ks, P->ks, a, &s, hk, a->k_scale, a->k_scale_st, D, j0, n, fk, 1);
+        dec_factor_init(&ko, P->ko, a, &s, hk, a->k_offset, a->k_offset_st, D, j0, n, fk + F, 0);
+        dec_factor_init(&vs, P->vs, a, &s, hk, a->v_scale, a->v_scale_st, Dv, j0, n, fk + 2 * F, 1);
+        dec_factor_init(&vo, P->vo, a, &s, hk, a->v_offset, a->v_offset_st, Dv, j0, n, fk + 3 * F, 0);
+        unit_k = unit_v = ta_kv_unit(kd);
+    } else {
+        const int quant = (a->options & TA_OPT_KV_QUANT) != 0;
+        dec_convert_rows(a, &s, a->k, a->k_st, s.k0, hk, j0, n, D, Dp, quant ? a->k_scale : NULL, a->k_scale_st,
+                         quant ? a->k_offset : NULL, a->k_offset_st, kbuf, krows);
+        dec_convert_rows(a, &s, a->v, a->v_st, s.v0, hk, j0, n, Dv, Dvp, quant ? a->v_scale : NULL, a->v_scale_st,
+                         quant ? a->v_offset : NULL, a->v_offset_st, vbuf, vrows);
+        kd = DEC_NATIVE;
     }
-    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
-    dec_raw_scores(q, M, Dp, krows, n, (real)(plain ? a->scale * TA_LOG2E : a->scale), S, np, zero);
+    const real *kch = ks.kind == TA_QS_CHANNEL ? ks.v : NULL, *koch = ko.kind == TA_QS_CHANNEL ? ko.v : NULL;
+
+    /* q rows (times a per-channel K scale), and what the K offset adds to each row's scores:
+     * rowc[2r] = q'.offset (per channel or scalar offset), rowc[2r + 1] = sum(q') (per key) */
     for (int64_t r = 0; r < M; r++) {
-        int64_t i = r / G, h = t->hk * G + r % G;
+        int64_t i = t->i0 + r / G, h = hk * G + r % G;
+        real *qr = q + r * Dp;
+        ta_load_row(qr, ta_at(a->q, s.q0 + h * a->q_st[1] + i * a->q_st[2], a->dtype), D, a->dtype);
+        memset(qr + D, 0, (size_t)(Dp - D) * sizeof(real));
+        if (kch)
+            for (int64_t c = 0; c < D; c++) qr[c] *= kch[c];
+        double dot_off = 0, sum = 0;
+        if (ko.kind != TA_QS_NONE) {
+            for (int64_t c = 0; c < D; c++) {
+                sum += qr[c];
+                dot_off += (double)qr[c] * (koch ? koch[c] : ko.scalar);
+            }
+        }
+        rowc[2 * r] = (real)dot_off;
+        rowc[2 * r + 1] = (real)sum;
+        if (unit_k != 1)
+            for (int64_t c = 0; c < D; c++) qr[c] *= unit_k;
+    }
+
+    /* scale * q_descale * a per-tensor/head K scale * log2(e) when no modifier needs raw scores */
+    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
+    double alpha = plain ? a->scale * TA_LOG2E : a->scale;
+    if ((a->options & TA_OPT_KV_QUANT) && a->q_scale)
+        alpha *= ((const float *)a->q_scale)[s.b * a->q_scale_st[0] + hk * a->q_scale_st[1]];
+    if (ks.kind == TA_QS_SCALAR) alpha *= ks.scalar;
+    const int per_key = ks.kind == TA_QS_TOKEN || ko.kind != TA_QS_NONE;
+    dec_scores(kd, q, M, Dp, krows, n, per_key ? 1 : (real)alpha, S, np, zero);
+    if (per_key) /* s = alpha * scale_j * (q'.k_j + offset term) */
+        for (int64_t r = 0; r < M; r++) {
+            real *srow = S + r * np;
+            for (int64_t j = 0; j < n; j++) {
+                real off = ko.kind == TA_QS_TOKEN ? ko.v[j] * rowc[2 * r + 1] : rowc[2 * r];
+                srow[j] = (srow[j] + off) * (real)alpha * (ks.kind == TA_QS_TOKEN ? ks.v[j] : 1);
+            }
+        }
+
+    for (int64_t r = 0; r < M; r++) {
+        int64_t i = t->i0 + r / G, h = hk * G + r % G;
         real *srow = S + r * np;
         dec_logits(a, &s, n, j0, h, i, srow);
 
@@ -258,87 +428,156 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
         real *pr = part + r * (Dv + 2);
         pr[Dv] = m;
         pr[Dv + 1] = vsum(lsum);
+        /* a per-key V scale weighs P; the V offset adds offset * (sum of those weights) */
+        if (vs.kind == TA_QS_TOKEN)
+            for (int64_t j = 0; j < n; j++) srow[j] *= vs.v[j];
+        double off = 0;
+        if (vo.kind != TA_QS_NONE)
+            for (int64_t j = 0; j < n; j++) off += (double)srow[j] * (vo.kind == TA_QS_TOKEN ? vo.v[j] : 1);
+        rowc[2 * r] = (real)off;
     }
-    dec_pv_rows(acc, Dvp, S, np, vrows, M, n);
-    for (int64_t r = 0; r < M; r++) memcpy(part + r * (Dv + 2), acc + r * Dvp, (size_t)Dv * sizeof(real));
+    dec_pv_rows(kd, acc, Dvp, S, np, vrows, M, n);
+    for (int64_t r = 0; r < M; r++) {
+        const real *ar = acc + r * Dvp;
+        real *pr = part + r * (Dv + 2), off = rowc[2 * r];
+        for (int64_t c = 0; c < Dv; c++) {
+            real x = ar[c] * unit_v;
+            if (vo.kind != TA_QS_NONE)
+                x += vo.kind == TA_QS_TOKEN ? off : off * (vo.kind == TA_QS_CHANNEL ? vo.v[c] : vo.scalar);
+            if (vs.kind != TA_QS_NONE && vs.kind != TA_QS_TOKEN) x *= vs.kind == TA_QS_CHANNEL ? vs.v[c] : vs.scalar;
+            pr[c] = x;
+        }
+    }
     return TA_OK;
 }
 
-/* Combine the chunks of every (sequence, kv head) in chunk order and write out and lse. */
-static void dec_merge(const ta_args *a, const dec_plan *P, const dec_task *tasks, int64_t ntasks, real *tmp) {
+/* ------------------------------------------------------------------------------------------ merge */
+
+/* Combine the chunks of one (sequence, kv head, row block) in chunk order and write out and lse. */
+static int dec_merge(const ta_args *a, const void *plan, const void *task) {
+    const dec_plan *P = (const dec_plan *)plan;
+    const int64_t g = *(const int64_t *)task, t0 = P->groups[g], t1 = P->groups[g + 1];
+    const dec_task *tasks = P->tasks, *first = tasks + t0;
     const int64_t Dv = a->Dv, G = a->Hq / a->Hkv;
     const double keep_scale = 1.0 / (1.0 - a->dropout_p);
-    for (int64_t t0 = 0; t0 < ntasks;) {
-        int64_t t1 = t0;
-        while (t1 < ntasks && tasks[t1].b == tasks[t0].b && tasks[t1].hk == tasks[t0].hk) t1++;
-        ta_seq s;
-        ta_seq_init(a, tasks[t0].b, &s);
-        for (int64_t r = 0; r < s.q_len * G; r++) {
-            double m = -INFINITY, l = 0;
-            for (int64_t t = t0; t < t1; t++) {
-                double mc = P->part[(tasks[t].slot * P->rows + r) * (Dv + 2) + Dv];
-                m = mc > m || mc != mc ? mc : m;
-            }
-            double msub = m == -INFINITY ? 0 : m;
-            memset(tmp, 0, (size_t)Dv * sizeof(real));
-            for (int64_t t = t0; t < t1; t++) {
-                const real *pr = P->part + (tasks[t].slot * P->rows + r) * (Dv + 2);
-                real w = (real)exp2((double)pr[Dv] - msub);
-                if (pr[Dv + 1] == 0) continue; /* the chunk saw no key of this row */
-                l += (double)w * pr[Dv + 1];
-                for (int64_t c = 0; c < Dv; c++) tmp[c] += w * pr[c];
-            }
-            double lse = l == 0 ? -INFINITY : (m + log2(l)) * TA_LN2;
-            real inv = l == 0 ? 0 : (real)(keep_scale / l);
-            for (int64_t c = 0; c < Dv; c++) tmp[c] *= inv;
-            int64_t i = r / G, h = tasks[t0].hk * G + r % G;
-            ta_store_row((char *)a->out + (s.o0 + h * a->o_st[1] + i * a->o_st[2]) * ta_elsize(a->out_dtype), tmp,
-                         Dv, a->out_dtype);
-            int64_t lo = s.l0 + h * a->lse_st[1] + i * a->lse_st[2];
-            if (TA_REAL_BITS == 64)
-                ((double *)a->lse)[lo] = lse;
-            else
-                ((float *)a->lse)[lo] = (float)lse;
+    real *tmp = (real *)ta_scratch(1, (size_t)Dv * sizeof(real));
+    if (!tmp) return TA_ENOMEM;
+    ta_seq s;
+    ta_seq_init(a, first->b, &s);
+    for (int64_t r = 0; r < first->nq * G; r++) {
+        double m = -INFINITY, l = 0;
+        for (int64_t t = t0; t < t1; t++) {
+            double mc = P->part[tasks[t].slot + r * (Dv + 2) + Dv];
+            m = mc > m || mc != mc ? mc : m;
         }
-        t0 = t1;
+        double msub = m == -INFINITY ? 0 : m;
+        memset(tmp, 0, (size_t)Dv * sizeof(real));
+        for (int64_t t = t0; t < t1; t++) {
+            const real *pr = P->part + tasks[t].slot + r * (Dv + 2);
+            real w = (real)exp2((double)pr[Dv] - msub);
+            if (pr[Dv + 1] == 0) continue; /* the chunk saw no key of this row */
+            l += (double)w * pr[Dv + 1];
+            for (int64_t c = 0; c < Dv; c++) tmp[c] += w * pr[c];
+        }
+        double lse = l == 0 ? -INFINITY : (m + log2(l)) * TA_LN2;
+        real inv = l == 0 ? 0 : (real)(keep_scale / l);
+        for (int64_t c = 0; c < Dv; c++) tmp[c] *= inv;
+        int64_t i = first->i0 + r / G, h = first->hk * G + r % G;
+        ta_store_row((char *)a->out + (s.o0 + h * a->o_st[1] + i * a->o_st[2]) * ta_elsize(a->out_dtype), tmp, Dv,
+                     a->out_dtype);
+        int64_t lo = s.l0 + h * a->lse_st[1] + i * a->lse_st[2];
+        if (TA_REAL_BITS == 64)
+            ((double *)a->lse)[lo] = lse;
+        else
+            ((float *)a->lse)[lo] = (float)lse;
     }
+    return TA_OK;
 }
 
-int FN(decode)(const ta_args *a) {
+/* ---------------------------------------------------------------------------------------- driver */
+
+/* The tasks of one (sequence, kv head, row block): the chunks that hold a key some row sees, or one
+ * empty task when there is none (its rows get out = 0, lse = -inf). Returns the new task count. */
+static int64_t dec_add_tasks(const ta_args *a, const ta_seq *s, int64_t hk, int64_t i0, int64_t nq, dec_task *tasks,
+                             int64_t nt, int64_t *slot, double *work) {
+    const int64_t ch = dec_chunk(s->k_len), rows = nq * (a->Hq / a->Hkv);
+    int64_t lo = ta_band_lo(a, s, i0), hi = ta_band_hi(a, s, i0 + nq - 1);
+    int64_t c0 = lo / ch, c1 = hi >= lo ? hi / ch + 1 : c0 + 1;
+    for (int64_t c = c0; c < c1; c++) {
+        int64_t j0 = c * ch, j1 = hi >= lo ? (j0 + ch < s->k_len ? j0 + ch : s->k_len) : j0;
+        if (tasks) tasks[nt] = (dec_task){s->b, hk, i0, nq, j0, j1, *slot};
+        nt++;
+        *slot += rows * (a->Dv + 2);
+        *work += (double)(j1 - j0) * rows * (a->D + a->Dv);
+    }
+    return nt;
+}
+
+/* Every sequence that takes this path (ta_decode_takes), cut into tasks; *rest counts the others. */
+static int64_t dec_plan_tasks(const ta_args *a, dec_task *tasks, int64_t *groups, int64_t *ngroups, int64_t *slots,
+                              double *work, int64_t *rest) {
     const int64_t G = a->Hq / a->Hkv;
-    dec_plan P = {a->Sq * G, ta_round_up(a->D, VW), ta_round_up(a->Dv, VW), NULL};
-    int64_t ntasks = 0;
+    int64_t nt = 0, ng = 0, slot = 0;
+    *rest = 0;
+    *work = 0;
     for (int64_t b = 0; b < a->B; b++) {
         ta_seq s;
         ta_seq_init(a, b, &s);
-        int64_t ch = dec_chunk(s.k_len);
-        ntasks += a->Hkv * (s.k_len > 0 ? (s.k_len + ch - 1) / ch : 1);
+        if (s.q_len == 0) continue;
+        if (!ta_decode_takes(a, s.q_len)) {
+            (*rest)++;
+            continue;
+        }
+        int64_t blk = dec_block_tokens(s.q_len, G);
+        for (int64_t hk = 0; hk < a->Hkv; hk++)
+            for (int64_t i0 = 0; i0 < s.q_len; i0 += blk) {
+                if (groups) groups[ng] = nt;
+                ng++;
+                nt = dec_add_tasks(a, &s, hk, i0, s.q_len - i0 < blk ? s.q_len - i0 : blk, tasks, nt, &slot, work);
+            }
     }
-    if (ntasks == 0) return TA_OK;
-    dec_task *tasks = (dec_task *)malloc((size_t)ntasks * sizeof(dec_task));
-    P.part = (real *)malloc((size_t)(ntasks * P.rows * (a->Dv + 2) + a->Dv) * sizeof(real));
-    if (!tasks || !P.part) {
+    if (groups) groups[ng] = nt;
+    *ngroups = ng;
+    *slots = slot;
+    return nt;
+}
+
+int FN(decode)(const ta_args *a, int64_t *rest) {
+    dec_plan P = {ta_round_up(a->D, VW), ta_round_up(a->Dv, VW), ta_kv_dtype(a), 1, TA_QS_NONE, TA_QS_NONE,
+                  TA_QS_NONE, TA_QS_NONE, NULL, NULL, NULL};
+    if (a->options & TA_OPT_KV_QUANT) {
+        P.ks = ta_qs_kind(a->k_scale, a->k_scale_st);
+        P.ko = ta_qs_kind(a->k_offset, a->k_offset_st);
+        P.vs = ta_qs_kind(a->v_scale, a->v_scale_st);
+        P.vo = ta_qs_kind(a->v_offset, a->v_offset_st);
+    }
+    int general = P.ks == TA_QS_GENERAL || P.ko == TA_QS_GENERAL || P.vs == TA_QS_GENERAL || P.vo == TA_QS_GENERAL;
+    int vector_kd = P.kd == DEC_NATIVE || (TA_REAL_BITS == 32 && P.kd != TA_F64);
+    P.direct = !general && vector_kd && P.Dp == a->D && P.Dvp == a->Dv;
+    int64_t ng, slots;
+    double work;
+    int64_t nt = dec_plan_tasks(a, NULL, NULL, &ng, &slots, &work, rest);
+    if (nt == 0) return TA_OK;
+    dec_task *tasks = (dec_task *)malloc((size_t)nt * sizeof(dec_task));
+    int64_t *groups = (int64_t *)malloc((size_t)(2 * ng + 1) * sizeof(int64_t));
+    P.part = (real *)malloc((size_t)slots * sizeof(real));
+    if (!tasks || !groups || !P.part) {
         free(tasks);
+        free(groups);
         free(P.part);
         return TA_ENOMEM;
     }
-    int64_t nt = 0;
-    double work = 0;
-    for (int64_t b = 0; b < a->B; b++) {
-        ta_seq s;
-        ta_seq_init(a, b, &s);
-        int64_t ch = dec_chunk(s.k_len), nch = s.k_len > 0 ? (s.k_len + ch - 1) / ch : 1;
-        for (int64_t hk = 0; hk < a->Hkv; hk++)
-            for (int64_t c = 0; c < nch; c++) {
-                int64_t j0 = c * ch, j1 = j0 + ch < s.k_len ? j0 + ch : s.k_len;
-                tasks[nt] = (dec_task){b, hk, c, j0, j1, nt};
-                nt++;
-                work += (double)(j1 - j0) * s.q_len * G * (a->D + a->Dv);
-            }
-    }
+    dec_plan_tasks(a, tasks, groups, &ng, &slots, &work, rest);
+    P.tasks = tasks;
+    P.groups = groups;
     int status = ta_run_tasks(a, nt, work, tasks, sizeof(dec_task), dec_block, &P);
-    if (status == TA_OK) dec_merge(a, &P, tasks, nt, P.part + ntasks * P.rows * (a->Dv + 2));
+    if (status == TA_OK) {
+        int64_t *ids = groups + ng + 1;
+        for (int64_t g = 0; g < ng; g++) ids[g] = g;
+        status = ta_run_tasks(a, ng, (double)slots * 4, ids, sizeof(int64_t), dec_merge, &P);
+    }
     free(tasks);
+    free(groups);
     free(P.part);
     return status;
 }

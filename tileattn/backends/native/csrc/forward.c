@@ -515,6 +515,7 @@ static int prefill(const ta_args *a) {
     for (int64_t b = 0; b < a->B; b++) {
         ta_seq s;
         ta_seq_init(a, b, &s);
+        if (ta_decode_takes(a, s.q_len)) continue;
         for (int64_t i0 = 0; i0 < s.q_len; i0 += P.bmq * group) {
             int64_t i1 = i0 + P.bmq * group < s.q_len ? i0 + P.bmq * group : s.q_len, cost = 0;
             for (int64_t i = i0; i < i1; i += P.bmq) {
@@ -538,8 +539,7 @@ static int prefill(const ta_args *a) {
 }
 
 int FN(forward)(const ta_args *a) {
-    int64_t G = a->Hq / a->Hkv;
-    int decode = (a->options & TA_OPT_FORCE_DECODE) ||
-                 (!(a->options & TA_OPT_FORCE_PREFILL) && a->Sq * G <= TA_DECODE_MAX_ROWS);
-    return decode ? FN(decode)(a) : prefill(a);
+    int64_t rest;
+    int status = FN(decode)(a, &rest);
+    return status == TA_OK && rest > 0 ? prefill(a) : status;
 }

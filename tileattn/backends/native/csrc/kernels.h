@@ -10,10 +10,20 @@
  * below it a transposed tile would leave most of its lanes empty. */
 #define TA_DECODE_MAX_ROWS 8
 
+/* Whether a sequence of q_len query rows takes the decode path (each sequence of a ragged call
+ * decides for itself, so its bits do not depend on the others); a quantised cache is read only
+ * there. */
+static inline int ta_decode_takes(const ta_args *a, int64_t q_len) {
+    if (a->options & (TA_OPT_KV_QUANT | TA_OPT_FORCE_DECODE)) return 1;
+    if (a->options & TA_OPT_FORCE_PREFILL) return 0;
+    return q_len * (a->Hq / a->Hkv) <= TA_DECODE_MAX_ROWS;
+}
+
 int ta_forward_f32(const ta_args *a);
 int ta_forward_f64(const ta_args *a);
-int ta_decode_f32(const ta_args *a);
-int ta_decode_f64(const ta_args *a);
+/* The sequences that ta_decode_takes; *rest = how many it left to the prefill path. */
+int ta_decode_f32(const ta_args *a, int64_t *rest);
+int ta_decode_f64(const ta_args *a, int64_t *rest);
 int ta_backward_f32(const ta_args *a);
 int ta_backward_f64(const ta_args *a);
 

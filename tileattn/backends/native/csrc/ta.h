@@ -11,6 +11,7 @@
  *    st = (page, head, position) and block_table (B, max_pages).
  *  - lse/delta: (B, Hq, Sq) with st = (batch, head, seq); varlen (Hq, Tq) with st = (0, head, token).
  *  - mask/bias/dbias: 4-d broadcast views (B, Hq, Sq, Sk), strides may be 0.
+ *  - quantised K/V (options & TA_OPT_KV_QUANT): kv_dtype and the scale descriptor of kv.h.
  */
 #ifndef TA_H
 #define TA_H
@@ -19,7 +20,8 @@
 
 #define TA_ERR_LEN 512
 
-enum ta_dtype { TA_F32 = 0, TA_F64 = 1, TA_BF16 = 2, TA_F16 = 3 };
+/* TA_I8 .. TA_F8E5M2: element formats of a quantised K/V cache (kv_dtype, see kv.h), never of q */
+enum ta_dtype { TA_F32 = 0, TA_F64 = 1, TA_BF16 = 2, TA_F16 = 3, TA_I8 = 4, TA_F8E4M3 = 5, TA_F8E5M2 = 6 };
 
 enum ta_status { TA_OK = 0, TA_CANCELLED = 1, TA_EINVAL = -1, TA_ENOMEM = -2 };
 
@@ -32,9 +34,10 @@ enum ta_option {
     TA_OPT_NO_BF16DOT = 16,   /* bf16: fp32 tiles even where the CPU has vdpbf16ps */
     TA_OPT_BF16DOT = 32,      /* bf16: vdpbf16ps tiles where the CPU has them */
     TA_OPT_NO_AMX = 64,       /* bf16: no AMX tiles even where the CPU and the OS allow them */
+    TA_OPT_KV_QUANT = 128,    /* the "quant" section is set: k/v format and scales (kernels.py sets it) */
 };
 
-/* X(section, kind, name); kind: p = pointer, i = int64, d = double, i3/i4 = int64 arrays.
+/* X(section, kind, name); kind: p = pointer, i = int64, d = double, i3/i4/i6 = int64 arrays.
  * Sections are contiguous and written by Python as units: "core" on every call, the others only
  * when the call uses them (the kernels read a section only when its pointer is set: block_table,
  * mask, bias, alibi, dout, dbias), so a decode step packs 61 values, not all of them. */
@@ -58,7 +61,10 @@ enum ta_option {
     X(alibi, i3, alibi_st)                                                                          \
     X(bwd, i3, do_st) X(bwd, i3, dq_st) X(bwd, i3, dk_st) X(bwd, i3, dv_st) X(bwd, i, dout_dtype)   \
     X(bwd, i, dq_dtype) X(bwd, i, dkv_dtype)                                                        \
-    X(dbias, i4, dbias_st)
+    X(dbias, i4, dbias_st)                                                                          \
+    X(quant, i, kv_dtype) X(quant, p, k_scale) X(quant, p, k_offset) X(quant, p, v_scale)           \
+    X(quant, p, v_offset) X(quant, p, q_scale) X(quant, i6, k_scale_st) X(quant, i6, k_offset_st)   \
+    X(quant, i6, v_scale_st) X(quant, i6, v_offset_st) X(quant, i3, q_scale_st)
 
 #define TA_FIELD_DECL(section, kind, name) TA_FIELD_##kind(name)
 #define TA_FIELD_p(name) void *name;
@@ -66,6 +72,7 @@ enum ta_option {
 #define TA_FIELD_d(name) double name;
 #define TA_FIELD_i3(name) int64_t name[3];
 #define TA_FIELD_i4(name) int64_t name[4];
+#define TA_FIELD_i6(name) int64_t name[6];
 
 typedef struct ta_args {
     TA_FIELDS(TA_FIELD_DECL)
