@@ -162,9 +162,12 @@ GEMMS = {"fwd": ("scores", "pv"), "bwd": ("scores", "dp", "dv", "dk", "dq")}
 
 
 def shares(counters, mode):
-    """Phase -> share of the time of the tasks that ran unpreempted (the only ones the phases count)."""
-    tot = max(counters["task"], 1)
-    return {k[4:]: v / tot for k, v in counters.items() if k.startswith(mode + "_") and v}
+    """Phase -> share of the time the phases counted (in tasks that ran unpreempted). On a loaded
+    machine a task can also lose time between phases, which no phase owns: shares of the counted
+    time say where the kernel's own work goes whatever the load."""
+    phases = {k[4:]: v for k, v in counters.items() if k.startswith(mode + "_") and v}
+    tot = max(sum(phases.values()), 1)
+    return {k: v / tot for k, v in phases.items()}
 
 
 for p in profiles:
