@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import ops
+from . import lean, ops
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail, modifiers_from_keywords
 from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of
@@ -120,6 +120,17 @@ def flash_attention(
     """
     keywords = locals()  # first statement: exactly the arguments, which the modifier types parse
     check_bool("return_lse", return_lse)
+    lean_key = None
+    if (mask is None and bias is None and alibi_slopes is None and sinks is None and type(dropout_p) is float
+            and dropout_p == 0.0 and seed is None and generator is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
+            and type(modifiers) is tuple and not modifiers):
+        lean_key, plan = lean.lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, seqused_k,
+                                     block_table, deterministic, backend)
+        if plan is not None:
+            served = plan.run(q, k, v, seqused_k, block_table, return_lse)
+            if served is not None:
+                return served if return_lse else served[0]
     found = modifiers_from_keywords(keywords, modifiers)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -143,6 +154,8 @@ def flash_attention(
             # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
             # step, pays nothing for plans it would never use.
             _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
+    if lean_key is not None and lean_key not in lean.PLANS:
+        lean.remember(lean_key, spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
 
