@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 
-from ...spec import empty_in_layout
 from . import kernels
 
 #: A sequence with at most this many query rows per kv head (q_len * Hq / Hkv) takes the split-KV
@@ -107,9 +106,7 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
     if spec.dtype not in kernels._DTYPES:
         return None
     acc = kernels.accumulation_dtype(spec.dtype)
-    # the canonical strides of the output the lean call allocates (contiguous in the user's layout)
-    ost = empty_in_layout(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v, spec.dtype,
-                          "meta")[1].stride()
+    ost = _output_strides(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v)
     lst = (spec.heads_q * spec.seqlen_q, spec.seqlen_q, 1)
     qst = spec.q_c.stride()
     paged = spec.is_paged
@@ -129,3 +126,13 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
         off, packer = lib.sections["paged"]
         packer.pack_into(template, off, 0, page_size, max_pages, *spec.block_table.stride(), 0)
     return PreparedForward(lib, bytes(template), rows * acc.itemsize, paged, (interruptible_work - 1) // rows)
+
+
+def _output_strides(layout: str, batch: int, heads: int, rows: int, dim: int) -> tuple:
+    """(batch, head, row) strides of the canonical view of an output allocated contiguous in
+    ``layout`` (:func:`tileattn.spec.empty_in_layout`), without allocating one."""
+    if layout == "BNSD":
+        return heads * rows * dim, rows * dim, dim
+    if layout == "SBH":  # (S, B, H*D)
+        return heads * dim, dim, batch * heads * dim
+    return rows * heads * dim, dim, heads * dim  # BSND (B, S, H, D) and BSH (B, S, H*D)
