@@ -26,6 +26,7 @@ The per-call overhead probe (:func:`overhead`) times each layer of a decode-size
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -132,7 +133,7 @@ def _max_error(case: DecodeCase, q, k, v, out) -> float:
 
 
 def run_case(case: DecodeCase, providers, reps: int, warmup: int, budget_bytes: int, bandwidth: float,
-             on_step: Optional[Callable[[str], None]] = None, iters: int = 1) -> List[dict]:
+             on_step: Optional[Callable[[str], None]] = None, iters: int = 1, clock=None) -> List[dict]:
     """One row per provider: timings, tokens/s, K/V GB/s, % of ``bandwidth`` and ratios."""
     from .api import explain
 
@@ -168,7 +169,8 @@ def run_case(case: DecodeCase, providers, reps: int, warmup: int, budget_bytes: 
     def failed(name, exc):
         rows[name].update(status="error", note=f"{type(exc).__name__}: {exc}"[:200])
 
-    samples = time_interleaved(calls, reps=reps, warmup=warmup, on_error=failed, on_step=on_step, iters=iters)
+    samples = time_interleaved(calls, reps=reps, warmup=warmup, on_error=failed, on_step=on_step, iters=iters,
+                               clock=clock or time.perf_counter)
     for name, times in samples.items():
         if not times:
             continue
@@ -195,9 +197,10 @@ def memory_budget(fraction: float = 0.4) -> int:
 
 def run_grid(cases: List[DecodeCase], providers=PROVIDERS, reps: int = 5, warmup: int = 1,
              budget_bytes: Optional[int] = None, threads: Optional[int] = None,
-             on_case: Optional[Callable[[DecodeCase], None]] = None, iters: int = 1) -> List[dict]:
+             on_case: Optional[Callable[[DecodeCase], None]] = None, iters: int = 1, clock=None) -> List[dict]:
     """Every case's rows, on ``threads`` torch threads (default: every usable core); each timed
-    sample is the mean of ``iters`` back-to-back calls (small calls: several)."""
+    sample is the mean of ``iters`` back-to-back calls (small calls: several), timed by ``clock``
+    (default wall time; see :func:`tileattn.measure.time_call`)."""
     from .measure import usable_cores
 
     threads = threads or usable_cores()
@@ -211,7 +214,7 @@ def run_grid(cases: List[DecodeCase], providers=PROVIDERS, reps: int = 5, warmup
             for case in cases:
                 if on_case is not None:
                     on_case(case)
-                rows += run_case(case, providers, reps, warmup, budget, bandwidth, iters=iters)
+                rows += run_case(case, providers, reps, warmup, budget, bandwidth, iters=iters, clock=clock)
     finally:
         torch.set_num_threads(before)
     return rows
@@ -222,7 +225,7 @@ def run_grid(cases: List[DecodeCase], providers=PROVIDERS, reps: int = 5, warmup
 
 
 def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64,
-             iters: int = 2000, reps: int = 7, dtype: torch.dtype = torch.float32) -> List[dict]:
+             iters: int = 2000, reps: int = 7, dtype: torch.dtype = torch.float32, clock=None) -> List[dict]:
     """Microseconds per call of each layer of ``flash_attention(q, k, v, seqused_k=...)`` on the
     native engine, each timed on its own over ``iters`` back-to-back calls (median of ``reps``), and
     of SDPA's whole call. Two paths: the lean call (a repeated call: memo lookup, then the plan's
@@ -290,6 +293,6 @@ def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int =
                     # this thread's struct last held another call's (freed) output: pack this call's
                     kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)
                 fn()
-                samples[name].append(time_call(fn, iters=iters) * 1e6)
+                samples[name].append(time_call(fn, iters=iters, clock=clock or time.perf_counter) * 1e6)
     return [dict(layer=name, cache=cache, dtype=case.dtype_name, median_us=median(times), min_us=min(times),
                  spread_pct=spread_pct(times)) for name, times in samples.items()]
