@@ -123,8 +123,9 @@ def test_a_paged_cache_is_served_bitwise(served):
     assert served[0] == 2
 
 
-@pytest.mark.parametrize("change", ["heads", "head_dim", "dtype", "strides", "requires_grad", "mask", "prefill"])
-def test_a_call_the_plan_does_not_cover_takes_the_full_path(served, change):
+@pytest.mark.parametrize("change", ["heads", "head_dim", "dtype", "strides", "requires_grad", "mask", "prefill",
+                                    "environment"])
+def test_a_call_the_plan_does_not_cover_takes_the_full_path(served, monkeypatch, change):
     q, k, v = _rand(2, 8, 1, 16), _rand(2, 2, 30, 16, seed=1), _rand(2, 2, 30, 16, seed=2)
     for _ in range(3):
         tileattn.flash_attention(q, k, v)
@@ -142,8 +143,10 @@ def test_a_call_the_plan_does_not_cover_takes_the_full_path(served, change):
         q = q.clone().requires_grad_()
     elif change == "mask":
         kw["mask"] = torch.ones(1, 1, 1, 30, dtype=torch.bool)
-    elif change == "prefill":  # 8 query rows per kv head... times 4 heads: the prefill tiles
+    elif change == "prefill":  # 4 query rows times 4 query heads per kv head: the prefill tiles
         q = _rand(2, 8, 4, 16)
+    elif change == "environment":  # TILEATTN_BACKEND replaces "auto" from the next call on
+        monkeypatch.setenv("TILEATTN_BACKEND", "cpu")
     before = served[0]
     out = tileattn.flash_attention(q, k, v, **kw)
     assert served[0] == before

@@ -52,7 +52,9 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
         key = (q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout,
                type(num_heads), num_heads, type(scale), scale, type(causal), causal,
                None if window is None else (window, tuple(map(type, window))), type(align), align, type(softcap),
-               softcap, type(deterministic), deterministic, backend, _backend_variable(), registry_version(),
+               softcap, type(deterministic), deterministic, backend,
+               _ENVIRON.get(_BACKEND_VARIABLE) if _FAST_ENVIRON else os.environ.get("TILEATTN_BACKEND"),
+               registry_version(),
                None if seqused_k is None else _index_meta(seqused_k),
                None if block_table is None else _index_meta(block_table))
         return key, PLANS.get(key)
@@ -65,12 +67,7 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
 #: mapping ``os.environ[...] = ...`` and ``del`` update, so a changed variable is seen at once.
 _ENVIRON = getattr(os.environ, "_data", None)
 _BACKEND_VARIABLE = os.environ.encodekey("TILEATTN_BACKEND") if hasattr(os.environ, "encodekey") else None
-
-
-def _backend_variable():
-    if type(_ENVIRON) is dict and _BACKEND_VARIABLE is not None:
-        return _ENVIRON.get(_BACKEND_VARIABLE)
-    return os.environ.get("TILEATTN_BACKEND")
+_FAST_ENVIRON = type(_ENVIRON) is dict and _BACKEND_VARIABLE is not None
 
 
 def _index_meta(t):
