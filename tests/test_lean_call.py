@@ -77,6 +77,7 @@ CASES = [
     (torch.bfloat16, "SBH", 6, 3, 1, {"window": (3, 2), "align": -2}),
     (torch.float32, "BSND", 8, 8, 1, {"seqused": True}),
     (torch.bfloat16, "BNSD", 4, 1, 2, {"seqused": True, "causal": True}),
+    (torch.float32, "BNSD", 8, 2, 1, {"seqused": "strided"}),
 ]
 
 
@@ -90,10 +91,13 @@ def test_the_lean_path_is_bitwise_the_full_path(served, dtype, layout, hq, hkv, 
     v = _layout(_rand(batch, hkv, keys, d, seed=2, dtype=dtype), layout)
     if layout in ("BSH", "SBH"):
         kw["num_heads"] = hq
-    if kw.pop("seqused", False):
+    seqused = kw.pop("seqused", False)
+    if seqused:
         kw["seqused_k"] = torch.tensor([37, 0, 11], dtype=torch.int32)
+    if seqused == "strided":  # a view the engine copies: the full path every time
+        kw["seqused_k"] = torch.tensor([37, 5, 0, 6, 11, 7], dtype=torch.int32)[::2]
     got, full = _twice(lambda: tileattn.flash_attention(q, k, v, layout=layout, return_lse=return_lse, **kw))
-    assert served[0] == 2
+    assert served[0] == (0 if seqused == "strided" else 2)
     _equal(got, full)
     out = got[0] if return_lse else got
     exact = tileattn.reference(q, k, v, layout=layout, compute_dtype=torch.float64, **kw)

@@ -103,8 +103,8 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
         lib = kernels._library()
     except kernels.Unavailable:
         return None
-    if spec.dtype not in kernels._DTYPES:
-        return None
+    if spec.dtype not in kernels._DTYPES or spec.seqused_k is not None and not spec.seqused_k.is_contiguous():
+        return None  # the engine passes a contiguous copy of a strided seqused_k; a plan has no copy to pass
     acc = kernels.accumulation_dtype(spec.dtype)
     ost = _output_strides(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v)
     lst = (spec.heads_q * spec.seqlen_q, spec.seqlen_q, 1)
