@@ -177,7 +177,7 @@ def _message(call):
     return type(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("bad", ["seqused_k", "block_table", "kv_heads", "k_device", "v_length"])
+@pytest.mark.parametrize("bad", ["seqused_k", "block_table", "kv_heads", "k_device", "v_length", "causal_int"])
 def test_bad_input_after_a_plan_gets_the_full_paths_error_before_any_compute(served, monkeypatch, bad):
     q, k, v = _rand(2, 4, 1, 16), _rand(2, 2, 64, 16, seed=1), _rand(2, 2, 64, 16, seed=2)
     kw = dict(seqused_k=torch.tensor([3, 64], dtype=torch.int32))
@@ -199,6 +199,8 @@ def test_bad_input_after_a_plan_gets_the_full_paths_error_before_any_compute(ser
         k = k.to("meta")
     elif bad == "v_length":
         v = _rand(2, 2, 63, 16, seed=2)
+    elif bad == "causal_int":  # equal to False as a key, refused by the full path
+        kw["causal"] = 0
     with lean.bypassed():
         expected = _message(lambda: tileattn.flash_attention(q, k, v, **kw))
     ran = []

@@ -42,17 +42,21 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
            deterministic, backend) -> Tuple[Optional[tuple], Optional["LeanPlan"]]:
     """``(key, plan)`` of a call whose other keywords are all absent: key None when the call must
     take the full path (gradients, tracing, tensor subclasses, unhashable arguments), plan None
-    when there is none yet (or the engine prepares nothing for the call). Scalars go in with their
-    types, so that ``causal=1`` never shares ``causal=True``'s plan."""
+    when there is none yet (or the engine prepares nothing for the call). Scalars of other types
+    than the documented ones take the full path, so that ``causal=1`` (refused there) never shares
+    ``causal=True``'s plan, though the two are equal keys."""
     if _BYPASSED or torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        return None, None
+    if not (type(causal) is bool and type(softcap) is float and type(deterministic) is bool
+            and (scale is None or type(scale) is float) and (num_heads is None or type(num_heads) is int)
+            and (type(align) is str or type(align) is int)):
         return None, None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None, None
     try:
-        key = (q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout,
-               type(num_heads), num_heads, type(scale), scale, type(causal), causal,
-               None if window is None else (window, tuple(map(type, window))), type(align), align, type(softcap),
-               softcap, type(deterministic), deterministic, backend,
+        key = (q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout, num_heads,
+               scale, causal, None if window is None else (window, tuple(map(type, window))), align, softcap,
+               deterministic, backend,
                _ENVIRON.get(_BACKEND_VARIABLE) if _FAST_ENVIRON else os.environ.get("TILEATTN_BACKEND"),
                registry_version(),
                None if seqused_k is None else _index_meta(seqused_k),
