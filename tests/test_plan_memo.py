@@ -17,6 +17,7 @@ import torch
 
 import tileattn
 from tileattn import api, lean
+from tileattn.dispatch import get_backend
 
 
 def _tensors_reachable(root) -> list:
@@ -87,8 +88,10 @@ def test_the_lean_calls_of_a_growing_decode_cache_share_one_plan_that_holds_no_t
         del tensors, kwargs
     plans = [plan for plan in lean.PLANS.values() if plan is not None]
     # one plan whatever the cache length (a block table, whose width is in the key, grows by whole
-    # pages); none for modifiers that bind tensors per call (mask, bias, ALiBi, sinks)
-    assert len(plans) == {"paged": 3, "modifiers": 0}.get(kind, 1)
+    # pages); none for modifiers that bind tensors per call (mask, bias, ALiBi, sinks), and none
+    # where the native engine, the one that prepares calls, cannot be built
+    native = not get_backend("native").unavailable_reason()
+    assert len(plans) == ({"paged": 3, "modifiers": 0}.get(kind, 1) if native else 0)
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} tensors of earlier calls are still alive"
