@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py              # B {1,8,32} x cache {1k..32k}, Hq/Hkv 32/8, D 128, fp32+bf16
     python benchmarks/bench_decode.py --small      # a CI-size grid (seconds)
     python benchmarks/bench_decode.py --overhead   # per-call overhead of a decode-sized call, layer by layer
+    python benchmarks/bench_decode.py --small-calls  # B=1, 8/2 heads, D 64, 128-1024 keys: lean vs full path vs SDPA
 
 Writes ``<out>.csv`` and ``<out>.json`` (default ``benchmarks/results/decode`` or
 ``decode_overhead``) and, with ``--plot``, a PNG. What each contender is (tileattn as dispatch runs
@@ -19,6 +20,7 @@ import csv
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,7 +33,11 @@ FULL = dict(batches=[1, 8, 32], caches=[1024, 4096, 8192, 16384, 32768], dtypes=
             heads_kv=8, head_dim=128, reps=5, warmup=1)
 SMALL = dict(batches=[1, 2], caches=[256, 1024], dtypes=["fp32", "bf16"], heads_q=8, heads_kv=2, head_dim=64, reps=2,
              warmup=1)
-OVERHEAD_FIELDS = ["layer", "cache", "median_us", "min_us", "spread_pct"]
+#: Calls of a few microseconds (issue 23's targets): the lean path, the full path and SDPA with GQA,
+#: each sample the mean of 20 back-to-back calls.
+SMALL_CALLS = dict(batches=[1], caches=[128, 512, 1024], dtypes=["fp32", "bf16"], heads_q=8, heads_kv=2, head_dim=64,
+                   reps=101, warmup=5, iters=20, providers=["tileattn", "tileattn_full", "sdpa_gqa"])
+OVERHEAD_FIELDS = ["layer", "cache", "dtype", "median_us", "min_us", "spread_pct"]
 
 
 def _ints(text):
@@ -42,6 +48,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="CI-size grid")
     p.add_argument("--overhead", action="store_true", help="per-call overhead breakdown instead of the grid")
+    p.add_argument("--small-calls", action="store_true", help="decode calls of a few microseconds (B=1, 8/2 heads, "
+                   "D 64, 128-1024 keys): tileattn's lean and full paths vs SDPA")
     p.add_argument("--batches", type=_ints, help="comma-separated batch sizes")
     p.add_argument("--caches", type=_ints, help="comma-separated cache lengths")
     p.add_argument("--dtypes", help="comma-separated subset of fp32, bf16, fp16")
@@ -49,11 +57,14 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, help="timed repetitions per contender and shape")
     p.add_argument("--warmup", type=int, help="untimed rounds first")
     p.add_argument("--threads", type=int, default=usable_cores(), help="torch threads (default: every usable core)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="wall time, or this thread's CPU time (with --threads 1 on a shared machine)")
     p.add_argument("--memory-fraction", type=float, default=0.4, help="share of available memory the run may hold")
     p.add_argument("--out", help="output path without suffix (default benchmarks/results/decode[_overhead])")
     p.add_argument("--plot", action="store_true", help="also write <out>.png (needs matplotlib)")
     args = p.parse_args(argv)
-    settings = dict(SMALL if args.small else FULL)
+    settings = dict(SMALL_CALLS if args.small_calls else SMALL if args.small else FULL)
+    settings.setdefault("iters", 1)
     for name in ("batches", "caches", "reps", "warmup"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
@@ -62,10 +73,17 @@ def parse_args(argv=None):
     unknown = [d for d in settings["dtypes"] if d not in D.DTYPES]
     if unknown:
         p.error(f"--dtypes: unknown {unknown}; expected a subset of {', '.join(D.DTYPES)}")
-    settings["providers"] = args.providers.split(",") if args.providers else list(D.PROVIDERS)
+    settings["providers"] = args.providers.split(",") if args.providers else settings.get("providers",
+                                                                                           list(D.PROVIDERS))
     if "tileattn" not in settings["providers"] or not set(settings["providers"]) <= set(D.PROVIDERS):
         p.error(f"--providers: expected tileattn and a subset of {', '.join(D.PROVIDERS)}")
     return args, settings
+
+
+def _clock(args):
+    if args.clock == "thread" and args.threads != 1:
+        raise SystemExit("--clock thread counts one thread's CPU time: use it with --threads 1")
+    return time.thread_time if args.clock == "thread" else time.perf_counter
 
 
 def _fmt(x, digits=3):
@@ -76,13 +94,13 @@ def _fmt(x, digits=3):
 
 def render(rows) -> str:
     head = ["dtype", "B", "cache", "provider", "median ms", "spread", "tok/s", "KV GB/s", "% BW", "vs sdpa_repeat",
-            "vs sdpa_gqa", "note"]
+            "vs sdpa_gqa", "vs tileattn_full", "note"]
     lines = [head]
     for r in rows:
         lines.append([r["dtype"], str(r["batch"]), str(r["cache"]), r["provider"] + (f" ({r['engine']})" if r["engine"] else ""),
                       _fmt(r.get("median_ms")), "-" if r.get("spread_pct") is None else f"{r['spread_pct']:.0f}%",
                       _fmt(r.get("tokens_per_s")), _fmt(r.get("kv_gb_per_s")), _fmt(r.get("pct_bandwidth"), 2),
-                      _fmt(r.get("vs_sdpa_repeat")), _fmt(r.get("vs_sdpa_gqa")),
+                      _fmt(r.get("vs_sdpa_repeat")), _fmt(r.get("vs_sdpa_gqa")), _fmt(r.get("vs_tileattn_full")),
                       "" if r["status"] == "ok" else f"{r['status']}: {r['note']}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
@@ -143,21 +161,25 @@ def plot(rows, path: Path):
 
 def main(argv=None):
     args, s = parse_args(argv)
-    meta = dict(cpu=cpu_model(), threads=args.threads, torch=torch.__version__,
+    meta = dict(cpu=cpu_model(), threads=args.threads, clock=args.clock, torch=torch.__version__,
                 bandwidth_gb_per_s=memory_bandwidth(args.threads))
     if args.overhead:
         out = Path(args.out) if args.out else RESULTS / "decode_overhead"
         torch.set_num_threads(args.threads)
-        rows = [row for cache in (128, 4096) for row in D.overhead(cache=cache, iters=200 if args.small else 2000,
-                                                                   reps=3 if args.small else 7)]
+        rows = [row for dtype in (torch.float32, torch.bfloat16) for cache in (128, 4096)
+                for row in D.overhead(cache=cache, iters=200 if args.small else 2000, reps=3 if args.small else 7,
+                                      dtype=dtype, clock=_clock(args))]
         for r in rows:
-            print(f"cache {r['cache']:5d}  {r['layer']:58s} {r['median_us']:10.1f} us  (min {r['min_us']:.1f})")
+            print(f"{r['dtype']} cache {r['cache']:5d}  {r['layer']:62s} {r['median_us']:10.1f} us  "
+                  f"(min {r['min_us']:.1f}, spread {r['spread_pct']:.0f}%)")
         _write(out, rows, OVERHEAD_FIELDS, meta)
         return rows
-    out = Path(args.out) if args.out else RESULTS / ("decode_small" if args.small else "decode")
+    out = Path(args.out) if args.out else RESULTS / ("decode_small_calls" if args.small_calls else
+                                                     "decode_small" if args.small else "decode")
     cases = D.grid(s["batches"], s["caches"], s["dtypes"], s["heads_q"], s["heads_kv"], s["head_dim"])
     rows = D.run_grid(cases, s["providers"], s["reps"], s["warmup"],
-                      budget_bytes=D.memory_budget(args.memory_fraction), threads=args.threads,
+                      budget_bytes=D.memory_budget(args.memory_fraction), threads=args.threads, iters=s["iters"],
+                      clock=_clock(args),
                       on_case=lambda c: print(f"{c.dtype_name} B={c.batch} cache={c.cache}", file=sys.stderr))
     print(f"decode: Hq/Hkv {s['heads_q']}/{s['heads_kv']}, D {s['head_dim']}, {s['reps']} reps (+{s['warmup']}), "
           f"{args.threads} threads, {meta['cpu']}, measured bandwidth {meta['bandwidth_gb_per_s']:.1f} GB/s")

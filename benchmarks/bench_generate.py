@@ -2,21 +2,27 @@
 
     python benchmarks/bench_generate.py            # prompt 128, 64 new tokens, batch 1 and 4
     python benchmarks/bench_generate.py --small    # a CI-size run
+    python benchmarks/bench_generate.py --prompt 512 --new-tokens 128 --batches 1 --caches dynamic --lean
+                                                   # issue 23's target; --lean adds tileattn_full
 
 The model (4 layers, hidden 256, 8 query heads on 2 kv heads) is built once per attention
 implementation from one state dict. For each batch size and cache (transformers' DynamicCache, and
 ``cache_implementation="static"``), the implementations run round-robin
 (:func:`tileattn.measure.time_interleaved`); tokens/s = batch * new tokens / median seconds. Every
 implementation's tokens must equal eager's, or the script fails. Writes ``<out>.csv`` and ``<out>.json``.
+With ``--lean``, ``tileattn_full`` is the tileattn model with the lean call bypassed
+(:mod:`tileattn.lean`: every attention call validated and dispatched in full, as before it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 IMPLEMENTATIONS = ("tileattn", "sdpa", "eager")
 CACHES = ("dynamic", "static")
 FIELDS = ["implementation", "cache", "batch", "prompt", "new_tokens", "reps", "median_s", "min_s", "max_s",
-          "spread_pct", "tokens_per_s", "vs_sdpa", "vs_eager", "same_tokens_as_eager"]
+          "spread_pct", "tokens_per_s", "vs_sdpa", "vs_eager", "same_tokens_as_eager", "clock"]
 
 
 def build_models(layers=4, hidden=256, heads=8, kv_heads=2, vocab=1000, max_positions=512, seed=0):
@@ -51,30 +57,38 @@ def build_models(layers=4, hidden=256, heads=8, kv_heads=2, vocab=1000, max_posi
     return models
 
 
-def generate(model, ids, new_tokens, cache):
+def generate(model, ids, new_tokens, cache, full_path=False):
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
     if cache == "static":
         kwargs["cache_implementation"] = "static"
-    with torch.inference_mode():
+    from tileattn import lean
+
+    with torch.inference_mode(), lean.bypassed() if full_path else contextlib.nullcontext():
         return model.generate(ids, **kwargs)
 
 
-def run(models, batches, prompt, new_tokens, reps, warmup, caches=CACHES, vocab=1000):
+def run(models, batches, prompt, new_tokens, reps, warmup, caches=CACHES, vocab=1000, lean=False,
+        clock=time.perf_counter):
     rows = []
+    runs = {name: (m, False) for name, m in models.items()}
+    if lean:
+        runs["tileattn_full"] = (models["tileattn"], True)
     for batch in batches:
         ids = torch.randint(1, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch))
         for cache in caches:
-            tokens = {name: generate(m, ids, new_tokens, cache) for name, m in models.items()}
+            tokens = {name: generate(m, ids, new_tokens, cache, full) for name, (m, full) in runs.items()}
             same = {name: bool(torch.equal(t, tokens["eager"])) for name, t in tokens.items()}
-            calls = {name: (lambda m=m: generate(m, ids, new_tokens, cache)) for name, m in models.items()}
-            samples = time_interleaved(calls, reps=reps, warmup=warmup)
+            calls = {name: (lambda m=m, full=full: generate(m, ids, new_tokens, cache, full))
+                     for name, (m, full) in runs.items()}
+            samples = time_interleaved(calls, reps=reps, warmup=warmup, clock=clock)
             sec = {name: median(s) for name, s in samples.items()}
             for name, s in samples.items():
                 rows.append(dict(implementation=name, cache=cache, batch=batch, prompt=prompt, new_tokens=new_tokens,
                                  reps=reps, median_s=sec[name], min_s=min(s), max_s=max(s), spread_pct=spread_pct(s),
                                  tokens_per_s=batch * new_tokens / sec[name], vs_sdpa=sec["sdpa"] / sec[name],
-                                 vs_eager=sec["eager"] / sec[name], same_tokens_as_eager=same[name]))
+                                 vs_eager=sec["eager"] / sec[name], same_tokens_as_eager=same[name],
+                                 clock="thread" if clock is time.thread_time else "wall"))
     return rows
 
 
@@ -94,6 +108,12 @@ def main(argv=None):
     p.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
     p.add_argument("--reps", type=int, help="timed repetitions (default 5; --small 1)")
     p.add_argument("--threads", type=int, default=usable_cores(), help="torch threads (default: every usable core)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    p.add_argument("--caches", default=",".join(CACHES), help="comma-separated subset of dynamic, static")
+    p.add_argument("--lean", action="store_true", help="also time tileattn with the lean call bypassed")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="wall time, or this thread's CPU time (with --threads 1 on a shared machine)")
     p.add_argument("--out", help="output path without suffix (default benchmarks/results/generate[_small])")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -102,8 +122,12 @@ def main(argv=None):
         models = build_models(layers=2, hidden=64, heads=4, kv_heads=2, vocab=96, max_positions=64)
         rows = run(models, batches, prompt=16, new_tokens=8, reps=args.reps or 1, warmup=0, vocab=96)
     else:
-        models = build_models()
-        rows = run(models, batches, prompt=128, new_tokens=64, reps=args.reps or 5, warmup=1)
+        if args.clock == "thread" and args.threads != 1:
+            p.error("--clock thread counts one thread's CPU time: use it with --threads 1")
+        models = build_models(max_positions=max(512, args.prompt + args.new_tokens))
+        rows = run(models, batches, prompt=args.prompt, new_tokens=args.new_tokens, reps=args.reps or 5, warmup=1,
+                   caches=args.caches.split(","), lean=args.lean,
+                   clock=time.thread_time if args.clock == "thread" else time.perf_counter)
     print(f"greedy generate, tiny Llama, {args.threads} threads, {cpu_model()}")
     print(render(rows))
     out = Path(args.out) if args.out else RESULTS / ("generate_small" if args.small else "generate")

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import api
+from tileattn import api, lean
+from tileattn.dispatch import get_backend
 
 
 def _tensors_reachable(root) -> list:
@@ -62,7 +63,8 @@ def test_a_growing_decode_cache_leaves_nothing_alive_in_the_plans(kind):
     for step in range(12):
         tensors, kwargs = _steps(kind, step)
         for _ in range(3):  # the second call makes the shape's plan, the third is served by it
-            tileattn.flash_attention(*tensors, **kwargs)
+            with lean.bypassed():  # the full path's memo (the lean call's: the next test)
+                tileattn.flash_attention(*tensors, **kwargs)
         refs += [weakref.ref(t) for t in list(tensors) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
         del tensors, kwargs
     assert len(api._PLANS) == (3 if kind == "paged" else 12)  # a pool grows by whole pages
@@ -71,6 +73,29 @@ def test_a_growing_decode_cache_leaves_nothing_alive_in_the_plans(kind):
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} tensors of earlier calls are still alive"
     for plan in api._PLANS.values():
+        assert not _tensors_reachable(plan)
+
+
+@pytest.mark.parametrize("kind", ["plain", "seqused_k", "paged", "modifiers"])
+def test_the_lean_calls_of_a_growing_decode_cache_share_one_plan_that_holds_no_tensor(kind):
+    lean.clear()
+    refs = []
+    for step in range(12):
+        tensors, kwargs = _steps(kind, step)
+        for _ in range(2):
+            tileattn.flash_attention(*tensors, **kwargs)
+        refs += [weakref.ref(t) for t in list(tensors) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        del tensors, kwargs
+    plans = [plan for plan in lean.PLANS.values() if plan is not None]
+    # one plan whatever the cache length (a block table, whose width is in the key, grows by whole
+    # pages); none for modifiers that bind tensors per call (mask, bias, ALiBi, sinks), and none
+    # where the native engine, the one that prepares calls, cannot be built
+    native = not get_backend("native").unavailable_reason()
+    assert len(plans) == ({"paged": 3, "modifiers": 0}.get(kind, 1) if native else 0)
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} of {len(refs)} tensors of earlier calls are still alive"
+    for plan in plans:
         assert not _tensors_reachable(plan)
 
 

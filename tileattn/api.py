@@ -7,7 +7,8 @@
   FlashAttention-2 backward that ring attention needs.
 * :func:`explain`: which engine would run a call and why the others refuse it.
 
-A call is validated once (:func:`tileattn.spec.build_spec`), an engine is chosen
+A repeated inference call is served by :mod:`tileattn.lean` (a prepared kernel call) when it
+can be; otherwise a call is validated once (:func:`tileattn.spec.build_spec`), an engine is chosen
 (:func:`tileattn.dispatch.select`), and then either the custom op runs (gradients needed, or
 ``torch.compile`` tracing: one opaque node with autograd) or, for inference, the engine is called
 directly, skipping the op's round trip.
@@ -20,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import ops
+from . import lean, ops
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail, modifiers_from_keywords
 from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of
@@ -118,8 +119,23 @@ def flash_attention(
         ValueError / TypeError before any compute, naming the argument, what was given and what
         would work; :class:`tileattn.NoBackendError` when no engine can run the call.
     """
-    keywords = locals()  # first statement: exactly the arguments, which the modifier types parse
-    check_bool("return_lse", return_lse)
+    if type(return_lse) is not bool:
+        check_bool("return_lse", return_lse)
+    # A repeated inference call without per-call modifier tensors: the lean path (tileattn.lean)
+    # serves it with a prepared kernel call, or returns no plan and the full path below runs.
+    lean_key = None
+    if (mask is None and bias is None and alibi_slopes is None and sinks is None and type(dropout_p) is float
+            and dropout_p == 0.0 and seed is None and generator is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
+            and type(modifiers) is tuple and not modifiers):
+        lean_key, lean_plan = lean.lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap,
+                                          seqused_k, block_table, deterministic, backend)
+        if lean_plan is not None:
+            served = lean_plan.run(q, k, v, seqused_k, block_table, return_lse)
+            if served is not None:
+                return served if return_lse else served[0]
+    # the arguments, which the modifier types parse (they read their own names only)
+    keywords = locals()
     found = modifiers_from_keywords(keywords, modifiers)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -143,6 +159,8 @@ def flash_attention(
             # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
             # step, pays nothing for plans it would never use.
             _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
+    if lean_key is not None and lean_key not in lean.PLANS:
+        lean.remember(lean_key, spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
 

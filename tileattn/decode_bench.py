@@ -9,7 +9,10 @@ machine's measured streaming read bandwidth (:func:`tileattn.measure.memory_band
 Contenders, timed round-robin in one run (:func:`tileattn.measure.time_interleaved`):
 
 * ``tileattn``: :func:`tileattn.flash_attention` with the cache in place and ``seqused_k`` (what a
-  serving loop calls; dispatch picks the engine, the native split-KV decode kernel on CPUs).
+  serving loop calls; dispatch picks the engine, the native split-KV decode kernel on CPUs; a
+  repeated call takes the lean path, :mod:`tileattn.lean`).
+* ``tileattn_full``: the same call with the lean path bypassed: validation, dispatch and the engine's
+  keyword wrapper on every call (the path of the revisions before the lean call).
 * ``sdpa_repeat``: PyTorch's SDPA after ``repeat_interleave`` of K/V to the query heads, the repeat
   inside the timed region (what a user of SDPA without GQA support must do on every step).
 * ``sdpa_prerepeated``: the same SDPA call on K/V repeated once, outside the timed region (a lower
@@ -23,6 +26,7 @@ The per-call overhead probe (:func:`overhead`) times each layer of a decode-size
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -32,13 +36,14 @@ import torch.nn.functional as F
 from .measure import Step, available_memory, median, memory_bandwidth, spread_pct, time_call, time_interleaved
 
 BASELINE = "sdpa_repeat"
-PROVIDERS = ("tileattn", "sdpa_repeat", "sdpa_prerepeated", "sdpa_gqa", "naive")
+PROVIDERS = ("tileattn", "tileattn_full", "sdpa_repeat", "sdpa_prerepeated", "sdpa_gqa", "naive")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: Fields of every CSV row / JSON result.
 FIELDS = ["provider", "engine", "dtype", "batch", "cache", "heads_q", "heads_kv", "head_dim", "status", "note", "reps",
           "median_ms", "min_ms", "max_ms", "spread_pct", "tokens_per_s", "kv_bytes", "kv_gb_per_s",
-          "bandwidth_gb_per_s", "pct_bandwidth", "vs_sdpa_repeat", "vs_sdpa_gqa", "max_err_vs_fp64"]
+          "bandwidth_gb_per_s", "pct_bandwidth", "vs_sdpa_repeat", "vs_sdpa_gqa", "vs_tileattn_full", "max_err_vs_fp64",
+          "same_bits_as_full"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ def contenders(case: DecodeCase, q, k, v, used, providers) -> Dict[str, Callable
     for name in providers:
         if name == "tileattn":
             calls[name] = lambda: flash_attention(q, k, v, seqused_k=used)
+        elif name == "tileattn_full":
+            calls[name] = lambda: _full_path(q, k, v, used)
         elif name == "sdpa_repeat":
             calls[name] = lambda: F.scaled_dot_product_attention(
                 q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
@@ -110,6 +117,13 @@ def contenders(case: DecodeCase, q, k, v, used, providers) -> Dict[str, Callable
     return calls
 
 
+def _full_path(q, k, v, used):
+    from . import flash_attention, lean
+
+    with lean.bypassed():
+        return flash_attention(q, k, v, seqused_k=used)
+
+
 def _max_error(case: DecodeCase, q, k, v, out) -> float:
     """Max |tileattn - fp64 reference| over the first sequence (the reference of all would double memory)."""
     from .reference import reference
@@ -119,7 +133,7 @@ def _max_error(case: DecodeCase, q, k, v, out) -> float:
 
 
 def run_case(case: DecodeCase, providers, reps: int, warmup: int, budget_bytes: int, bandwidth: float,
-             on_step: Optional[Callable[[str], None]] = None) -> List[dict]:
+             on_step: Optional[Callable[[str], None]] = None, iters: int = 1, clock=None) -> List[dict]:
     """One row per provider: timings, tokens/s, K/V GB/s, % of ``bandwidth`` and ratios."""
     from .api import explain
 
@@ -147,12 +161,16 @@ def run_case(case: DecodeCase, providers, reps: int, warmup: int, budget_bytes: 
     if "tileattn" in calls:
         engine = [name for name, why in explain(q, k, v, seqused_k=used).items() if not why]
         rows["tileattn"]["engine"] = engine[0] if engine else ""
-        rows["tileattn"]["max_err_vs_fp64"] = _max_error(case, q, k, v, calls["tileattn"]())
+        out = calls["tileattn"]()
+        rows["tileattn"]["max_err_vs_fp64"] = _max_error(case, q, k, v, out)
+        if "tileattn_full" in calls:
+            rows["tileattn"]["same_bits_as_full"] = bool(torch.equal(out, calls["tileattn_full"]()))
 
     def failed(name, exc):
         rows[name].update(status="error", note=f"{type(exc).__name__}: {exc}"[:200])
 
-    samples = time_interleaved(calls, reps=reps, warmup=warmup, on_error=failed, on_step=on_step)
+    samples = time_interleaved(calls, reps=reps, warmup=warmup, on_error=failed, on_step=on_step, iters=iters,
+                               clock=clock or time.perf_counter)
     for name, times in samples.items():
         if not times:
             continue
@@ -160,7 +178,7 @@ def run_case(case: DecodeCase, providers, reps: int, warmup: int, budget_bytes: 
         rows[name].update(median_ms=sec * 1e3, min_ms=min(times) * 1e3, max_ms=max(times) * 1e3,
                           spread_pct=spread_pct(times), tokens_per_s=case.batch / sec,
                           kv_gb_per_s=case.kv_bytes / sec / 1e9, pct_bandwidth=100 * case.kv_bytes / sec / 1e9 / bandwidth)
-    for ref in ("sdpa_repeat", "sdpa_gqa"):
+    for ref in ("sdpa_repeat", "sdpa_gqa", "tileattn_full"):
         if rows.get(ref, {}).get("median_ms"):
             for row in rows.values():
                 if row.get("median_ms"):
@@ -179,8 +197,10 @@ def memory_budget(fraction: float = 0.4) -> int:
 
 def run_grid(cases: List[DecodeCase], providers=PROVIDERS, reps: int = 5, warmup: int = 1,
              budget_bytes: Optional[int] = None, threads: Optional[int] = None,
-             on_case: Optional[Callable[[DecodeCase], None]] = None) -> List[dict]:
-    """Every case's rows, on ``threads`` torch threads (default: every usable core)."""
+             on_case: Optional[Callable[[DecodeCase], None]] = None, iters: int = 1, clock=None) -> List[dict]:
+    """Every case's rows, on ``threads`` torch threads (default: every usable core); each timed
+    sample is the mean of ``iters`` back-to-back calls (small calls: several), timed by ``clock``
+    (default wall time; see :func:`tileattn.measure.time_call`)."""
     from .measure import usable_cores
 
     threads = threads or usable_cores()
@@ -194,7 +214,7 @@ def run_grid(cases: List[DecodeCase], providers=PROVIDERS, reps: int = 5, warmup
             for case in cases:
                 if on_case is not None:
                     on_case(case)
-                rows += run_case(case, providers, reps, warmup, budget, bandwidth)
+                rows += run_case(case, providers, reps, warmup, budget, bandwidth, iters=iters, clock=clock)
     finally:
         torch.set_num_threads(before)
     return rows
@@ -205,56 +225,75 @@ def run_grid(cases: List[DecodeCase], providers=PROVIDERS, reps: int = 5, warmup
 
 
 def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64,
-             iters: int = 2000, reps: int = 7) -> List[dict]:
+             iters: int = 2000, reps: int = 7, dtype: torch.dtype = torch.float32, clock=None) -> List[dict]:
     """Microseconds per call of each layer of ``flash_attention(q, k, v, seqused_k=...)`` on the
-    native engine (fp32), each timed on its own over ``iters`` back-to-back calls (median of
-    ``reps``), and of SDPA's whole call. The layers nest: the whole call = validation + dispatch +
-    run_forward (allocation + argument building + kernel wrapper), so differences between rows are
-    each layer's own cost."""
-    from . import flash_attention, ops
-    from .api import _PLANS
+    native engine, each timed on its own over ``iters`` back-to-back calls (median of ``reps``), and
+    of SDPA's whole call. Two paths: the lean call (a repeated call: memo lookup, then the plan's
+    checks, the output allocation and the prepared kernel call) and the full path (validation +
+    dispatch + run_forward: allocation, argument building, kernel wrapper). The layers nest, so
+    differences between rows are each layer's own cost."""
+    from . import flash_attention, lean, ops
     from .backends.native import kernels
     from .dispatch import select
     from .spec import build_spec
     from .tunecache import lookup
 
-    case = DecodeCase(batch, cache, heads_q, heads_kv, head_dim, torch.float32)
+    case = DecodeCase(batch, cache, heads_q, heads_kv, head_dim, dtype)
     q, k, v, used = case.tensors()
     spec = build_spec(q, k, v, seqused_k=used)
     engine = select(spec)
     if engine.name != "native":
         raise RuntimeError(f"tileattn: the overhead probe needs the native engine; dispatch chose {engine.name!r}")
     kwargs = engine._call_arguments(spec)
-    out = torch.empty(batch, heads_q, 1, head_dim)
+    out = torch.empty(batch, heads_q, 1, head_dim, dtype=dtype)
     lse = torch.empty(batch, heads_q, 1)
     lib = kernels._library()
     loc = lib.buffers()
     kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)
+    keywords = ("BNSD", None, None, False, None, "bottom_right", 0.0, used, None, False, "auto")
+    with torch.inference_mode():
+        for _ in range(2):  # the first call makes the lean plan
+            flash_attention(q, k, v, seqused_k=used)
+        _, plan = lean.lookup(q, k, v, *keywords)
+    if plan is None:
+        raise RuntimeError("tileattn: the overhead probe's call made no lean plan")
+    prepared = plan.prepared
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None, cache, k.stride()[:3], v.stride()[:3],
+            used.data_ptr(), 0)
     group = case.group
+
+    def full():
+        with lean.bypassed():
+            return flash_attention(q, k, v, seqused_k=used)
+
     layers = [
-        ("flash_attention(seqused_k=) whole call", lambda: flash_attention(q, k, v, seqused_k=used)),
-        ("flash_attention() whole call, no seqused_k (plan memo)", lambda: flash_attention(q, k, v)),
-        ("build_spec (validation)", lambda: build_spec(q, k, v, seqused_k=used)),
-        ("dispatch.select", lambda: select(spec)),
-        ("ops.run_forward (alloc + engine)", lambda: ops.run_forward(spec, engine, False)),
-        ("custom op round trip (ops.attention_forward)",
+        ("flash_attention(seqused_k=) whole call, lean path", lambda: flash_attention(q, k, v, seqused_k=used)),
+        ("  lean.lookup (call key + memo)", lambda: lean.lookup(q, k, v, *keywords)),
+        ("  LeanPlan.run (K/V checks + output + prepared call)", lambda: plan.run(q, k, v, used, None, False)),
+        ("    prepared call (pointers, strides + C)", lambda: prepared.run(*ptrs)),
+        ("flash_attention(seqused_k=) whole call, full path", full),
+        ("  build_spec (validation)", lambda: build_spec(q, k, v, seqused_k=used)),
+        ("  dispatch.select", lambda: select(spec)),
+        ("  ops.run_forward (alloc + engine)", lambda: ops.run_forward(spec, engine, False)),
+        ("    engine._call_arguments (incl. tune cache)", lambda: engine._call_arguments(spec)),
+        ("      tunecache.lookup", lambda: lookup("native", spec)),
+        ("    kernels.forward (packing + C)",
+         lambda: kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)),
+        ("custom op round trip (ops.attention_forward, with autograd)",
          lambda: ops.attention_forward(*ops.pack(spec, engine.name, False))),
-        ("engine._call_arguments (incl. tune cache)", lambda: engine._call_arguments(spec)),
-        ("tunecache.lookup", lambda: lookup("native", spec)),
-        ("kernels.forward (packing + C)", lambda: kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)),
         ("C kernel alone (ta_forward)", lambda: lib.forward_fn(loc.args_addr)),
         ("sdpa whole call (enable_gqa)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
         ("sdpa whole call (repeat_interleave)", lambda: F.scaled_dot_product_attention(
             q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))),
     ]
-    rows = []
+    samples = {name: [] for name, _ in layers}
     with torch.inference_mode():
-        _PLANS.clear()
-        for name, fn in layers:
-            fn()
-            if name.startswith("C kernel"):
-                kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)  # pack this call's struct
-            times = [time_call(fn, iters=iters) * 1e6 for _ in range(reps)]
-            rows.append(dict(layer=name, cache=cache, median_us=median(times), min_us=min(times),
-                             spread_pct=spread_pct(times)))
-    return rows
+        for _ in range(reps):  # layers interleaved: a burst of load hits all of them alike
+            for name, fn in layers:
+                if name.startswith("C kernel"):
+                    # this thread's struct last held another call's (freed) output: pack this call's
+                    kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)
+                fn()
+                samples[name].append(time_call(fn, iters=iters, clock=clock or time.perf_counter) * 1e6)
+    return [dict(layer=name, cache=cache, dtype=case.dtype_name, median_us=median(times), min_us=min(times),
+                 spread_pct=spread_pct(times)) for name, times in samples.items()]

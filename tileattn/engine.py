@@ -128,6 +128,11 @@ class Backend:
     def backward(self, spec: AttentionSpec, grads: "Gradients") -> None:
         raise NotImplementedError
 
+    def prepare(self, spec: AttentionSpec):
+        """A prepared forward call for repeated inference calls of this shape (:mod:`tileattn.lean`),
+        or None (the default: every call takes the full path through :meth:`forward`)."""
+        return None
+
 
 @dataclass
 class Gradients:

@@ -3,10 +3,11 @@ modifiers (besides its tensors and shapes).
 
 Each modifier lowers itself (:meth:`tileattn.modifiers.Modifier.lower`) once per plan into the
 static fields below, and binds its tensors and per-call values (:meth:`~tileattn.modifiers.Modifier.bind`)
-on each call. The static record holds no tensor, so a remembered plan can keep it (and, later, a
-kernel call prepared from it); :meth:`KernelArgs.bound` gives a call's copy with its tensors. No
-engine reads a modifier: a new modifier that lowers into these fields runs on every engine that
-declares it, and one that needs new fields adds them here and to the kernels that read them.
+on each call. The static record holds no tensor, so a remembered plan can keep it (and the lean
+call, :mod:`tileattn.lean`, a kernel call prepared from it); :meth:`KernelArgs.bound` gives a call's
+copy with its tensors. No engine reads a modifier: a new modifier that lowers into these fields runs
+on every engine that declares it, and one that needs new fields adds them here and to the kernels
+that read them.
 """
 
 from __future__ import annotations

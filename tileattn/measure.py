@@ -87,10 +87,12 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(run: Callable[[], object], device: str = "cpu", iters: int = 1) -> float:
+def time_call(run: Callable[[], object], device: str = "cpu", iters: int = 1,
+              clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds per call of ``run()`` over ``iters`` back-to-back calls.
 
-    CPU: wall time. CUDA: the device is synchronised first, then CUDA events around the calls time
+    CPU: wall time (``clock``; ``time.thread_time`` counts this thread's CPU time alone, which a
+    single-threaded call on a shared machine keeps while the wall clock counts the other jobs). CUDA: the device is synchronised first, then CUDA events around the calls time
     the stream itself, without the tens of microseconds a host-side synchronisation would add.
     """
     synchronize(device)
@@ -102,10 +104,10 @@ def time_call(run: Callable[[], object], device: str = "cpu", iters: int = 1) ->
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e-3 / iters
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(iters):
         run()
-    return (time.perf_counter() - t0) / iters
+    return (clock() - t0) / iters
 
 
 @dataclass
@@ -125,12 +127,14 @@ def _as_step(x: Union[Step, Callable]) -> Step:
 def time_interleaved(contenders: Mapping[str, Union[Step, Callable]], reps: int, warmup: int = 0,
                      device: str = "cpu", iters: int = 1,
                      on_error: Optional[Callable[[str, Exception], None]] = None,
-                     on_step: Optional[Callable[[str], None]] = None) -> Dict[str, List[float]]:
+                     on_step: Optional[Callable[[str], None]] = None,
+                     clock: Callable[[], float] = time.perf_counter) -> Dict[str, List[float]]:
     """{name: [seconds per call, one per timed repetition]}, contenders run round-robin.
 
     ``warmup`` untimed rounds come first. The starting contender rotates every round. With
     ``on_error``, a contender that raises is reported through it and dropped (its samples cleared)
     while the others go on; without it the exception propagates. ``on_step(name)`` follows every call.
+    ``clock``: see :func:`time_call`.
     """
     steps = {name: _as_step(x) for name, x in contenders.items()}
     samples: Dict[str, List[float]] = {name: [] for name in steps}
@@ -143,7 +147,7 @@ def time_interleaved(contenders: Mapping[str, Union[Step, Callable]], reps: int,
                 with step.context() if step.context else contextlib.nullcontext():
                     if step.prepare is not None:
                         step.prepare()
-                    elapsed = time_call(step.run, device, iters)
+                    elapsed = time_call(step.run, device, iters, clock)
             except Exception as exc:
                 if on_error is None:
                     raise

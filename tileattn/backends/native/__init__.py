@@ -20,7 +20,7 @@ import torch
 from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
 from ...spec import AttentionSpec
 from ...tunecache import lookup
-from . import kernels
+from . import kernels, prepared
 
 #: Calls whose work (score elements) is below this run without arming the Ctrl-C hook: a decode
 #: step is tens of microseconds, and the hook costs a few.
@@ -76,6 +76,11 @@ class NativeBackend(Backend):
             kernels.backward(kernels.unit_stride(spec.q_c), kernels.unit_stride(spec.k_c),
                              kernels.unit_stride(spec.v_c), grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
                              grads.dv, cancel=cancel, dbias=grads.dbias, validate=False, **kwargs)
+
+    def prepare(self, spec: AttentionSpec):
+        """The struct of a short decode step packed once (:mod:`.prepared`): a lean call writes only
+        its pointers, key length and K/V strides."""
+        return prepared.prepare(spec, _INTERRUPTIBLE_WORK)
 
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
