@@ -44,13 +44,12 @@ def paged_copy(k, cu_k, page, g):
     return pool, table
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("page,dtype", [(16, torch.float16), (256, torch.bfloat16)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (3, 799), (127, 512), (113, 203), (128, 217), (108, 256)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (3, 799), (113, 203), (108, 256)])
 def test_flash_attn_varlen_func_with_block_table(dtype, page, causal, seqlen_q, seqlen_k):
     g = gen(seqlen_q * 1000 + seqlen_k + page)
-    b, h, hk, d = 3, 4, 2, 32
+    b, h, hk, d = 2, 4, 2, 16
     q_lens = torch.randint(max(1, seqlen_q // 2), seqlen_q + 1, (b,), generator=g)
     k_lens = torch.randint(max(1, seqlen_k // 2), seqlen_k + 1, (b,), generator=g)
     if causal:
