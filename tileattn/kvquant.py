@@ -72,8 +72,7 @@ class KVQuant(Modifier):
             fail(TypeError, "k", f"dtype {k.dtype} for q of dtype {q.dtype}",
                  f"q's dtype or a quantised format ({', '.join(str(d) for d in QUANT_DTYPES)})")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            fail(ValueError, "k_scale" if self._first_given() != "q_scale" else "q_scale",
-                 "a quantised or scaled cache with inputs that require grad",
+            fail(ValueError, self._first_given(), "a quantised or scaled cache with inputs that require grad",
                  "inputs without gradients or torch.no_grad(): quantised K/V are forward only (inference)")
         leading = spec.is_paged or spec.is_varlen
         for name in _SCALE_NAMES:
