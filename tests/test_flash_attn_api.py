@@ -272,7 +272,7 @@ def test_bad_arguments_name_the_flash_attn_argument():
         flash_attn.flash_attn_func(q[0], q, q)
     with pytest.raises(TypeError, match="'cu_seqlens_q'"):
         flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4]), torch.tensor([0, 4], dtype=torch.int32), 4, 4)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="'k'.*block_table is given"):
         cu = torch.tensor([0, 4], dtype=torch.int32)
         flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, block_table=cu)
 
@@ -425,16 +425,6 @@ def test_kvcache_lengths_beyond_what_the_block_table_addresses_name_block_table(
     with pytest.raises(ValueError, match="argument 'block_table'.*8 keys.*cache_seqlens\\[1\\]") as info:
         flash_attn.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=fits + 1, block_table=table, **new)
     assert isinstance(info.value, RuntimeError)
-
-
-def test_varlen_paged_cache_says_what_is_unsupported_first():
-    q = _rand(6, 2, 8)
-    pool_k, pool_v = _rand(4, 4, 2, 8, seed=1), _rand(4, 4, 2, 8, seed=2)  # a paged cache is 4-d
-    cu_q = torch.tensor([0, 6], dtype=torch.int32)
-    cu_k = torch.tensor([0, 5], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="'block_table'"):
-        flash_attn.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 6, 5,
-                                          block_table=torch.tensor([[2, 0]], dtype=torch.int32))
 
 
 def test_flash_attn_errors_are_also_runtime_errors():

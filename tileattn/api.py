@@ -31,7 +31,8 @@ def flash_attention(
     q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
     mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
-    return_lse=False, deterministic=False, backend="auto", modifiers=(),
+    return_lse=False, deterministic=False, backend="auto", modifiers=(), k_scale=None, k_offset=None, v_scale=None,
+    v_offset=None, q_scale=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -102,7 +103,14 @@ def flash_attention(
         seqused_k: int32 (B,): sequence ``b`` uses only its first ``seqused_k[b]`` keys (a ragged
             KV cache); alignment and causality count from that length.
         block_table: int32 (B, max_blocks): k and v are paged pools (num_blocks, block_size, Hkv, D)
-            and sequence ``b`` reads blocks ``block_table[b]`` (forward only).
+            and sequence ``b`` reads blocks ``block_table[b]`` (forward only). With ``layout="TND"``
+            queries (``cu_seqlens_q``, a ragged batch of decode rows and prefill chunks), k/v may be a
+            paged pool or a contiguous cache (B, S, Hkv, D) with ``seqused_k``; causal is aligned at
+            each sequence's end.
+        k_scale, k_offset, v_scale, v_offset, q_scale: a quantised cache (k/v int8, float8_e4m3fn or
+            float8_e5m2, or q's dtype with descales) read as ``(k + k_offset) * k_scale``, and
+            ``q_scale`` (B|1, Hkv|1) multiplying the scores (FlashAttention-3's q_descale): fp32,
+            shapes and granularities in :mod:`tileattn.kvquant`. Forward only.
         return_lse: also return the log-sum-exp (natural log) of the masked scores, fp32 (fp64 for
             fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf (or the
             sink). The LSE is differentiable.

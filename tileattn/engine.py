@@ -115,6 +115,8 @@ class Backend:
                 why.append("no backward pass (gradients)")
             elif spec.is_paged:
                 why.append("gradients of a paged KV cache are not supported (decode is forward-only)")
+            elif any(m.forward_only for m in spec.modifiers):
+                why.append("gradients of a quantised or scaled K/V cache are not supported (inference only)")
             if not cap.bias_grad and any(m.grad_slot == "bias" and m.grad_tensor().requires_grad
                                          for m in spec.modifiers):
                 why.append("no bias gradient")

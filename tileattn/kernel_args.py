@@ -21,7 +21,7 @@ from .modifiers import Band, Modifier, fail
 from .score_math import dropout_threshold
 
 #: The fields a modifier binds per call (a tensor or a per-call value), never kept by a plan.
-PER_CALL_FIELDS = ("alibi_slopes", "mask", "bias", "seed")
+PER_CALL_FIELDS = ("alibi_slopes", "mask", "bias", "seed", "k_scale", "k_offset", "v_scale", "v_offset", "q_scale")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class KernelArgs:
     ``left``/``right`` (-1: unbounded); ``softcap`` (0: none); ``dropout_p`` (0: none); and
     ``per_call``, the per-call fields this call binds. Per call: ``alibi_slopes`` fp32 (Hq,) or
     (B, Hq); ``mask`` (bool) and ``bias`` (float), 4-d with size-1 dims where they broadcast against
-    (B, Hq, Sq, Sk); the dropout ``seed``.
+    (B, Hq, Sq, Sk); the dropout ``seed``; the scales and offsets of a quantised cache and ``q_scale``
+    (:mod:`tileattn.kvquant`, in the shapes the caller gave).
     """
 
     scale: float
@@ -48,6 +49,11 @@ class KernelArgs:
     mask: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
     seed: int = 0
+    k_scale: Optional[torch.Tensor] = None
+    k_offset: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+    v_offset: Optional[torch.Tensor] = None
+    q_scale: Optional[torch.Tensor] = None
 
     @property
     def band(self) -> Optional[Band]:

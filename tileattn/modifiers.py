@@ -113,6 +113,8 @@ class Modifier:
     grad_slot: ClassVar[Optional[str]] = None
     #: Applied to every engine's (out, LSE) above the engines (sinks), so no engine declares it.
     applied_by_op: ClassVar[bool] = False
+    #: Inference only (a quantised cache): engines refuse a backward pass of a call that has it.
+    forward_only: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .kvquant import dequantised_spec, quant_of
 from .merge import merge_weights
 from .score_math import ScoreBlock
 from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool, sequence_views
@@ -96,6 +97,8 @@ def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
         with torch.autocast(spec.device.type, enabled=False):
             return reference_from_spec(spec, compute_dtype)
     cdtype = compute_dtype or spec.dtype
+    if quant_of(spec) is not None:  # a quantised cache: dequantised, and q_scale applied, in cdtype
+        spec = dequantised_spec(spec, cdtype)
     outs, lses = [], []
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)

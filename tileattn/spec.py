@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .kernel_args import KernelArgs, lower
+from .kvquant import QUANT_DTYPES, KVQuant
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -284,14 +285,15 @@ def sequence_views(spec: AttentionSpec, seq: SequenceSlice):
     return q, spec.k_c[b, :, :lk], spec.v_c[b, :, :lk]
 
 
-def _check_tensor(name: str, t, rank: int, shape_name: str, layout_note: str):
+def _check_tensor(name: str, t, rank: int, shape_name: str, layout_note: str, dtypes=FLOAT_DTYPES):
     if not isinstance(t, torch.Tensor):
         fail(TypeError, name, type(t).__name__, f"a torch.Tensor of shape {shape_name}")
     if t.layout != torch.strided or getattr(t, "is_nested", False):
         fail(TypeError, name, "a nested tensor" if t.layout == torch.strided else f"a {t.layout} tensor",
              "a regular strided (dense) tensor")
-    if t.dtype not in FLOAT_DTYPES:
-        fail(TypeError, name, f"dtype {t.dtype}", "one of float16, bfloat16, float32, float64")
+    if t.dtype not in dtypes:
+        fail(TypeError, name, f"dtype {t.dtype}", "one of float16, bfloat16, float32, float64"
+             + (" (or a quantised cache: int8, float8_e4m3fn, float8_e5m2)" if dtypes is not FLOAT_DTYPES else ""))
     if t.dim() != rank:
         fail(ValueError, name, f"{t.dim()}-d tensor of shape {tuple(t.shape)}", f"a {rank}-d tensor {shape_name}{layout_note}")
 
@@ -414,16 +416,28 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
         exc = ValueError if isinstance(layout, str) else TypeError
         fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
     layout = layout.upper()
+    if layout == "TND" and block_table is None and cu_seqlens_k is None and isinstance(k, torch.Tensor) \
+            and k.dim() == 4 and isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1:
+        # Varlen queries against a contiguous cache (B, S, Hkv, D) (with seqused_k, a ragged batch):
+        # the cache is a pool of B pages of S slots, sequence b reading page b.
+        if k.shape[0] != cu_seqlens_q.numel() - 1:
+            fail(ValueError, "k", f"a cache of {k.shape[0]} sequences (shape {tuple(k.shape)})",
+                 f"one row per sequence of cu_seqlens_q ({cu_seqlens_q.numel() - 1}), or a paged pool with block_table")
+        block_table = torch.arange(k.shape[0], dtype=torch.int32, device=k.device)[:, None]
     paged = block_table is not None
     rank = _RANK[layout]
     _check_tensor("q", q, rank, _SHAPE_NAME[layout], f" for layout='{layout}'")
+    cache_dtypes = FLOAT_DTYPES + QUANT_DTYPES
     for name, t in (("k", k), ("v", v)):
         if paged:
-            _check_tensor(name, t, 4, _PAGED_SHAPE, " (a paged cache: block_table is given)")
+            _check_tensor(name, t, 4, _PAGED_SHAPE, " (a paged cache: block_table is given)", cache_dtypes)
         else:
-            _check_tensor(name, t, rank, _SHAPE_NAME[layout], f" for layout='{layout}'")
-    if not (q.dtype == k.dtype == v.dtype):
-        fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}", "one shared dtype")
+            _check_tensor(name, t, rank, _SHAPE_NAME[layout], f" for layout='{layout}'", cache_dtypes)
+    if k.dtype != v.dtype or (k.dtype != q.dtype and k.dtype not in QUANT_DTYPES):
+        fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}",
+             "one shared dtype (or k and v of one quantised dtype: int8, float8_e4m3fn, float8_e5m2)")
+    if k.dtype != q.dtype and not any(isinstance(m, KVQuant) for m in found):
+        found = tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))  # read with unit scales
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
     device = q.device

@@ -8,6 +8,7 @@ to the output's dtype, so it has the accuracy a fused kernel should reach. Its b
 from __future__ import annotations
 
 from ..engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ..kvquant import KVQuant
 from ..reference import reference_backward, reference_from_spec
 from ..spec import AttentionSpec, to_canonical
 
@@ -19,7 +20,7 @@ class ReferenceBackend(Backend):
     auto = False
     priority = 1000
     capabilities = Capabilities(devices=frozenset(("cpu", "cuda", "meta")), dtypes=ALL_DTYPES,
-                                modifiers=BUILTIN_MODIFIERS)
+                                modifiers=BUILTIN_MODIFIERS | {KVQuant})
 
     def forward(self, spec: AttentionSpec, out, lse):
         result, result_lse = reference_from_spec(spec, compute_dtype=spec.acc_dtype())

@@ -18,9 +18,11 @@ Every call becomes one ``flash_attention(..., seqused_k=, block_table=)`` call:
   of row b) must be blocks of the cache, else an error names ``block_table``; the slots after them
   are never read, as on the NPU, and may hold anything (-1 padding as CANN's PagedAttention
   documents, or 0 as vLLM pads): one check, :func:`_read_blocks`, for every path;
-* int8 caches with ``antiquant_scale``/``antiquant_offset`` (or the per-tensor key_/value_ forms)
-  are dequantised as documented, ``(x + offset) * scale``; full int8 quantisation
-  (``dequant_scale1``, ``quant_scale2``, ...) is refused by name.
+* int8 caches with ``antiquant_scale``/``antiquant_offset`` (or the key_/value_ forms, and v2's
+  ``dequant_scale_key``/...), ``antiquant_mode`` 0 (per channel / per tensor) and 1 (per token), are
+  read as stored: the factors become the core's ``k_scale``/``k_offset``/... (views, no copy), and
+  the native kernels apply ``(x + offset) * scale`` as they read each tile (:mod:`tileattn.kvquant`);
+  full int8 quantisation (``dequant_scale1``, ``quant_scale2``, ...) is refused by name.
 
 These ops are inference-only in torch_npu and run without autograd here.
 """
@@ -86,29 +88,45 @@ def _cumulative(names, name, values, total):
     return [0] + ends
 
 
-def _dequant(names, x, scale, offset, layout, per_token, name):
-    """``(x + offset) * scale`` for an int8 key or value in the caller's layout. Per-channel and
-    per-tensor factors broadcast as given ((N, 1, D) for BNSD, (N, D) for BSND, (H,) for BSH, (1,));
-    per-token factors are (B, S), one per cached token."""
-    if scale is None:
-        fail(names.fn, name, None, "the dequantisation scale of the int8 cache")
-    if per_token and layout not in ("BSND", "BNSD", "BSH"):
-        refuse(names.fn, f"per-token dequantisation of a '{layout}' cache", "use a padded, unpaged cache")
-
-    def shaped(t):
-        if t is None:
-            return 0.0
-        t = t.float()
-        if not per_token:
-            return t
+def _antiquant_factor(names, t, name, raw, layout, view, per_token):
+    """An antiquant scale or offset of the raw int8 ``raw`` (the caller's layout) as the core reads it:
+    fp32, broadcastable to the key *view* with its last dim 1 or D. Per-channel and per-tensor factors
+    broadcast against the raw cache as given ((N, 1, D) for BNSD, (N, D) for BSND, (H,) for BSH,
+    (1,)); per-token factors are (B, S) (or (1, B, S)), one per cached token. A view, never a copy of
+    the cache."""
+    if t is None:
+        return None
+    fn = names.fn
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        fail(fn, name, type(t).__name__ if not isinstance(t, torch.Tensor) else f"dtype {t.dtype}",
+             "a float tensor", NpuTypeError)
+    t = t.float()
+    if per_token:
+        if layout not in ("BSND", "BNSD", "BSH"):
+            refuse(fn, f"per-token dequantisation of a '{layout}' cache", "use a padded, unpaged cache")
+        if t.dim() < 2 or t.shape[-2:] != (raw.shape[0], raw.shape[2 if layout == "BNSD" else 1]) or \
+                any(n != 1 for n in t.shape[:-2]):
+            fail(fn, name, f"shape {tuple(t.shape)}", f"(B, S) or (1, B, S): one factor per cached token of the "
+                 f"'{layout}' cache of shape {tuple(raw.shape)}")
         t = t.reshape(t.shape[-2:])
-        return {"BSND": t[:, :, None, None], "BNSD": t[:, None, :, None], "BSH": t[:, :, None]}[layout]
-    return (x.float() + shaped(offset)) * shaped(scale)
+        return t[:, None, :, None] if layout == "BNSD" else t[:, :, None, None]
+    if t.dim() > raw.dim() or (t.numel() and not _broadcasts(t.shape, raw.shape)):
+        fail(fn, name, f"shape {tuple(t.shape)}", f"a per-channel or per-tensor factor broadcastable to the cache "
+             f"{tuple(raw.shape)} ((N, 1, D) for BNSD, (N, D) for BSND, (H,) for BSH, (1,))")
+    t = t.reshape((1,) * (raw.dim() - t.dim()) + tuple(t.shape))
+    if layout == "BSH" and t.shape[-1] == 1:
+        return t.unsqueeze(-1)  # (..., 1) -> (..., 1, 1): no channel axis
+    return view(t)
 
 
-def _dequant_kv(names, key, value, aq, layout, dtype):
-    """int8 caches dequantised with the documented antiquant arithmetic. Per-channel/per-tensor
-    (mode 0) and per-token (mode 1) are provided; the per-head and paged-scale modes (2-5) are not."""
+def _broadcasts(shape, full):
+    return all(n in (1, f) for n, f in zip(reversed(shape), reversed(full)))
+
+
+def _antiquant(names, key, value, aq, layout, view):
+    """The core's k_scale/k_offset/v_scale/v_offset of an int8 cache, from the documented antiquant
+    arguments, applied as ``(x + offset) * scale`` by the kernels as they read the cache (mode 0:
+    per-channel/per-tensor, mode 1: per-token; the per-head and paged-scale modes 2-5 are refused)."""
     fn = names.fn
     modes = {}
     for name in ("antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"):
@@ -117,19 +135,48 @@ def _dequant_kv(names, key, value, aq, layout, dtype):
             refuse(fn, f"{name}={modes[name]} (per-head or paged-scale dequantisation)",
                    "use 0 (per-channel/per-tensor) or 1 (per-token)")
     if aq.get("key_antiquant_scale") is not None or aq.get("value_antiquant_scale") is not None:
-        kd = _dequant(names, key, aq.get("key_antiquant_scale"), aq.get("key_antiquant_offset"), layout,
-                      modes["key_antiquant_mode"] == 1, "key_antiquant_scale")
-        vd = _dequant(names, value, aq.get("value_antiquant_scale"), aq.get("value_antiquant_offset"), layout,
-                      modes["value_antiquant_mode"] == 1, "value_antiquant_scale")
+        parts = {"k": ("key_antiquant_scale", "key_antiquant_offset", modes["key_antiquant_mode"] == 1, key),
+                 "v": ("value_antiquant_scale", "value_antiquant_offset", modes["value_antiquant_mode"] == 1, value)}
+        factors = {c: (aq.get(s), aq.get(o), s, o, tok, raw) for c, (s, o, tok, raw) in parts.items()}
     else:
         scale, offset = aq.get("antiquant_scale"), aq.get("antiquant_offset")
         if scale is None:
             fail(fn, "antiquant_scale", None, "the dequantisation scales of the int8 key and value, shape (2, ...)")
+        for name, t in (("antiquant_scale", scale), ("antiquant_offset", offset)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != 2):
+                fail(fn, name, _shape_of(t), "a tensor of shape (2, ...): the key's factors, then the value's")
         per_token = modes["antiquant_mode"] == 1
-        kd = _dequant(names, key, scale[0], None if offset is None else offset[0], layout, per_token, "antiquant_scale")
-        vd = _dequant(names, value, scale[1], None if offset is None else offset[1], layout, per_token,
-                      "antiquant_scale")
-    return kd.to(dtype), vd.to(dtype)
+        factors = {c: (scale[i], None if offset is None else offset[i], "antiquant_scale", "antiquant_offset",
+                       per_token, raw) for i, (c, raw) in enumerate((("k", key), ("v", value)))}
+    out = {}
+    for c, (scale, offset, scale_name, offset_name, per_token, raw) in factors.items():
+        if scale is None:
+            fail(fn, scale_name, None, "the dequantisation scale of the int8 cache")
+        out[f"{c}_scale"] = _antiquant_factor(names, scale, scale_name, raw, layout, view, per_token)
+        out[f"{c}_offset"] = _antiquant_factor(names, offset, offset_name, raw, layout, view, per_token)
+    return out
+
+
+def _shape_of(t):
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _bsnd_scales(scales, layout):
+    """Scales of a BNSD cache as those of its (B, S, N, D) view."""
+    if layout != "BNSD":
+        return scales
+    return {n: None if t is None else t.transpose(1, 2) for n, t in scales.items()}
+
+
+def _packed_scales(scales, batch, sk):
+    """Scales of a (B, S, N, D) cache for the same cache packed as (B*S, N, D) sequences (:func:`_pack`):
+    per-token factors flattened with it, the others per sequence (a leading batch axis)."""
+    packed = {}
+    for name, t in scales.items():
+        if t is not None and t.shape[1] == sk and sk != 1:
+            t = t.expand(batch, *t.shape[1:]).flatten(0, 1)
+        packed[name] = t
+    return packed
 
 
 def _keep_from_mask(names, mask, decode, batch, sq, sk):
@@ -180,7 +227,7 @@ def _band(fn, sparse_mode, pre, nxt, decode, atten_mask) -> Optional[Band]:
 def _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_heads, d, antiquant):
     """Keys and values as tileattn reads them -- paged pools (blocks, block_size, N, D), packed
     (T, N, D), or (B, S, N, D) / (B, N, S, D) like the query -- as views; an int8 cache is
-    dequantised first (a float copy)."""
+    read as stored, with its antiquant factors as the core's scales (returned third)."""
     fn = names.fn
     quantized = isinstance(key, torch.Tensor) and key.dtype == torch.int8
     for name, t in (("key", key), ("value", value)):
@@ -204,10 +251,10 @@ def _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_hea
         raw_layout = layout_in
     if raw_layout == "BSH" and (key.shape[2] % kv_heads or value.shape[2] % kv_heads):
         fail(fn, "num_key_value_heads", kv_heads, f"a divisor of key's hidden size {key.shape[2]}")
-    if quantized:
-        key, value = _dequant_kv(names, key, value, antiquant or {}, raw_layout, query.dtype)
-    elif antiquant and any(t is not None for n, t in antiquant.items() if not n.endswith("mode")):
+    if not quantized and antiquant and any(t is not None for n, t in antiquant.items() if not n.endswith("mode")):
         fail(fn, "antiquant_scale", "a scale for a float cache", "None (dequantisation applies to int8 key/value)")
+    if quantized and key_rope is not None:
+        refuse(fn, "key_rope with an int8 cache (MLA over a quantised cache)", "pass a float cache with key_rope")
 
     def view(t):
         if raw_layout == "BSH":
@@ -227,7 +274,8 @@ def _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_hea
         k = torch.cat([k, view(key_rope)], -1)
     if k.shape[-1] != d:
         fail(fn, "key", f"head dim {k.shape[-1]}", f"{d}, the head dim of query (with query_rope/key_rope added)")
-    return k, v
+    scales = _antiquant(names, key, value, antiquant or {}, raw_layout, view) if quantized else {}
+    return k, v, scales
 
 
 def _query(names, query, query_rope, layout_in, heads):
@@ -283,7 +331,8 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
 
     q, q_layout = _query(names, query, query_rope, layout_in, heads)
     paged = block_table is not None
-    k, v = _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_heads, q.shape[-1], antiquant)
+    k, v, scales = _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_heads, q.shape[-1],
+                       antiquant)
     if out is not None:
         _check_out(fn, out, query, value, input_layout.upper(), paged, heads, kv_heads, want_lse)
     varlen = q_layout == "TND"
@@ -342,7 +391,7 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
 
     device = query.device
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    kwargs = dict(scale=scale, sinks=sinks)
+    kwargs = dict(scale=scale, sinks=sinks, **scales)
     rows = None  # positions of the packed query rows in a padded query that had shorter actual lengths
     if keep is not None or bias is not None:
         # An explicit mask/bias addresses padded positions: one padded call, the exact per-batch
@@ -354,7 +403,10 @@ def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, 
     else:
         full_k = lk if varlen else [capacity] * batch
         if not varlen and any(n != sq for n in lq):
+            sk_padded = k.shape[1 if q_layout == "BSND" else 2]
             q, k, v, cu_q, cu_k, rows = _pack(q, k, v, q_layout, lq, paged)
+            if scales and not paged:
+                kwargs.update(_packed_scales(_bsnd_scales(scales, q_layout), batch, sk_padded))
             full_k = [capacity] * batch
             varlen = True
         same = {b - a for a, b in zip(lq, lk)}

@@ -16,6 +16,7 @@ from functools import partial
 import torch
 
 from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...kvquant import KVQuant, dequantised_spec, quant_of
 from ...spec import AttentionSpec, sequence_views
 from . import kernels
 from .parallel import planned_workers, run_tasks
@@ -76,7 +77,8 @@ def _head_ranges(heads_kv: int, nh: int):
 class CpuBackend(Backend):
     name = "cpu"
     priority = 20
-    capabilities = Capabilities(devices=frozenset(("cpu",)), dtypes=ALL_DTYPES, modifiers=BUILTIN_MODIFIERS)
+    #: A quantised cache is dequantised into a copy in q's dtype first (the native engine reads it as stored).
+    capabilities = Capabilities(devices=frozenset(("cpu",)), dtypes=ALL_DTYPES, modifiers=BUILTIN_MODIFIERS | {KVQuant})
     #: Set by ``tileattn tune`` or tests to force a configuration.
     config_override = None
 
@@ -94,6 +96,8 @@ class CpuBackend(Backend):
             )
 
     def forward(self, spec: AttentionSpec, out, lse):
+        if quant_of(spec) is not None:
+            spec = dequantised_spec(spec, spec.dtype)
         cfg = self.config(spec)
         tasks = []
         nh = cfg.heads_per_task(spec, -(-max(spec.seqlen_q, 1) // cfg.block_m), 4 * planned_workers())

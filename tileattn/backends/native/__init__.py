@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...kvquant import KVQuant, canonical_scales, quant_of
 from ...spec import AttentionSpec
 from ...tunecache import lookup
 from . import kernels, prepared
@@ -32,7 +33,8 @@ class NativeBackend(Backend):
     priority = 15
     capabilities = Capabilities(
         devices=frozenset(("cpu",)), dtypes=frozenset(kernels.CAPABILITIES["dtypes"]) & ALL_DTYPES,
-        modifiers=BUILTIN_MODIFIERS,
+        # a quantised cache in the formats the kernels read as stored (kernels.CAPABILITIES["kv_formats"])
+        modifiers=BUILTIN_MODIFIERS | {KVQuant},
     )
     _warned = False
 
@@ -55,6 +57,11 @@ class NativeBackend(Backend):
             why.append("a paged cache without pages")
         if max(spec.q_c.shape[0] if spec.is_varlen else spec.seqlen_q, spec.seqlen_k) >= 2**31 - 1:
             why.append("a sequence of 2^31 tokens or more")
+        if quant_of(spec) is not None:
+            if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                why.append(f"a quantised or scaled cache with {spec.dtype} queries (fp32, bf16 or fp16)")
+            elif spec.k.dtype is not spec.dtype and spec.k.dtype not in kernels.CAPABILITIES["kv_formats"]:
+                why.append(f"a cache of dtype {spec.k.dtype}")
         return why
 
     def forward(self, spec: AttentionSpec, out, lse):
@@ -89,7 +96,8 @@ class NativeBackend(Backend):
         caller's ``t[::2]`` is valid input, the kernels read plain arrays)."""
         tuned = lookup("native", spec) or {}
         a = spec.kernel_args
-        return dict(scale=a.scale, left=a.left, right=a.right, bottom_right=a.bottom_right, shift=a.shift,
+        quant = canonical_scales(spec, a) if "k_scale" in a.per_call else {}
+        return dict(**quant,scale=a.scale, left=a.left, right=a.right, bottom_right=a.bottom_right, shift=a.shift,
                     cu_seqlens_q=kernels.contiguous_index(spec.cu_seqlens_q),
                     cu_seqlens_k=kernels.contiguous_index(spec.cu_seqlens_k),
                     seqused_k=kernels.contiguous_index(spec.seqused_k),

@@ -38,26 +38,8 @@ import torch
 from ...api import flash_attention
 from ...score_math import ScoreBlock
 from ...spec import build_spec, sequence_views
-
-
-class FlashAttnArgumentError(ValueError, RuntimeError):
-    """A bad argument value. Also a RuntimeError, which flash-attn's checks raise."""
-
-
-class FlashAttnTypeError(TypeError, RuntimeError):
-    """A bad argument type. Also a RuntimeError, which flash-attn's op schema raises."""
-
-
-def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):
-    if exc is TypeError:
-        exc = FlashAttnTypeError
-    raise exc(f"tileattn.compat.flash_attn.{fn}: argument '{arg}': got {given}; expected {expected}.")
-
-
-def _describe(value):
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    return f"{value!r} ({type(value).__name__})"
+from . import descale as _descale
+from .errors import FlashAttnArgumentError, FlashAttnTypeError, _describe, _fail  # noqa: F401  (re-exported)
 
 
 def _as_int(fn, name, value, expected="an int"):
@@ -226,7 +208,8 @@ def _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    q_descale=None, k_descale=None, v_descale=None):
     """Attention of q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv); H % Hk == 0.
 
     Causal and ``window_size`` are aligned to the bottom-right corner; -1 = unbounded window side.
@@ -234,9 +217,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``return_attn_probs=True``: ``S_dmask`` is the (B, H, Sq, Sk) softmax in q's dtype, normalised,
     with the entries dropout dropped negated (flash-attn's own is unnormalised and padded; see the
     module docstring).
+
+    FlashAttention-3's fp8 inference: q/k/v float8 (e4m3, or e5m2) and/or ``q_descale``,
+    ``k_descale``, ``v_descale`` fp32 (batch, nheads_k); the output of fp8 inputs is bf16; forward
+    only (:mod:`.descale`).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_rank("flash_attn_func", name, t, 4, "(batch, seqlen, nheads, headdim)")
+    descales = (q_descale, k_descale, v_descale)
+    if _descale.wanted(q, k, v, descales):
+        fn = "flash_attn_func"
+        _descale.refuse_training(fn, dropout_p, return_attn_probs)
+        window = _check_options(fn, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, False)
+        q, scales = _descale.lower(fn, q, k, v, descales, q.shape[0], k.shape[2], False)
+        _check_qkv(fn, q, q.new_empty(()).expand(k.shape), q.new_empty(()).expand(v.shape))  # shapes only
+        _check_alibi(fn, alibi_slopes, q.shape[0], q.shape[2], q.device)
+        return flash_attention(q, k, v, layout="BSND", scale=softmax_scale, causal=causal, window=window,
+                               softcap=float(softcap), alibi_slopes=alibi_slopes, **scales)
     return _run("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_attn_probs, layout="BSND")
 
@@ -269,7 +266,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table=None):
     max_seqlens = []
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         n = _as_int(fn, name, value, "a non-negative int (the longest sequence)")
@@ -280,9 +277,45 @@ def _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
             _fail(fn, name, _describe(cu), "an int32 tensor of shape (batch + 1,) of cumulative offsets",
                   FlashAttnTypeError)
+    if block_table is not None:
+        return _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                    deterministic, return_attn_probs, max_seqlens=tuple(max_seqlens), layout="TND",
+                    cu_seqlens_q=cu_seqlens_q, **_paged_keys(fn, k, cu_seqlens_q, cu_seqlens_k, block_table))
     return _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, max_seqlens=tuple(max_seqlens), layout="TND",
                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+def _paged_keys(fn, k, cu_seqlens_q, cu_seqlens_k, block_table):
+    """flash-attn's paged varlen call: sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys in the
+    pages ``block_table[b]`` of the pool k (num_blocks, page_block_size, nheads_k, headdim). Entries
+    past the pages a sequence uses are never read (flash-attn), so they are zeroed in a small copy."""
+    batch = cu_seqlens_q.numel() - 1
+    if cu_seqlens_k.numel() != batch + 1:
+        _fail(fn, "cu_seqlens_k", f"shape {tuple(cu_seqlens_k.shape)}", f"({batch + 1},), as cu_seqlens_q")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != batch:
+        _fail(fn, "block_table", _describe(block_table), f"an int32 tensor (batch={batch}, max_num_blocks_per_seq)",
+              FlashAttnTypeError)
+    if block_table.device != k.device:
+        _fail(fn, "block_table", f"device {block_table.device}", f"q's device {k.device}")
+    lengths = cu_seqlens_k.diff()
+    page, blocks = k.shape[1], k.shape[0]
+    host = lengths.tolist()
+    if host and min(host) < 0:
+        _fail(fn, "cu_seqlens_k", cu_seqlens_k.tolist(), "non-decreasing cumulative offsets")
+    capacity = block_table.shape[1] * page
+    if host and max(host) > capacity:
+        b = max(range(batch), key=lambda i: host[i])
+        _fail(fn, "block_table", f"{block_table.shape[1]} pages of {page} positions per sequence",
+              f"pages for the {host[b]} keys of sequence {b} (cu_seqlens_k)")
+    in_use = torch.arange(block_table.shape[1], device=k.device)[None, :] < (lengths.long()[:, None] + page - 1) // page
+    bad = in_use & ((block_table < 0) | (block_table >= blocks))
+    if bool(bad.any()):
+        b, slot = (int(i) for i in bad.nonzero()[0])
+        _fail(fn, "block_table", f"block_table[{b}][{slot}] = {int(block_table[b, slot])}",
+              f"a page index in [0, {blocks}) for each page sequence {b} uses")
+    return dict(block_table=torch.where(in_use, block_table, 0), seqused_k=lengths.to(torch.int32))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -290,17 +323,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """Variable-length attention: q (total_q, H, D), k/v (total_k, Hk, D); sequence ``b`` is rows
     ``cu_seqlens[b]:cu_seqlens[b+1]``. softmax_lse is (H, total_q); ``S_dmask`` (B, H, max_seqlen_q,
-    max_seqlen_k). A paged KV cache (``block_table``) is not supported here."""
+    max_seqlen_k). With ``block_table`` (batch, max_num_blocks_per_seq) int32, k/v are paged pools
+    (num_blocks, page_block_size, nheads_k, headdim) and sequence ``b`` reads its
+    ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys from its pages (flash-attn's paged varlen call, forward
+    only): decode rows and prefill chunks of one pool in one call, causal at each sequence's end."""
     fn = "flash_attn_varlen_func"
-    if block_table is not None:
-        # Before any shape check: a paged k/v is 4-d, and the limitation is what the caller must learn.
-        raise NotImplementedError(
-            f"tileattn.compat.flash_attn.{fn}: argument 'block_table' (paged KV cache) is not supported; "
-            "pass contiguous k/v of shape (total_k, nheads_k, headdim), or use flash_attn_with_kvcache.")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_rank(fn, name, t, 3, "(total_tokens, nheads, headdim)")
+    _check_rank(fn, "q", q, 3, "(total_tokens, nheads, headdim)")
+    for name, t in (("k", k), ("v", v)):
+        if block_table is None:
+            _check_rank(fn, name, t, 3, "(total_tokens, nheads, headdim)")
+        else:
+            _check_rank(fn, name, t, 4, "(num_blocks, page_block_size, nheads_k, headdim) (block_table is given)")
     return _varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                   block_table)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,

@@ -36,6 +36,7 @@ import numbers
 import torch
 
 from ...api import flash_attention
+from . import descale as _descale
 from .flash_attn_interface import (FlashAttnTypeError, _as_int, _check_alibi, _check_options, _check_rank,
                                    _describe, _fail)
 
@@ -233,7 +234,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, q_descale=None, k_descale=None, v_descale=None):
     """Decoding attention over a KV cache (forward only, no gradients).
 
     q (B, Sq, H, D); k_cache/v_cache (B_cache, S_cache, Hk, D), or (num_blocks, page_size, Hk, D) with
@@ -249,6 +250,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     when causal or windowed, else all at ``cache_seqlens[b]``; ``rotary_interleaved`` picks GPT-J
     pairs over GPT-NeoX halves. ``num_splits`` is validated and otherwise not used (see the module
     doc). Returns ``out`` or ``(out, softmax_lse (B, H, Sq))``.
+
+    FlashAttention-3's fp8 cache: k_cache/v_cache (and new k/v) float8, q float8 (output bf16) or bf16
+    / fp16 / fp32, with ``q_descale``, ``k_descale``, ``v_descale`` fp32 (batch, nheads_k), None = 1;
+    the cache is read as stored, never dequantised into a copy (:mod:`.descale`).
     """
     _check_rank(_FN, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_rank(_FN, "k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -257,9 +262,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             "return_softmax_lse")
     if _as_int(_FN, "num_splits", num_splits, "an int >= 0 (0 = automatic)") < 0:
         _fail(_FN, "num_splits", repr(num_splits), "an int >= 0 (0 = automatic)")
+    descales = (q_descale, k_descale, v_descale)
+    fp8 = _descale.wanted(q, k_cache, v_cache, descales)
+    if fp8 and q.dtype in _descale.FP8:
+        if k_cache.dtype not in _descale.FP8:
+            _fail(_FN, "q", f"dtype {q.dtype} with a cache of dtype {k_cache.dtype}", "fp8 q with an fp8 cache",
+                  FlashAttnTypeError)
+        q = q.to(torch.bfloat16)  # exact: every fp8 value is a bf16 value
+    cache_dtype = k_cache.dtype if fp8 and k_cache.dtype in _descale.FP8 else q.dtype
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            _fail(_FN, name, f"dtype {t.dtype}", f"q's dtype {q.dtype}", FlashAttnTypeError)
+        if t.dtype != cache_dtype:
+            _fail(_FN, name, f"dtype {t.dtype}", f"q's dtype {q.dtype} (or float8 with FlashAttention-3's descales)"
+                  if not fp8 else f"the cache's dtype {cache_dtype}", FlashAttnTypeError)
         if t.device != q.device:
             _fail(_FN, name, f"device {t.device}", f"q's device {q.device}")
     if v_cache.shape[:3] != k_cache.shape[:3]:
@@ -301,8 +315,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _fail(_FN, "k/v", f"shapes {tuple(k.shape)}, {tuple(v.shape)}",
                   f"(batch={batch}, seqlen_new, {k_cache.shape[2]}, headdim) matching the caches")
         for name, t in (("k", k), ("v", v)):
-            if t.dtype != q.dtype or t.device != q.device:
-                _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"q's dtype {q.dtype} on {q.device}",
+            if t.dtype != cache_dtype or t.device != q.device:
+                _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"the cache's dtype {cache_dtype} on {q.device}",
                       FlashAttnTypeError)
     used = [cache.capacity] * batch if lengths is None else [n + new for n in lengths]
     cache.check_capacity(used, new)
@@ -351,6 +365,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             extra = dict(block_table=cache.rows[:, None], seqused_k=used_t)
         else:
             extra = dict(seqused_k=used_t)
+        if fp8:
+            queries, scales = _descale.lower(_FN, queries, keys, values, descales, batch, k_cache.shape[2],
+                                             "block_table" in extra)
+            extra.update(scales)
         out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
     except BaseException:
         if saved is not None:

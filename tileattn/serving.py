@@ -1,0 +1,125 @@
+"""Writing a quantised KV cache: quantise new keys/values and store them in place, with their scales.
+
+The caches these write are the ones :func:`tileattn.flash_attention` reads as stored with
+``k_scale``/``k_offset``/``v_scale``/``v_offset`` (:mod:`tileattn.kvquant`): ``real = (x + offset) *
+scale``.
+
+* :func:`quantise`: x (float) -> (stored x in int8 / float8_e4m3fn / float8_e5m2, fp32 scale, fp32
+  offset or None), the scale taken over the dims ``reduce`` (the scale has size 1 there): per token
+  ``reduce=(-1,)``, per channel over a block of tokens ``reduce=(0,)``, per tensor all dims. int8 is
+  symmetric (offset None, ``x = round(real / scale)`` in [-127, 127]) or, with ``symmetric=False``,
+  centred on each group's midrange; fp8 is symmetric, ``x = real / scale`` rounded to the format,
+  with the group's absolute maximum mapped to the format's largest finite value.
+* :func:`store`: write new tokens (T, Hkv, D) into a paged pool (num_blocks, block_size, Hkv, D) or a
+  contiguous cache (B, S, Hkv, D) at flat slot indices (vLLM's ``slot_mapping``: block * block_size +
+  offset, or b * S + position), in place: quantised per token into per-slot scale (and offset) caches
+  of shape (num_blocks, block_size, Hkv, 1), or with a fixed scale (per channel: (1, 1, Hkv, D), per
+  tensor), or copied into a float cache. Everything is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .kvquant import QUANT_DTYPES
+from .modifiers import fail
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_TINY = 1e-12  # a group of zeros gets a tiny positive scale (and stores zeros)
+
+
+def quantise(x: torch.Tensor, dtype: torch.dtype, reduce: Sequence[int] = (-1,), symmetric: bool = True,
+             scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(stored, scale, offset) with ``(stored + offset) * scale ~= x``; see the module docstring.
+    ``scale`` given: that (fp32, broadcastable to x) is used instead of one computed over ``reduce``."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in QUANT_DTYPES:
+        fail(TypeError, "x", getattr(x, "dtype", type(x).__name__), "a float tensor (the keys or values to store)")
+    if dtype not in QUANT_DTYPES:
+        fail(TypeError, "dtype", dtype, "torch.int8, torch.float8_e4m3fn or torch.float8_e5m2")
+    if not symmetric and dtype is not torch.int8:
+        fail(ValueError, "symmetric", False, "True for fp8 (only int8 takes an offset)")
+    real = x.float()
+    dims = tuple(sorted({d % x.dim() for d in reduce})) if x.dim() else ()
+    offset = None
+    if scale is not None:
+        if not isinstance(scale, torch.Tensor) or scale.dtype is not torch.float32:
+            fail(TypeError, "scale", getattr(scale, "dtype", type(scale).__name__), "an fp32 tensor")
+        if len(scale.shape) > x.dim() or any(n not in (1, f) for n, f in zip(scale.shape[::-1], x.shape[::-1])):
+            fail(ValueError, "scale", f"shape {tuple(scale.shape)}", f"a shape broadcastable to x {tuple(x.shape)}")
+    elif symmetric:
+        top = real.abs().amax(dim=dims, keepdim=True) if dims else real.abs()
+        scale = (top / (127.0 if dtype is torch.int8 else _FP8_MAX[dtype])).clamp_min(_TINY)
+    else:
+        hi = real.amax(dim=dims, keepdim=True) if dims else real
+        lo = real.amin(dim=dims, keepdim=True) if dims else real
+        scale = ((hi - lo) / 254.0).clamp_min(_TINY)
+        offset = (hi + lo) / (2.0 * scale)  # real = (stored + offset) * scale: the midrange stores as 0
+    scaled = real / scale - (0.0 if offset is None else offset)
+    if dtype is torch.int8:
+        stored = scaled.round().clamp_(-127, 127).to(torch.int8)
+    else:
+        stored = scaled.clamp(-_FP8_MAX[dtype], _FP8_MAX[dtype]).to(dtype)
+    return stored, scale, offset
+
+
+def _slots_view(name, t, width):
+    """A cache (N0, N1, Hkv, W) as (N0 * N1, Hkv, W) slots, a view (no copy: writes land in place)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        fail(TypeError, name, getattr(t, "shape", type(t).__name__),
+             "a 4-d cache (num_blocks, block_size, kv_heads, head_dim) or (batch, seqlen, kv_heads, head_dim)")
+    if t.shape[-1] != width:
+        fail(ValueError, name, f"last dim {t.shape[-1]}", f"{width}")
+    try:
+        return t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+    except RuntimeError:
+        fail(ValueError, name, f"strides {t.stride()}", "a cache whose first two dims merge into one (a view)")
+
+
+def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_cache: Optional[torch.Tensor] = None,
+          offset_cache: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None) -> None:
+    """Write ``new`` (T, Hkv, D) at the flat ``slots`` (T,) of ``cache``, in place (module docstring).
+
+    A quantised cache takes either ``scale_cache`` (fp32 (N0, N1, Hkv, 1): per-token scales written at
+    the same slots; with ``offset_cache`` alike, asymmetric int8) or a fixed ``scale`` (fp32,
+    broadcastable to (T, Hkv, D)); a float cache takes neither.
+    """
+    if not isinstance(new, torch.Tensor) or new.dim() != 3 or not new.is_floating_point():
+        fail(TypeError, "new", getattr(new, "shape", type(new).__name__), "a float tensor (tokens, kv_heads, head_dim)")
+    flat = _slots_view("cache", cache, new.shape[-1])
+    if flat.shape[1] != new.shape[1]:
+        fail(ValueError, "new", f"{new.shape[1]} kv heads", f"{flat.shape[1]}, the cache's")
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
+            tuple(slots.shape) != (new.shape[0],):
+        fail(TypeError, "slots", getattr(slots, "shape", type(slots).__name__),
+             f"an int64 tensor ({new.shape[0]},): the flat slot of each new token")
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= flat.shape[0]):
+        fail(ValueError, "slots", f"values in [{int(slots.min())}, {int(slots.max())}]",
+             f"slots in [0, {flat.shape[0]}) of the cache")
+    index = slots.long()
+    if cache.dtype not in QUANT_DTYPES:
+        for name, t in (("scale_cache", scale_cache), ("offset_cache", offset_cache), ("scale", scale)):
+            if t is not None:
+                fail(ValueError, name, "a tensor for a float cache", "None (the cache stores the values as given)")
+        flat[index] = new.to(cache.dtype)
+        return
+    if (scale_cache is None) == (scale is None):
+        fail(ValueError, "scale_cache/scale", "both" if scale is not None else "neither",
+             "per-token scales (scale_cache) or one fixed scale (scale) for a quantised cache")
+    if scale is not None:
+        if offset_cache is not None:
+            fail(ValueError, "offset_cache", "a tensor with a fixed scale", "None")
+        stored, _, _ = quantise(new, cache.dtype, scale=scale)
+        flat[index] = stored
+        return
+    scales = _slots_view("scale_cache", scale_cache, 1)
+    offsets = None if offset_cache is None else _slots_view("offset_cache", offset_cache, 1)
+    for name, t in (("scale_cache", scales), ("offset_cache", offsets)):
+        if t is not None and (t.dtype is not torch.float32 or t.shape[:2] != flat.shape[:2]):
+            fail(ValueError, name, f"shape {tuple(t.shape)} {t.dtype}", f"fp32 slots {tuple(flat.shape[:2])} + (1,)")
+    stored, s, o = quantise(new, cache.dtype, reduce=(-1,), symmetric=offsets is None)
+    flat[index] = stored
+    scales[index] = s
+    if offsets is not None:
+        offsets[index] = o
