@@ -4,7 +4,8 @@
 Modules: :mod:`.semantics` (the exact reference and the argument checks), :mod:`.blocks` (block
 classification of a BlockMask and packed partial masks), :mod:`.trace` (structure keys, captured
 tensors, tracing), :mod:`.codegen` (C tile functions and their derivatives), :mod:`.compiler`
-(building and caching them).
+(building and caching them), :mod:`.attention` (:func:`flex_attention` on CPU, forward and
+backward, and :func:`explain`), :mod:`.examples` (attention-gym's patterns).
 
 The semantics matched (``torch.nn.attention.flex_attention.flex_attention`` in torch 2.13; where its
 documentation is silent or wrong, what its implementations do, as noted):
@@ -55,3 +56,9 @@ documentation is silent or wrong, what its implementations do, as noted):
   Where PyTorch's autograd has no derivative (``//`` on floats) the compiled derivative is 0, as for
   ``torch.div(..., rounding_mode="floor")``.
 """
+
+from . import examples
+from .attention import explain, flex_attention
+from .blocks import classify, create_block_mask
+
+__all__ = ["flex_attention", "explain", "create_block_mask", "classify", "examples"]
