@@ -5,9 +5,10 @@ or head of that row sees are read; EMPTY blocks are skipped, FULL blocks carry n
 blocks take their packed bits):
 
 * **mask only** (no ``score_mod``, no max scores asked): each row of blocks is one
-  :func:`tileattn.flash_attention` call over the visible keys, with the row's bits as its bool mask
-  (none when every visible block is FULL). The native kernels run it, forward and backward, with
-  their own autograd; so do the PyTorch-ops engine without a compiler.
+  :func:`tileattn.flash_attention` call over the span of its visible keys, with a bool mask of the
+  span made for the call from the row's bits (none when every key of the span is visible). The
+  native kernels run it, forward and backward, with their own autograd (and skip the tiles of the
+  span the mask hides entirely); so does the PyTorch-ops engine without a compiler.
 * **score_mod**: the row's scores are computed key-major (the compiled programs' layout), modified by
   the compiled ``score_mod`` (:func:`tileattn.flex.compiler.score_program`; its C derivative gives
   the backward and the gradients of the tensors it captures), masked, and soft-maxed in PyTorch. A
@@ -304,11 +305,27 @@ def _expand_kv(call, t):
     return t.expand(call.batch, -1, -1, -1)
 
 
+def _span(row: Row):
+    """(keys, mask): the row's visible keys as one contiguous slice, with a bool mask of the span built
+    now from the row's parts (None when every key of the span is visible). O(rows x span) bytes, for
+    this call only; the native kernels skip the span's tiles the mask hides entirely."""
+    parts = row.parts
+    starts = [keys.keys.start if keys.keys is not None else int(keys.index[0]) for keys, _ in parts]
+    stops = [keys.keys.stop if keys.keys is not None else int(keys.index[-1]) + 1 for keys, _ in parts]
+    lo, hi = min(starts), max(stops)
+    if len(parts) == 1 and parts[0][1] is None and parts[0][0].keys is not None:
+        return slice(lo, hi), None
+    heads = row.mask.shape[:2] if row.mask is not None else (1, 1)
+    mask = torch.zeros(*heads, row.q1 - row.q0, hi - lo, dtype=torch.bool)
+    for keys, part_mask in parts:
+        where = slice(keys.keys.start - lo, keys.keys.stop - lo) if keys.keys is not None else keys.index - lo
+        mask[..., where] = True if part_mask is None else part_mask
+    return slice(lo, hi), mask
+
+
 def _mask_only(call, block_map, q, k, v):
-    """One tileattn.flash_attention call per row of blocks and part (masked keys, unmasked keys); a row
-    with both merges them by their LSEs (tileattn.merge_attentions)."""
-    from ..api import attention_partial, flash_attention
-    from ..merge import merge_attentions
+    """One tileattn.flash_attention call per row of blocks, over the span of its visible keys."""
+    from ..api import flash_attention
 
     k, v = _expand_kv(call, k), _expand_kv(call, v)
     if block_map is None:
@@ -319,16 +336,9 @@ def _mask_only(call, block_map, q, k, v):
     for row in _rows(block_map):
         if row.q0 > filled:
             _fill(call, q, v, outs, lses, [], filled, row.q0)
-        q_row = q[:, :, row.q0:row.q1]
-        parts = row.parts
-        if len(parts) == 1:
-            (keys, mask), = parts
-            out, lse = flash_attention(q_row, keys.take(k), keys.take(v), scale=call.scale, mask=mask,
-                                       return_lse=True)
-        else:
-            pieces = [attention_partial(q_row, keys.take(k), keys.take(v), scale=call.scale, mask=mask)
-                      for keys, mask in parts]
-            out, lse = merge_attentions([p[0] for p in pieces], [p[1] for p in pieces], out_dtype=q.dtype)
+        keys, mask = _span(row)
+        out, lse = flash_attention(q[:, :, row.q0:row.q1], k[:, :, keys], v[:, :, keys], scale=call.scale, mask=mask,
+                                   return_lse=True)
         outs.append(out)
         lses.append(lse)
         filled = row.q1
