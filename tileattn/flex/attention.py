@@ -42,7 +42,9 @@ TORCH_FLEX_ATTENTION = torch_flex.flex_attention
 ROWS_WITHOUT_MASK = 128
 _COMPILED_TORCH_FLEX = []
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BlockMap -> tuple of Row
-_UNMASKED = {}  # (q_len, kv_len) -> tuple of Row for calls without a block mask
+_UNMASKED = {}
+#: exponent below which exp() is subnormal, per working precision
+_SUBNORMAL_EXP = {torch.float32: -87.0, torch.float64: -708.0}  # (q_len, kv_len) -> tuple of Row for calls without a block mask
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,7 +228,7 @@ def _row_attention(row: Row, scored: Optional[_Scored], scale: float, want_max: 
     k_blk = torch.cat([keys.take(k) for keys in parts], dim=-2) if len(parts) > 1 else parts[0].take(k)
     v_blk = torch.cat([keys.take(v) for keys in parts], dim=-2) if len(parts) > 1 else parts[0].take(v)
     kv_idx = torch.cat([keys.kv_idx for keys in parts]) if len(parts) > 1 else parts[0].kv_idx
-    scores = (k_blk.to(wp) @ q_blk.transpose(-1, -2)) * scale             # (B, H, keys, rows), key-major
+    scores = k_blk.to(wp) @ (q_blk * scale).transpose(-1, -2)             # (B, H, keys, rows), key-major
     q_idx = torch.arange(row.q0, row.q1, dtype=INDEX_DTYPE)
     if scored is not None and scored.program is not None:
         scores = _CompiledScore.apply(scores, scored.program, kv_idx, q_idx, *scored.captures)
@@ -237,18 +239,20 @@ def _row_attention(row: Row, scored: Optional[_Scored], scale: float, want_max: 
         flat = scores.transpose(-1, -2).reshape(-1, cols)
         modified = score_tile(scored.fn, flat, b, h, q_idx.repeat(batch * heads), kv_idx)
         scores = modified.reshape(batch, heads, rows, cols).transpose(-1, -2)
-    if row.mask is not None:  # the masked keys come first
+    if row.mask is not None:  # the masked keys come first; a compiled score_mod's output is ours to write
         hidden = ~row.mask.transpose(-1, -2)
-        scores = torch.cat([scores[:, :, :hidden.shape[-2]].masked_fill(hidden, -math.inf),
-                            scores[:, :, hidden.shape[-2]:]], dim=-2)
+        scores = scores if scored is not None and scored.program is not None else scores.clone()
+        scores[:, :, :hidden.shape[-2]].masked_fill_(hidden, -math.inf)
     peak = scores.detach().amax(dim=-2, keepdim=True)
     empty = peak == -math.inf
     peak = torch.where(empty, 0.0, peak)
-    weights = torch.exp(scores - peak)
-    total = weights.sum(dim=-2, keepdim=True)
-    lse = peak + torch.log(torch.where(empty, 1.0, total))
-    probs = weights / torch.where(empty, 1.0, total)
-    out = (probs.transpose(-1, -2) @ v_blk.to(wp)).to(q.dtype)
+    shifted = scores - peak
+    # exp of what would be subnormal is 0 here: it is below the row's largest term by more than the
+    # precision can tell, and subnormal exp runs tens of times slower on x86
+    weights = torch.exp(shifted.masked_fill_(shifted < _SUBNORMAL_EXP[wp], -math.inf))
+    total = torch.where(empty, 1.0, weights.sum(dim=-2, keepdim=True))
+    lse = peak + torch.log(total)
+    out = ((weights.transpose(-1, -2) @ v_blk.to(wp)) / total.transpose(-1, -2)).to(q.dtype)
     lse = torch.where(empty, -math.inf, lse).squeeze(-2)
     top = torch.where(empty, -math.inf, peak).squeeze(-2) if want_max else None
     return out, lse, top
