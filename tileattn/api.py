@@ -30,7 +30,7 @@ def flash_attention(
     q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
     mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
-    return_lse=False, deterministic=False, backend="auto", modifiers=(),
+    return_lse=False, deterministic=False, backend="auto", modifiers=(), score_mod=None, mask_mod=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -106,6 +106,12 @@ def flash_attention(
             fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf (or the
             sink). The LSE is differentiable.
         deterministic: bitwise-reproducible gradients.
+        score_mod, mask_mod: FlexAttention's functions ``score_mod(score, b, h, q_idx, kv_idx)`` (applied
+            after softcap, ALiBi and bias) and ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = take
+            part, with causal/window and mask); b, h (query head), q_idx, kv_idx are int32 0-d tensors.
+            ``backend="auto"`` runs the call through :func:`tileattn.flex_attention` (gradients reach
+            the tensors they capture); the kernel engines do not declare them and refuse them by name.
+            Padded layouts only; not with dropout or sinks (see :mod:`tileattn.flex.modifiers`).
         modifiers: further :class:`tileattn.modifiers.Modifier` objects (a modifier type of your own
             runs on the reference and on every engine that declares it; the others refuse it).
         backend: "auto" (default; ``$TILEATTN_BACKEND`` overrides it) or an engine name.
@@ -121,6 +127,14 @@ def flash_attention(
     keywords = locals()  # first statement: exactly the arguments, which the modifier types parse
     check_bool("return_lse", return_lse)
     found = modifiers_from_keywords(keywords, modifiers)
+    if backend == "auto" and any(m.routed_to_flex for m in found):
+        from .flex.modifiers import run as run_flex
+
+        spec = spec_of(q, k, v, found, layout=layout, num_heads=num_heads, scale=scale, align=align,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+                       deterministic=deterministic)
+        return run_flex(spec, return_lse)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     try:

@@ -113,6 +113,9 @@ class Modifier:
     grad_slot: ClassVar[Optional[str]] = None
     #: Applied to every engine's (out, LSE) above the engines (sinks), so no engine declares it.
     applied_by_op: ClassVar[bool] = False
+    #: A user function (score_mod / mask_mod): ``backend="auto"`` runs the call as a flex_attention
+    #: call (:mod:`tileattn.flex.modifiers`); kernel engines do not declare it.
+    routed_to_flex: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -5,7 +5,8 @@ Modules: :mod:`.semantics` (the exact reference and the argument checks), :mod:`
 classification of a BlockMask and packed partial masks), :mod:`.trace` (structure keys, captured
 tensors, tracing), :mod:`.codegen` (C tile functions and their derivatives), :mod:`.compiler`
 (building and caching them), :mod:`.attention` (:func:`flex_attention` on CPU, forward and
-backward, and :func:`explain`), :mod:`.examples` (attention-gym's patterns).
+backward, and :func:`explain`), :mod:`.modifiers` (``score_mod=`` / ``mask_mod=`` of
+:func:`tileattn.flash_attention`), :mod:`.examples` (attention-gym's patterns).
 
 The semantics matched (``torch.nn.attention.flex_attention.flex_attention`` in torch 2.13; where its
 documentation is silent or wrong, what its implementations do, as noted):
@@ -57,7 +58,7 @@ documentation is silent or wrong, what its implementations do, as noted):
   ``torch.div(..., rounding_mode="floor")``.
 """
 
-from . import examples
+from . import examples, modifiers  # modifiers: registers score_mod= / mask_mod= of tileattn.flash_attention
 from .attention import explain, flex_attention
 from .blocks import classify, create_block_mask
 
