@@ -104,6 +104,23 @@ def test_dtypes(dtype):
     assert_ok(verdicts(q, k, v, score_mod=examples.softcap(5.0), block_mask=block_mask))
 
 
+SCORE_NAMES = ["alibi", "softcap", "relative_bias", "head_scales", "t5_bias"]
+
+
+@pytest.mark.parametrize("index,mask_name", list(enumerate(examples.MASKS)))
+def test_every_pattern_matches_pytorch_eager_forward(pytorch_flex, index, mask_name):
+    """Each attention-gym mask, with a score_mod (each score_mod appears), as PyTorch's eager Flex has it."""
+    q, k, v = qkv(1, 2, 2, 56, 56)
+    block_mask = create_block_mask(examples.MASKS[mask_name](56, 56), None, None, 56, 56, device="cpu",
+                                   BLOCK_SIZE=16)
+    score_mod, _ = examples.score_mods(2, 56, 56)[SCORE_NAMES[index % len(SCORE_NAMES)]]
+    for mod in (None, score_mod):
+        out, lse = tileattn.flex_attention(q, k, v, score_mod=mod, block_mask=block_mask, return_lse=True)
+        expected, expected_lse = pytorch_flex(q, k, v, score_mod=mod, block_mask=block_mask, return_lse=True)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
+        torch.testing.assert_close(lse, expected_lse, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("score", [False, True])
 def test_matches_pytorch_eager_forward(pytorch_flex, score):
     q, k, v = qkv(2, 4, 2, 70, 70)
@@ -187,6 +204,7 @@ def test_compiled_once_and_fallback_with_reason():
     assert why["score_mod"].startswith("torch.vmap:") and "attribute" in why["score_mod"]
     assert_ok(verdicts(q, k, v, (bias,), score_mod=through_object))
     block_mask = create_block_mask(examples.causal, None, None, 33, 33, device="cpu", BLOCK_SIZE=16)
+    assert_ok(verdicts(q, k, v, (bias,), score_mod=through_object, block_mask=block_mask))
     assert "mask only" in tileattn.flex.explain(q, k, v, block_mask=block_mask)["path"]
 
 

@@ -127,14 +127,13 @@ def flash_attention(
     keywords = locals()  # first statement: exactly the arguments, which the modifier types parse
     check_bool("return_lse", return_lse)
     found = modifiers_from_keywords(keywords, modifiers)
-    if backend == "auto" and any(m.routed_to_flex for m in found):
-        from .flex.modifiers import run as run_flex
-
+    routed = next((m for m in found if m.routed_to_flex), None) if backend == "auto" else None
+    if routed is not None:
         spec = spec_of(q, k, v, found, layout=layout, num_heads=num_heads, scale=scale, align=align,
                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
                        deterministic=deterministic)
-        return run_flex(spec, return_lse)
+        return routed.run_call(spec, return_lse)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     try:

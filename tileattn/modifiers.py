@@ -113,8 +113,8 @@ class Modifier:
     grad_slot: ClassVar[Optional[str]] = None
     #: Applied to every engine's (out, LSE) above the engines (sinks), so no engine declares it.
     applied_by_op: ClassVar[bool] = False
-    #: A user function (score_mod / mask_mod): ``backend="auto"`` runs the call as a flex_attention
-    #: call (:mod:`tileattn.flex.modifiers`); kernel engines do not declare it.
+    #: A user function (score_mod / mask_mod): ``backend="auto"`` runs the whole validated call by the
+    #: modifier's ``run_call(spec, return_lse)`` (:mod:`tileattn.flex.modifiers`); no engine declares it.
     routed_to_flex: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):

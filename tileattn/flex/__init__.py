@@ -6,7 +6,8 @@ classification of a BlockMask and packed partial masks), :mod:`.trace` (structur
 tensors, tracing), :mod:`.codegen` (C tile functions and their derivatives), :mod:`.compiler`
 (building and caching them), :mod:`.attention` (:func:`flex_attention` on CPU, forward and
 backward, and :func:`explain`), :mod:`.modifiers` (``score_mod=`` / ``mask_mod=`` of
-:func:`tileattn.flash_attention`), :mod:`.examples` (attention-gym's patterns).
+:func:`tileattn.flash_attention`), :mod:`.patch` (:func:`patch_flex`: PyTorch's flex_attention on CPU
+tensors routed here), :mod:`.examples` (attention-gym's patterns).
 
 The semantics matched (``torch.nn.attention.flex_attention.flex_attention`` in torch 2.13; where its
 documentation is silent or wrong, what its implementations do, as noted):
@@ -61,5 +62,7 @@ documentation is silent or wrong, what its implementations do, as noted):
 from . import examples, modifiers  # modifiers: registers score_mod= / mask_mod= of tileattn.flash_attention
 from .attention import explain, flex_attention
 from .blocks import classify, create_block_mask
+from .patch import install, patch_flex, uninstall
 
-__all__ = ["flex_attention", "explain", "create_block_mask", "classify", "examples"]
+__all__ = ["flex_attention", "explain", "create_block_mask", "classify", "examples", "patch_flex", "install",
+           "uninstall"]

@@ -23,6 +23,8 @@ import torch
 
 from ..modifiers import Alibi, Band, Bias, Mask, Modifier, Softcap, diagonal_offset, fail
 from ..score_math import to_4d
+from .attention import flex_attention
+from .blocks import _Evaluator, create_block_mask
 from .semantics import mask_tile, score_tile
 from .trace import INDEX_DTYPE
 
@@ -67,6 +69,9 @@ class ScoreMod(Modifier):
     def plan_key(self):
         return None  # a function is no plan key
 
+    def run_call(self, spec, return_lse):
+        return run(spec, return_lse)
+
     def scores(self, s, block):
         b, h, q, kv = _index(block, self.heads_q)
         flat = s.expand(len(h) // len(block.rows), len(block.rows), len(kv)).reshape(len(h), len(kv))
@@ -99,6 +104,9 @@ class MaskMod(Modifier):
 
     def plan_key(self):
         return None
+
+    def run_call(self, spec, return_lse):
+        return run(spec, return_lse)
 
     def visible(self, block):
         b, h, q, kv = _index(block, self.heads_q)
@@ -229,8 +237,6 @@ def _from_canonical(out, layout):
 
 def run(spec, return_lse: bool):
     """A validated call holding ScoreMod/MaskMod, as one :func:`tileattn.flex_attention` call."""
-    from .attention import flex_attention
-    from .blocks import _Evaluator, create_block_mask
 
     score_mod, mask_mod = _composed_score_mod(spec), _composed_mask_mod(spec)
     block_mask = None
