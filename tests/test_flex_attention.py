@@ -207,6 +207,12 @@ def test_compiled_once_and_fallback_with_reason():
     assert_ok(verdicts(q, k, v, (bias,), score_mod=through_object, block_mask=block_mask))
     assert "mask only" in tileattn.flex.explain(q, k, v, block_mask=block_mask)["path"]
 
+    def unchanged(score, b, h, q_idx, kv_idx):  # what transformers passes without softcap or bias
+        return score
+
+    assert "mask only" in tileattn.flex.explain(q, k, v, score_mod=unchanged, block_mask=block_mask)["path"]
+    assert_ok(verdicts(q, k, v, score_mod=unchanged, block_mask=block_mask))
+
 
 def test_errors_before_compute():
     q, k, v = qkv(1, 4, 2, 16, 16)

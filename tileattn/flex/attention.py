@@ -293,12 +293,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                                      return_aux=return_aux)
     call = validate(query, key, value, block_mask, scale, enable_gqa, return_lse, kernel_options, return_aux)
     block_map = _block_map(call)
-    if score_mod is None and not call.want_max:
+    scored = _score_plan(score_mod, query.dtype) if score_mod is not None else None
+    if scored is not None and scored.program is not None and scored.program.generated.identity:
+        scored = None  # transformers passes a score_mod that changes nothing
+    if scored is None and not call.want_max:
         out, lse = _mask_only(call, block_map, query, key, value)
         top = None
     else:
-        out, lse, top = _scored(call, block_map, _score_plan(score_mod, query.dtype) if score_mod else None,
-                                query, key, value)
+        out, lse, top = _scored(call, block_map, scored, query, key, value)
     if call.aux:
         return out, AuxOutput(lse=lse if call.want_lse else None, max_scores=top)
     return (out, lse) if call.want_lse else out
@@ -399,10 +401,12 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     block_map = _block_map(call)
     found = {"blocks": None if block_map is None else block_map.counts(),
              "mask_mod": "no block mask" if block_map is None else block_map.how}
-    if score_mod is None and not call.want_max:
+    scored = _score_plan(score_mod, query.dtype) if score_mod is not None else None
+    found["score_mod"] = "none" if scored is None else scored.reason
+    if scored is not None and scored.program is not None and scored.program.generated.identity:
+        scored, found["score_mod"] = None, "compiled: returns its score unchanged (skipped)"
+    if scored is None and not call.want_max:
         found["path"] = "mask only: tileattn.flash_attention per row of blocks (native kernels when built)"
-        found["score_mod"] = "none"
     else:
         found["path"] = "score_mod: PyTorch tiles per row of blocks"
-        found["score_mod"] = _score_plan(score_mod, query.dtype).reason if score_mod else "none"
     return found
