@@ -22,8 +22,7 @@ def qkv(dtype=torch.float32, layout="BNSD", seed=0):
     return q, k, v
 
 
-@pytest.mark.parametrize("layout", ["BNSD", "BSND"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout,dtype", [("BNSD", torch.float32), ("BSND", torch.bfloat16)])
 def test_composed_with_builtin_modifiers(layout, dtype):
     q, k, v = qkv(dtype, layout)
     bias = torch.randn(4, 37, 45).to(dtype).requires_grad_()
