@@ -42,9 +42,8 @@ TORCH_FLEX_ATTENTION = torch_flex.flex_attention
 ROWS_WITHOUT_MASK = 128
 _COMPILED_TORCH_FLEX = []
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BlockMap -> tuple of Row
-_UNMASKED = {}
 #: exponent below which exp() is subnormal, per working precision
-_SUBNORMAL_EXP = {torch.float32: -87.0, torch.float64: -708.0}  # (q_len, kv_len) -> tuple of Row for calls without a block mask
+_SUBNORMAL_EXP = {torch.float32: -87.0, torch.float64: -708.0}
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,15 +135,13 @@ def _rows(block_map: BlockMap) -> tuple:
 
 
 def _unmasked_rows(q_len: int, kv_len: int) -> tuple:
-    key = (q_len, kv_len)
-    if key not in _UNMASKED:
-        if kv_len == 0:
-            _UNMASKED[key] = ()
-        else:
-            every = Keys(slice(0, kv_len), None)
-            _UNMASKED[key] = tuple(Row(q0, min(q_len, q0 + ROWS_WITHOUT_MASK), every, None, None)
-                                   for q0 in range(0, q_len, ROWS_WITHOUT_MASK))
-    return _UNMASKED[key]
+    """Rows of a call without a block mask (made per call: a few objects, and no cache that grows with
+    every length a decode loop passes through)."""
+    if kv_len == 0:
+        return ()
+    every = Keys(slice(0, kv_len), None)
+    return tuple(Row(q0, min(q_len, q0 + ROWS_WITHOUT_MASK), every, None, None)
+                 for q0 in range(0, q_len, ROWS_WITHOUT_MASK))
 
 
 # ---------------------------------------------------------------------------------------------
