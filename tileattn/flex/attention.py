@@ -227,7 +227,9 @@ def _row_attention(row: Row, scored: Optional[_Scored], scale: float, want_max: 
     kv_idx = torch.cat([keys.kv_idx for keys in parts]) if len(parts) > 1 else parts[0].kv_idx
     scores = k_blk.to(wp) @ (q_blk * scale).transpose(-1, -2)             # (B, H, keys, rows), key-major
     q_idx = torch.arange(row.q0, row.q1, dtype=INDEX_DTYPE)
-    if scored is not None and scored.program is not None:
+    if scored is not None and scored.program is not None and not torch.is_grad_enabled():
+        _run(scored.program, "ta_flex_score_fwd", scores, None, kv_idx, q_idx, scored.captures, None)  # ours
+    elif scored is not None and scored.program is not None:
         scores = _CompiledScore.apply(scores, scored.program, kv_idx, q_idx, *scored.captures)
     elif scored is not None:
         batch, heads, cols, rows = scores.shape
