@@ -175,6 +175,9 @@ def test_block_mask_sources_and_no_mask():
     assert_ok(verdicts(q, k, v, block_mask=ours, scale=0.3))
     assert_ok(verdicts(q, k, v, score_mod=examples.alibi(2)))
     assert_ok(verdicts(q, k, v))
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # BSND memory, BNSD view
+    assert_ok(verdicts(*strided, block_mask=ours, score_mod=examples.alibi(2)))
+    assert_ok(verdicts(*strided, block_mask=ours))
     k1, v1 = k[:1], v[:1]
     padded = create_block_mask(examples.padding(torch.tensor([50, 20])), 2, None, 64, 64, device="cpu",
                                BLOCK_SIZE=16)
