@@ -181,6 +181,35 @@ def run_correctness(outdir: Path, device: str, dry_run: bool) -> bool:
     return all_ok
 
 
+def run_flex_handoff(device: str) -> bool:
+    """tileattn.flex_attention on ``device``: on CUDA it hands the call to PyTorch's compiled
+    FlexAttention; forward and backward judged against the fp64 flex reference (2x rule)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tileattn.flex import examples
+    from tileattn.flex.semantics import flex_reference
+    from tileattn.testing import judge
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, device=device, generator=gen) for _ in range(3))
+    block_mask = create_block_mask(examples.sliding_window(64), None, None, 256, 256, device=device)
+    dout = torch.randn(2, 4, 256, 64, device=device, generator=gen)
+
+    def run(fn, **extra):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, score_mod=examples.alibi(4), block_mask=block_mask, **extra)
+        return [out, *torch.autograd.grad(out, leaves, dout)]
+
+    got, oracle, plain = run(tileattn.flex_attention), run(flex_reference, compute_dtype=torch.float64), \
+        run(flex_reference)
+    verdicts = [judge(n, a, o, p, torch.float32) for n, a, o, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain)]
+    ok = all(x.ok for x in verdicts)
+    print(f"{'PASS' if ok else 'FAIL'}  flex_attention on {device} (window 64 + ALiBi score_mod), fwd+bwd", flush=True)
+    for x in verdicts:
+        print("      ", x)
+    return ok
+
+
 # ----------------------------------------------------------------------------------------- speed
 
 
@@ -403,7 +432,7 @@ def main(argv=None) -> int:
         previous = os.environ.get("TILEATTN_TRITON_FIXED")
         os.environ["TILEATTN_TRITON_FIXED"] = "1"
         try:
-            ok = run_correctness(args.outdir, "cuda", dry_run=False)
+            ok = run_correctness(args.outdir, "cuda", dry_run=False) and run_flex_handoff("cuda")
         finally:
             if previous is None:
                 os.environ.pop("TILEATTN_TRITON_FIXED")

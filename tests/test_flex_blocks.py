@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
-from flex_patterns import MASKS, causal, document, padding
+from tileattn.flex.examples import MASKS, causal, document, padding
 from tileattn.flex import blocks
 from tileattn.flex.blocks import EMPTY, FULL, PARTIAL
 

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from flex_patterns import MASKS, padding, score_mods
+from tileattn.flex.examples import MASKS, padding, score_mods
 from tileattn.flex import blocks, compiler
 from tileattn.flex.semantics import mask_tile, score_tile
 from tileattn.flex.trace import Unsupported

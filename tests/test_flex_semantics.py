@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as torch_flex
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, noop_mask
 
-from flex_patterns import MASKS, causal, document, relative_bias, score_mods
+from tileattn.flex.examples import MASKS, causal, document, relative_bias, score_mods
 from tileattn.flex.semantics import flex_reference
 
 TOL = {torch.float32: 5e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2}

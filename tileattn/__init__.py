@@ -8,6 +8,7 @@ refused a call.
 from .api import AttentionGradients, attention_backward, attention_partial, explain, flash_attention
 from .dispatch import NoBackendError, get_backend, list_backends
 from .merge import merge_attentions
+from .flex import flex_attention, patch_flex
 from .reference import reference
 from .spec import LAYOUTS
 from . import npu
@@ -30,6 +31,8 @@ __all__ = [
     "attention_backward",
     "AttentionGradients",
     "merge_attentions",
+    "flex_attention",
+    "patch_flex",
     "reference",
     "explain",
     "list_backends",

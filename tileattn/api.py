@@ -32,7 +32,7 @@ def flash_attention(
     mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
     return_lse=False, deterministic=False, backend="auto", modifiers=(), k_scale=None, k_offset=None, v_scale=None,
-    v_offset=None, q_scale=None,
+    v_offset=None, q_scale=None, score_mod=None, mask_mod=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -115,6 +115,12 @@ def flash_attention(
             fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf (or the
             sink). The LSE is differentiable.
         deterministic: bitwise-reproducible gradients.
+        score_mod, mask_mod: FlexAttention's functions ``score_mod(score, b, h, q_idx, kv_idx)`` (applied
+            after softcap, ALiBi and bias) and ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = take
+            part, with causal/window and mask); b, h (query head), q_idx, kv_idx are int32 0-d tensors.
+            ``backend="auto"`` runs the call through :func:`tileattn.flex_attention` (gradients reach
+            the tensors they capture); the kernel engines do not declare them and refuse them by name.
+            Padded layouts only; not with dropout or sinks (see :mod:`tileattn.flex.modifiers`).
         modifiers: further :class:`tileattn.modifiers.Modifier` objects (a modifier type of your own
             runs on the reference and on every engine that declares it; the others refuse it).
         backend: "auto" (default; ``$TILEATTN_BACKEND`` overrides it) or an engine name.
@@ -135,7 +141,8 @@ def flash_attention(
     if (mask is None and bias is None and alibi_slopes is None and sinks is None and type(dropout_p) is float
             and dropout_p == 0.0 and seed is None and generator is None and cu_seqlens_q is None
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
-            and type(modifiers) is tuple and not modifiers):
+            and type(modifiers) is tuple and not modifiers and score_mod is None and mask_mod is None
+            and k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None):
         lean_key, lean_plan = lean.lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap,
                                           seqused_k, block_table, deterministic, backend)
         if lean_plan is not None:
@@ -145,6 +152,13 @@ def flash_attention(
     # the arguments, which the modifier types parse (they read their own names only)
     keywords = locals()
     found = modifiers_from_keywords(keywords, modifiers)
+    routed = next((m for m in found if m.routed_to_flex), None) if backend == "auto" else None
+    if routed is not None:
+        spec = spec_of(q, k, v, found, layout=layout, num_heads=num_heads, scale=scale, align=align,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+                       deterministic=deterministic)
+        return routed.run_call(spec, return_lse)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     try:

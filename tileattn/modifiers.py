@@ -115,6 +115,9 @@ class Modifier:
     applied_by_op: ClassVar[bool] = False
     #: Inference only (a quantised cache): engines refuse a backward pass of a call that has it.
     forward_only: ClassVar[bool] = False
+    #: A user function (score_mod / mask_mod): ``backend="auto"`` runs the whole validated call by the
+    #: modifier's ``run_call(spec, return_lse)`` (:mod:`tileattn.flex.modifiers`); no engine declares it.
+    routed_to_flex: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

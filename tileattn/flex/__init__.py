@@ -4,7 +4,10 @@
 Modules: :mod:`.semantics` (the exact reference and the argument checks), :mod:`.blocks` (block
 classification of a BlockMask and packed partial masks), :mod:`.trace` (structure keys, captured
 tensors, tracing), :mod:`.codegen` (C tile functions and their derivatives), :mod:`.compiler`
-(building and caching them).
+(building and caching them), :mod:`.attention` (:func:`flex_attention` on CPU, forward and
+backward, and :func:`explain`), :mod:`.modifiers` (``score_mod=`` / ``mask_mod=`` of
+:func:`tileattn.flash_attention`), :mod:`.patch` (:func:`patch_flex`: PyTorch's flex_attention on CPU
+tensors routed here), :mod:`.examples` (attention-gym's patterns).
 
 The semantics matched (``torch.nn.attention.flex_attention.flex_attention`` in torch 2.13; where its
 documentation is silent or wrong, what its implementations do, as noted):
@@ -55,3 +58,11 @@ documentation is silent or wrong, what its implementations do, as noted):
   Where PyTorch's autograd has no derivative (``//`` on floats) the compiled derivative is 0, as for
   ``torch.div(..., rounding_mode="floor")``.
 """
+
+from . import examples, modifiers  # modifiers: registers score_mod= / mask_mod= of tileattn.flash_attention
+from .attention import explain, flex_attention
+from .blocks import classify, create_block_mask
+from .patch import install, patch_flex, uninstall
+
+__all__ = ["flex_attention", "explain", "create_block_mask", "classify", "examples", "patch_flex", "install",
+           "uninstall"]

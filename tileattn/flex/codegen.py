@@ -93,6 +93,7 @@ class Generated:
     checks: tuple               #: :class:`Check` per error code - 1
     reads: frozenset            #: which of b, h, q_idx, kv_idx the function reads
     grad_captures: tuple        #: captures that receive gradients in score_bwd (float dtypes)
+    identity: bool = False      #: a score_mod that returns its score unchanged (callers may skip it)
 
 
 @dataclass
@@ -684,8 +685,10 @@ def generate(traced: Traced, kind: str, capture_meta) -> Generated:
         parts.append(f"int ta_flex_score_bwd(int64_t rows, int64_t cols, int64_t ld, const {real} *restrict s, "
                      f"{real} *restrict ds, {_INDEX_ARGS}, double *const *cap_grad) {{\n" + prologue + grad_ptrs
                      + _loop(em, head, tail) + _epilogue(em))
+    output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    first = next(n for n in traced.graph.nodes if n.op == "placeholder")
     return Generated(kind=kind, source="\n".join(parts), captures=traced.captures, checks=tuple(em.checks),
-                     reads=traced.reads, grad_captures=grads)
+                     reads=traced.reads, grad_captures=grads, identity=kind == "score" and output is first)
 
 
 def _adjoint_types(em: _Emitter, needed):

@@ -1,8 +1,18 @@
-"""attention-gym's patterns, written here as the tests of tileattn.flex use them.
+"""attention-gym's patterns as ``mask_mod`` / ``score_mod`` functions for :func:`tileattn.flex_attention`.
 
-Each maker takes the sequence lengths (and what the pattern needs) and returns a fresh function, as
-attention-gym's generators do; captured tensors (document ids, bias tables, per-head scales) are
-arguments so a test can make them require grad.
+Masks: :func:`causal`, :func:`sliding_window`, :func:`prefix_lm`, :func:`document` (packed sequences),
+:func:`dilated_window`, :func:`natten` (2-D neighbourhood), :func:`sink_tokens`, :func:`padding`.
+Score mods: :func:`alibi`, :func:`softcap` (tanh), :func:`relative_bias` (a learned table indexed by
+the relative position), :func:`head_scales`, :func:`t5_bias` (bucketed, learned).
+
+Each maker takes what the pattern needs and returns a fresh function, as attention-gym's generators
+do; captured tensors (document ids, bias tables, per-head scales) are arguments, so they may require
+grad and receive gradients. :data:`MASKS` and :func:`score_mods` build every pattern for given lengths
+(the tests run each one forward and backward against the fp64 reference)::
+
+    from tileattn.flex import create_block_mask, examples
+    block_mask = create_block_mask(examples.document(doc_ids), None, None, S, S)
+    out = tileattn.flex_attention(q, k, v, score_mod=examples.alibi(H), block_mask=block_mask)
 """
 
 from __future__ import annotations
