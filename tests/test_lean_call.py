@@ -238,3 +238,31 @@ def test_the_dialects_decode_calls_take_the_lean_path(served):
     got, full = _twice(lambda: flash_attn_with_kvcache(q1, cache_k, cache_v, cache_seqlens=used, causal=True))
     _equal(got, full)
     assert served[0] == 4
+
+
+@pytest.mark.parametrize("extra", ["k_scale", "q_scale", "score_mod", "mask_mod"])
+def test_a_call_with_scales_or_user_functions_after_a_plan_is_not_served_lean(served, extra):
+    """A decode shape that has a lean plan, called again with a per-call scale or a user function:
+    the full path runs it (the lean plan knows nothing of them), and the result is the fp64
+    reference's for that call."""
+    q, k, v = _rand(1, 8, 1, 64, seed=1), _rand(1, 2, 96, 64, seed=2), _rand(1, 2, 96, 64, seed=3)
+    tileattn.flash_attention(q, k, v)
+    tileattn.flash_attention(q, k, v)
+    assert served[0] == 1
+    kw, ref_k, ref_q, bias = {}, k.double(), q.double(), None
+    if extra == "k_scale":
+        kw["k_scale"] = torch.full((1, 2, 1, 1), 0.5)
+        ref_k = ref_k * 0.5
+    elif extra == "q_scale":
+        kw["q_scale"] = torch.full((1, 2), 2.0)
+        ref_q = ref_q * 2.0
+    elif extra == "score_mod":
+        kw["score_mod"] = lambda score, b, h, qi, ki: score + 0.01 * ki
+        bias = 0.01 * torch.arange(96, dtype=torch.float64).view(1, 1, 1, 96)
+    else:
+        kw["mask_mod"] = lambda b, h, qi, ki: ki % 3 != 0
+        bias = torch.where(torch.arange(96) % 3 != 0, 0.0, float("-inf")).double().view(1, 1, 1, 96)
+    out = tileattn.flash_attention(q, k, v, **kw)
+    assert served[0] == 1
+    ref = tileattn.reference(ref_q, ref_k, v.double(), bias=bias)
+    assert (out.double() - ref).abs().max() < 1e-4
