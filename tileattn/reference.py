@@ -19,10 +19,10 @@ import math
 
 import torch
 
-from .kvquant import dequantised_spec, quant_of
+from .kvquant import quant_of
 from .merge import merge_weights
 from .score_math import ScoreBlock
-from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool, sequence_views
+from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool, dequantised_spec, sequence_views
 
 
 def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):

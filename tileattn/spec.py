@@ -29,7 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .kernel_args import KernelArgs, lower
-from .kvquant import QUANT_DTYPES, KVQuant
+from .kvquant import QUANT_DTYPES, KVQuant, quant_of, dequantise, _has_batch_axis, _per_sequence
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -539,3 +539,52 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
     if torch.compiler.is_compiling():
         return spec
     return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)
+
+
+def dequantised_spec(spec, dtype):
+    """The call with its cache dequantised into ``dtype`` (and q_scale folded into q): a plain spec
+    that any engine and the reference run. Memory: a copy of the cache (of the pages the sequences
+    read, for per-sequence scales of a paged pool)."""
+    m = quant_of(spec)
+    q = spec.q
+    if m.q_scale is not None:
+        factor = m.q_scale.to(dtype).expand(spec.batch, spec.heads_kv).repeat_interleave(spec.group_size, dim=1)
+        if spec.is_varlen:
+            lengths = spec.cu_seqlens_q.diff().long()
+            factor = factor[torch.repeat_interleave(torch.arange(spec.batch, device=q.device), lengths)]
+            q = spec.q_c.to(dtype) * factor[:, :, None]
+        else:
+            q_c = spec.q_c.to(dtype) * factor[:, :, None, None]
+            q = q_c.transpose(1, 2) if spec.layout == "BSND" else q_c
+    else:
+        q = q.to(dtype)
+    k, v, block_table = spec.k, spec.v, spec.block_table
+    if not _has_batch_axis(m, k):
+        kd, vd = dequantise(k, m.k_scale, m.k_offset, dtype), dequantise(v, m.v_scale, m.v_offset, dtype)
+    elif spec.is_paged:
+        # Per-sequence scales over a shared pool: each sequence gets its own dequantised pages.
+        b = spec.batch
+        rows, table = torch.arange(b, device=k.device)[:, None], block_table.long()
+
+        def pages(x, scale, offset):
+            scale, offset = _per_sequence(scale, x, b), _per_sequence(offset, x, b)
+            return dequantise(x[table], None if scale is None else scale[rows, table],
+                              None if offset is None else offset[rows, table], dtype).flatten(0, 1)
+
+        kd, vd = pages(k, m.k_scale, m.k_offset), pages(v, m.v_scale, m.v_offset)
+        block_table = torch.arange(kd.shape[0], dtype=torch.int32, device=k.device).view(table.shape)
+    else:  # packed TND keys, per-sequence scales: token t reads the scales of its own sequence
+        b = spec.batch
+        owner = torch.repeat_interleave(torch.arange(b, device=k.device), spec.cu_seqlens_k.diff().long())
+        tokens = torch.arange(k.shape[0], device=k.device)
+
+        def packed(x, scale, offset):
+            scale, offset = _per_sequence(scale, x, b), _per_sequence(offset, x, b)
+            return dequantise(x, None if scale is None else scale[owner, tokens],
+                              None if offset is None else offset[owner, tokens], dtype)
+
+        kd, vd = packed(k, m.k_scale, m.k_offset), packed(v, m.v_scale, m.v_offset)
+    others = tuple(x for x in spec.modifiers if not isinstance(x, KVQuant))
+    return spec_of(q, kd, vd, others, layout=spec.layout, scale=spec.scale, align=spec.align,
+                   cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
+                   block_table=block_table, deterministic=spec.deterministic)

@@ -16,8 +16,8 @@ from functools import partial
 import torch
 
 from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
-from ...kvquant import KVQuant, dequantised_spec, quant_of
-from ...spec import AttentionSpec, sequence_views
+from ...kvquant import KVQuant, quant_of
+from ...spec import AttentionSpec, dequantised_spec, sequence_views
 from . import kernels
 from .parallel import planned_workers, run_tasks
 from .tiles import SequenceProblem

@@ -37,8 +37,8 @@ import torch
 
 from ...api import flash_attention
 from . import descale as _descale
-from .flash_attn_interface import (FlashAttnTypeError, _as_int, _check_alibi, _check_options, _check_rank,
-                                   _describe, _fail)
+from .checks import _as_int, _check_alibi, _check_options, _check_rank
+from .errors import FlashAttnTypeError, _describe, _fail
 
 _FN = "flash_attn_with_kvcache"
 
