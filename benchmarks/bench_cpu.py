@@ -22,7 +22,7 @@ Peak memory is the growth of the resident set (VmHWM - VmRSS before the call) of
 that builds the inputs and makes exactly one call, so it sees every allocation torch makes (the
 high-water mark is reset through /proc/self/clear_refs where the kernel allows it). It includes the
 outputs and gradients; the ``extra_mib`` column subtracts them. Timing, statistics, the memory
-reading and the machine description all come from :mod:`tileattn.measure`, as in ``tileattn bench``.
+reading and the machine description all come from :mod:`tileattn.tools.measure`, as in ``tileattn bench``.
 
 Results go to ``benchmarks/results/cpu_<tag>.csv`` and ``.json`` (tag ``full`` or ``quick``); the
 JSON's ``meta`` holds the machine, the native build, the FMA peaks, the load average before and after,
@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
-from tileattn import measure
+from tileattn.tools import measure
 from tileattn.backends.native import kernels as native_kernels
-from tileattn.modifiers import Band
+from tileattn.core.modifiers import Band
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: tileattn's engines, each forced by name: the C kernels and the PyTorch-ops fallback

@@ -8,7 +8,7 @@
 Writes ``<out>.csv`` and ``<out>.json`` (default ``benchmarks/results/decode`` or
 ``decode_overhead``) and, with ``--plot``, a PNG. What each contender is (tileattn as dispatch runs
 it with ``seqused_k``; SDPA with the K/V repeat inside or outside the timed region; SDPA with
-``enable_gqa``; naive) and why K/V GB/s is the figure to read: :mod:`tileattn.decode_bench`.
+``enable_gqa``; naive) and why K/V GB/s is the figure to read: :mod:`tileattn.tools.decode_bench`.
 Shapes whose K/V exceed the memory budget (a fraction of the memory available at the start) are
 skipped and say so; a contender whose repeated K/V copy would not fit is skipped alone.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from tileattn import decode_bench as D
-from tileattn.measure import cpu_model, memory_bandwidth, usable_cores
+from tileattn.tools import decode_bench as D
+from tileattn.tools.measure import cpu_model, memory_bandwidth, usable_cores
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = dict(batches=[1, 8, 32], caches=[1024, 4096, 8192, 16384, 32768], dtypes=["fp32", "bf16"], heads_q=32,

@@ -9,7 +9,7 @@ process calling :func:`tileattn.flash_attention` on the whole sequence with ever
 ``ulysses`` and ``hybrid`` are ``world`` processes, each holding its zigzag shard (drawn directly
 at shard size, so no process ever holds the whole sequence) and calling
 :func:`tileattn.distributed.context_parallel_attention`. Per rank it records, with
-:mod:`tileattn.measure`, the wall time of one call (forward, or forward and backward) and the
+:mod:`tileattn.tools.measure`, the wall time of one call (forward, or forward and backward) and the
 peak memory the call added (resident-set high-water mark: inputs excluded, outputs, gradients
 and every buffer included), what the forward left resident (its output and what autograd saved
 for the backward: across layers, that is what accumulates), and with ``count_collectives`` the
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 import tileattn
 import tileattn.distributed as cp
-from tileattn import measure
+from tileattn.tools import measure
 from tileattn.distributed import model
 from tileattn.distributed.launch import run_local
 

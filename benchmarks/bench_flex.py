@@ -12,7 +12,7 @@ equivalent built-in modifier: window=, alibi_slopes=, softcap=, or a dense bool 
 (SDPA with the dense mask, mask-only patterns). Forward+backward (PyTorch's CPU Flex has none):
 ``flex`` and ``sdpa_mask``. Also the first call of a never-seen score_mod (trace + C build) and of a
 seen one. Writes ``<out>.csv`` / ``<out>.json`` (default ``benchmarks/results/flex``). Timings are
-medians of round-robin repetitions (:func:`tileattn.measure.time_interleaved`) with their spread.
+medians of round-robin repetitions (:func:`tileattn.tools.measure.time_interleaved`) with their spread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex_atten
 import tileattn
 from tileattn.flex import create_block_mask, examples
 from tileattn.flex.blocks import classify
-from tileattn.measure import cpu_flags, cpu_model, median, peak_memory, spread_pct, time_interleaved
+from tileattn.tools.measure import cpu_flags, cpu_model, median, peak_memory, spread_pct, time_interleaved
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["pattern", "kind", "pass", "contender", "median_ms", "spread_pct", "ratio_vs_flex"]

@@ -8,10 +8,10 @@
 The model (4 layers, hidden 256, 8 query heads on 2 kv heads) is built once per attention
 implementation from one state dict. For each batch size and cache (transformers' DynamicCache, and
 ``cache_implementation="static"``), the implementations run round-robin
-(:func:`tileattn.measure.time_interleaved`); tokens/s = batch * new tokens / median seconds. Every
+(:func:`tileattn.tools.measure.time_interleaved`); tokens/s = batch * new tokens / median seconds. Every
 implementation's tokens must equal eager's, or the script fails. Writes ``<out>.csv`` and ``<out>.json``.
 With ``--lean``, ``tileattn_full`` is the tileattn model with the lean call bypassed
-(:mod:`tileattn.lean`: every attention call validated and dispatched in full, as before it).
+(:mod:`tileattn.core.lean`: every attention call validated and dispatched in full, as before it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tileattn.measure import cpu_model, median, spread_pct, time_interleaved, usable_cores
+from tileattn.tools.measure import cpu_model, median, spread_pct, time_interleaved, usable_cores
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLEMENTATIONS = ("tileattn", "sdpa", "eager")
@@ -62,7 +62,7 @@ def generate(model, ids, new_tokens, cache, full_path=False):
                   attention_mask=torch.ones_like(ids))
     if cache == "static":
         kwargs["cache_implementation"] = "static"
-    from tileattn import lean
+    from tileattn.core import lean
 
     with torch.inference_mode(), lean.bypassed() if full_path else contextlib.nullcontext():
         return model.generate(ids, **kwargs)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from tileattn.backends.native import build as native_build
 from tileattn.backends.native import kernels as nk
-from tileattn.measure import peak_memory
+from tileattn.tools.measure import peak_memory
 
 SECTIONS = ("machine", "grid", "fwd", "isa", "lowp", "decode", "cache", "memory")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -24,7 +24,7 @@ cache, so every call streams its K/V from memory as in a server whose caches out
 Reported per row: median and spread (max - min) / median of wall time over interleaved repetitions
 (contenders round-robin, rotating start), the calling thread's CPU time per call in a separate
 one-thread run (less sensitive to other load on a shared machine), K/V GB/s and % of the streaming
-bandwidth measured by :func:`tileattn.measure.memory_bandwidth`, and ratios. ``/proc/loadavg`` is
+bandwidth measured by :func:`tileattn.tools.measure.memory_bandwidth`, and ratios. ``/proc/loadavg`` is
 recorded before and after.
 """
 
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from tileattn.backends.native import kernels as nk
-from tileattn.measure import available_memory, cache_size, cpu_model, memory_bandwidth, usable_cores
+from tileattn.tools.measure import available_memory, cache_size, cpu_model, memory_bandwidth, usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"

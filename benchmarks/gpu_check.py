@@ -4,7 +4,7 @@
     python benchmarks/gpu_check.py --dry-run OUTDIR  # anywhere: tiny shapes, Triton's CPU interpreter
 
 (a) Correctness: forward and backward of ``backend="triton"`` against the fp64 reference with
-    FlashAttention's rule (:func:`tileattn.testing.check_against_reference`) on a grid of bf16/fp16
+    FlashAttention's rule (:func:`tileattn.core.testing.check_against_reference`) on a grid of bf16/fp16
     cases (causal with Sq != Sk, windows, GQA/MQA, varlen, odd lengths and head dims, ALiBi, softcap,
     mask, bias gradient, dropout), then forward-only decoding over KV caches (one query, GQA 32/8,
     D 128, B in {1, 8}, caches of 1k/8k/32k keys, contiguous and paged, ragged ``seqused_k`` at B=8).
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 import tileattn
-from tileattn import measure
-from tileattn.testing import check_against_reference
+from tileattn.tools import measure
+from tileattn.core.testing import check_against_reference
 
 TOKENS = 16 * 1024
 HEADS = 16
@@ -188,7 +188,7 @@ def run_flex_handoff(device: str) -> bool:
 
     from tileattn.flex import examples
     from tileattn.flex.semantics import flex_reference
-    from tileattn.testing import judge
+    from tileattn.core.testing import judge
 
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(2, 4, 256, 64, device=device, generator=gen) for _ in range(3))

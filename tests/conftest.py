@@ -1,6 +1,6 @@
 """Shared helpers for the tileattn test suite.
 
-Every correctness check goes through :func:`tileattn.testing.check_against_reference` (FlashAttention's
+Every correctness check goes through :func:`tileattn.core.testing.check_against_reference` (FlashAttention's
 rule: at most 2x the error of plain same-dtype math, plus a floor), via :func:`assert_matches_reference`,
 which also insists that the expected verdicts exist, so a check can never pass by comparing nothing.
 
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.dispatch import explain, list_backends
-from tileattn.spec import build_spec, to_canonical, user_shape
-from tileattn.testing import check_against_reference
+from tileattn.core.dispatch import explain, list_backends
+from tileattn.core.spec import build_spec, to_canonical, user_shape
+from tileattn.core.testing import check_against_reference
 
 # A user's tuned tile cache or backend override must not change what the tests exercise.
 os.environ.pop("TILEATTN_BACKEND", None)

@@ -1,4 +1,4 @@
-"""The native C kernels' band geometry against :class:`tileattn.modifiers.Band`, the one rule every
+"""The native C kernels' band geometry against :class:`tileattn.core.modifiers.Band`, the one rule every
 engine lowers (``left``/``right`` kernel arguments) and the reference applies.
 
 The kernels reveal which keys each row sees: with q = 0 every visible score is equal, so with v the
@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from tileattn.modifiers import Band
-from tileattn.score_math import diagonal_offset
+from tileattn.core.modifiers import Band
+from tileattn.core.score_math import diagonal_offset
 
 nk = pytest.importorskip("tileattn.backends.native.kernels")
 if not nk.available()[0]:

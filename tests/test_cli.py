@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from tileattn.cli import main
-from tileattn.cli.bench import FIELDS as BENCH_FIELDS
-from tileattn.cli.memory import FIELDS as MEMORY_FIELDS
+from tileattn.tools.cli import main
+from tileattn.tools.cli.bench import FIELDS as BENCH_FIELDS
+from tileattn.tools.cli.memory import FIELDS as MEMORY_FIELDS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -128,7 +128,7 @@ def test_verify_fails_with_exit_1_on_a_wrong_backend():
     # A CPU engine whose output is 1% off: verify must catch it against both oracles.
     r = python("""
         import sys
-        from tileattn.dispatch import register
+        from tileattn.core.dispatch import register
         from tileattn.backends.cpu import CpuBackend
         class Off(CpuBackend):
             name = "off_by_one_percent"
@@ -137,7 +137,7 @@ def test_verify_fails_with_exit_1_on_a_wrong_backend():
                 super().forward(spec, out, lse)
                 out.mul_(1.01)
         register(Off())
-        from tileattn.cli import main
+        from tileattn.tools.cli import main
         sys.exit(main(["verify", "--backend", "off_by_one_percent", "--shape", "1,2,32,16"]))
     """)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -249,7 +249,7 @@ def test_tune_rejects_over_budget_stores_winner_and_dispatch_uses_it(tmp_path):
     # A fresh process with the same cache directory: dispatch's default config is the winner.
     check = python("""
         import json, torch
-        from tileattn.spec import build_spec
+        from tileattn.core.spec import build_spec
         from tileattn.backends.cpu import default_config
         x = torch.empty(1, 2, 256, 32)
         cfg = default_config(build_spec(x, x, x))
@@ -290,7 +290,7 @@ def test_tune_native_checks_times_and_stores_a_winner_the_native_engine_uses(tmp
     check = python("""
         import json, torch
         from tileattn.backends.native import NativeBackend
-        from tileattn.spec import build_spec
+        from tileattn.core.spec import build_spec
         x = torch.empty(1, 2, 256, 32)
         tuned = NativeBackend._call_arguments(build_spec(x, x, x))
         other = NativeBackend._call_arguments(build_spec(x, x, x, causal=True))
@@ -343,7 +343,7 @@ def test_contest_module_plugs_in_through_add_subparser(monkeypatch):
         p.add_argument("--rounds", type=int, default=1)
         p.set_defaults(func=lambda args: calls.append(args.rounds) or 7)
 
-    monkeypatch.setitem(sys.modules, "tileattn.contest", types.SimpleNamespace(add_subparser=add_subparser))
+    monkeypatch.setitem(sys.modules, "tileattn.tools.contest", types.SimpleNamespace(add_subparser=add_subparser))
     assert main(["contest", "--rounds", "3"]) == 7
     assert calls == [3]
 
@@ -351,9 +351,10 @@ def test_contest_module_plugs_in_through_add_subparser(monkeypatch):
 def test_tuning_models_and_override_are_consistent():
     import torch
 
-    from tileattn import tunecache, tuning
+    from tileattn.core import tunecache
+    from tileattn.tools import tuning
     from tileattn.backends.cpu import default_config
-    from tileattn.spec import build_spec
+    from tileattn.core.spec import build_spec
 
     x = torch.empty(1, 4, 100, 40, dtype=torch.float16)
     inp = build_spec(x, x, x)
@@ -394,7 +395,7 @@ def test_env_reports_integrations_as_they_are_switched_on():
 
     import tileattn
     import tileattn.integrations.torch_sdpa as hook
-    from tileattn.cli.env import integrations
+    from tileattn.tools.cli.env import integrations
 
     before = integrations()
     assert before["patch_sdpa"] == {"active": False}

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import engine, ops
-from tileattn.dispatch import get_backend
-from tileattn.spec import build_spec
+from tileattn.core import engine, ops
+from tileattn.core.dispatch import get_backend
+from tileattn.core.spec import build_spec
 from torch._dynamo.utils import counters
 
 from conftest import make_qkv

@@ -13,8 +13,8 @@ import torch
 
 import tileattn
 from tileattn import NoBackendError
-from tileattn.dispatch import Backend, list_backends
-from tileattn.engine import _REGISTRY
+from tileattn.core.dispatch import Backend, list_backends
+from tileattn.core.engine import _REGISTRY
 
 from conftest import assert_matches_reference, attention_fn, make_qkv, strided_view
 
@@ -111,7 +111,7 @@ def test_layouts(backend, layout, strided):
 @pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "SBH"])
 def test_layouts_agree_with_bnsd(layout):
     """The same problem given in any layout gives the same numbers as BNSD."""
-    from tileattn.spec import to_canonical
+    from tileattn.core.spec import to_canonical
 
     q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=13, sk=18, d=16, layout=layout, seed=11)
     num_heads = 4 if layout in ("BSH", "SBH") else None

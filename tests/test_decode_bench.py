@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_decode  # noqa: E402
 
-from tileattn import decode_bench  # noqa: E402
-from tileattn.cli import main as cli_main  # noqa: E402
+from tileattn.tools import decode_bench  # noqa: E402
+from tileattn.tools.cli import main as cli_main  # noqa: E402
 
 
 def _finite(x) -> bool:

@@ -6,7 +6,7 @@ permutation of cache entries (``cache_batch_idx``), a paged pool with a random p
 slopes (B, H), random windows, rotary tables covering the cache; it writes the rotated new keys into
 a copy of the cache and compares against attention over the keys ``[leftpad, seqlen + new)`` of each
 sequence. The same here, with the oracle being :func:`tileattn.reference` in fp64 per sequence and
-FlashAttention's 2x rule against the reference in the inputs' dtype (:func:`tileattn.testing.judge`).
+FlashAttention's 2x rule against the reference in the inputs' dtype (:func:`tileattn.core.testing.judge`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tileattn
 import tileattn.compat.flash_attn as flash_attn
 from tileattn.compat.flash_attn import kvcache
-from tileattn import lean
-from tileattn.testing import judge
+from tileattn.core import lean
+from tileattn.core.testing import judge
 
 from conftest import rotary_oracle
 

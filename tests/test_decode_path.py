@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import api
+from tileattn.core import api
 from tileattn.sdpa import scaled_dot_product_attention as sdpa
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):

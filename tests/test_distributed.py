@@ -25,11 +25,11 @@ import torch.distributed as dist
 
 import tileattn
 import tileattn.distributed as cp
-from tileattn import measure
+from tileattn.tools import measure
 from tileattn.distributed import ring
 from tileattn.distributed.launch import run_local
 from tileattn.distributed.plan import ShardPlan
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIN_PIECE_ROWS = ring.MIN_PIECE_ROWS

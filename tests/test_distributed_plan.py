@@ -14,7 +14,7 @@ from tileattn.distributed import model
 from tileattn.distributed.agreement import check_lengths
 from tileattn.distributed.plan import ShardPlan, local_lengths, split_sizes
 from tileattn.distributed.ring import plan_calls
-from tileattn.modifiers import Band
+from tileattn.core.modifiers import Band
 
 
 def test_zigzag_places_chunks_r_and_2w_minus_1_minus_r():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.dispatch import list_backends
+from tileattn.core.dispatch import list_backends
 
 from conftest import make_qkv
 

@@ -7,7 +7,7 @@ import torch
 import tileattn
 import tileattn.compat.flash_attn as flash_attn
 from tileattn.compat.flash_attn import flash_attn_interface
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 
 from conftest import rotary_oracle
 
@@ -491,7 +491,7 @@ def test_attn_probs_cost_about_one_score_matrix():
     """Materialising S_dmask used to attend with v = identity: ~Sk times the work and ~10x the score
     matrix in memory. Now: the probabilities themselves plus one chunk of fp32 scores at a time.
     (Memory is measured; time is a benchmark's business, not a test's.)"""
-    from tileattn.measure import peak_memory
+    from tileattn.tools.measure import peak_memory
 
     s, h = 2048, 2
     q, k, v = (_rand(1, s, h, 64, dtype=torch.bfloat16, seed=i) for i in range(3))

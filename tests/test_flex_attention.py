@@ -15,7 +15,7 @@ import tileattn
 from tileattn.flex import compiler, examples
 from tileattn.flex import create_block_mask as ta_create_block_mask
 from tileattn.flex.semantics import flex_reference
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 
 @pytest.fixture

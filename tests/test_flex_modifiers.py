@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.dispatch import NoBackendError
+from tileattn.core.dispatch import NoBackendError
 from tileattn.flex import examples
 from tileattn.flex.modifiers import MaskMod, ScoreMod
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 
 
 def qkv(dtype=torch.float32, layout="BNSD", seed=0):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import contest
+from tileattn.tools import contest
 
 REPO = Path(__file__).resolve().parents[1]
 HUB = REPO / "hub"
@@ -286,7 +286,7 @@ def test_leaderboard_ranks_accepted_entries_and_lists_rejected_ones(tmp_path):
 
 
 def test_contest_cli_bad_arguments_exit_2(tmp_path, capsys):
-    from tileattn.cli import main
+    from tileattn.tools.cli import main
 
     assert main(["contest", "score", str(tmp_path / "missing.py"), "--leaderboard", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -340,7 +340,7 @@ def test_each_track_keeps_its_own_leaderboard_and_an_old_csv_gains_the_new_colum
 
 
 def test_contest_decode_track_from_the_command_line(tmp_path, capsys, monkeypatch):
-    from tileattn.cli import main
+    from tileattn.tools.cli import main
 
     monkeypatch.setattr(contest, "score_submission", lambda *a, **k: pytest.fail("scored before checking"))
     assert main(["contest", "score", str(contest.DECODE_BASELINE), "--track", "nope",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 FORMATS = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 BACKENDS = ["native", "cpu"]

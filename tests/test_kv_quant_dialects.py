@@ -12,7 +12,7 @@ import torch
 
 import tileattn
 import tileattn.compat.flash_attn as flash_attn
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 E4M3 = torch.float8_e4m3fn
 

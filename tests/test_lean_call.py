@@ -1,4 +1,4 @@
-"""The lean call (:mod:`tileattn.lean`): a repeated inference call served by a prepared kernel call
+"""The lean call (:mod:`tileattn.core.lean`): a repeated inference call served by a prepared kernel call
 gives bitwise the full path's result, falls back to the full path for anything its plan does not
 cover, and raises the full path's errors, before any compute."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import lean
-from tileattn.dispatch import get_backend
-from tileattn.testing import judge
+from tileattn.core import lean
+from tileattn.core.dispatch import get_backend
+from tileattn.core.testing import judge
 
 native = get_backend("native")
 pytestmark = pytest.mark.skipif(bool(native.unavailable_reason()), reason="native kernels unavailable here")

@@ -48,7 +48,7 @@ else:
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
 # VmHWM, the peak RSS of this process image. Not ru_maxrss: that one carries over the parent's peak
 # through fork + exec, so a worker started from a big pytest process would report the parent's size.
-from tileattn.measure import proc_status_bytes
+from tileattn.tools.measure import proc_status_bytes
 print(json.dumps({"peak_bytes": proc_status_bytes("VmHWM")}))
 """
 

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import NoBackendError, api
-from tileattn.dispatch import Capabilities, get_backend, list_backends
-from tileattn.engine import Backend
-from tileattn.kernel_args import KernelArgs
-from tileattn.modifiers import (OP_INT, OP_TENSOR, Band, Dropout, Mask, Modifier, Softcap, fail,
+from tileattn import NoBackendError
+from tileattn.core import api
+from tileattn.core.dispatch import Capabilities, get_backend, list_backends
+from tileattn.core.engine import Backend
+from tileattn.core.kernel_args import KernelArgs
+from tileattn.core.modifiers import (OP_INT, OP_TENSOR, Band, Dropout, Mask, Modifier, Softcap, fail,
                                 modifiers_from_keywords, variant_keywords)
-from tileattn.spec import AttentionSpec, build_spec
+from tileattn.core.spec import AttentionSpec, build_spec
 
 from conftest import CPU_BACKENDS, assert_matches_reference, make_qkv
 
@@ -108,7 +109,7 @@ def test_no_engine_and_not_the_reference_look_a_modifier_up_by_name():
     """Engines read the kernel arguments; the reference calls the modifiers' hooks. Neither asks a
     call for "its band" or "its mask" by name (the spec no longer offers it)."""
     assert not hasattr(AttentionSpec, "modifier") and not hasattr(AttentionSpec, "without")
-    files = [PACKAGE / "reference.py", *sorted((PACKAGE / "backends").rglob("*.py"))]
+    files = [PACKAGE / "core" / "reference.py", *sorted((PACKAGE / "backends").rglob("*.py"))]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):

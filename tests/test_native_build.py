@@ -168,7 +168,7 @@ CALL_AFTER_DAMAGE = """
 import json, warnings
 import torch, tileattn
 from tileattn.backends.native import build, kernels as nk
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 {setup}
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:

@@ -1,6 +1,6 @@
 """The native C kernels (tileattn/backends/native) against the exact reference.
 
-Every accuracy check uses FlashAttention's rule (tileattn.testing.check_against_reference: error at
+Every accuracy check uses FlashAttention's rule (tileattn.core.testing.check_against_reference: error at
 most 2x that of plain same-dtype math, plus a floor) through ``native_attention``, a small autograd
 wrapper that turns the reference's user-level keywords into the kernels' low-level interface the
 way a backend would (canonical strided views, never copies). Everything runs on whichever variant
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 
 from conftest import sigint_as_usual
 
@@ -256,7 +256,7 @@ def test_seqused_k(sq, causal):
     out, lse = raw_forward(q, k, v, seqused_k=used, right=0 if causal else -1)
     ref, ref_lse = per_item_reference(q, k, v, used, causal)
     base, _ = per_item_reference(q, k, v, used, causal, dtype=torch.float32)
-    from tileattn.testing import judge
+    from tileattn.core.testing import judge
     assert judge("out", out, ref, base, torch.float32).ok
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and torch.equal(out[2], torch.zeros_like(out[2]))

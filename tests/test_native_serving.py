@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 nk = pytest.importorskip("tileattn.backends.native.kernels")
 if not nk.available()[0]:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import tileattn
-import tileattn.kvquant
+import tileattn.core.kvquant
 import tileattn.npu as torch_npu
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 B, N, NKV, D, SQ, SK = 2, 4, 2, 16, 3, 21
 
@@ -48,7 +48,7 @@ def no_python_dequantisation(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the cache was dequantised in Python")
 
-    monkeypatch.setattr(tileattn.kvquant, "dequantise", refuse)
+    monkeypatch.setattr(tileattn.core.kvquant, "dequantise", refuse)
     import tileattn.npu.inference as inference
     core = inference.flash_attention
 

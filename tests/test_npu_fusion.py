@@ -16,8 +16,8 @@ import torch
 import tileattn
 import tileattn.npu as torch_npu
 from tileattn.npu import npu_fusion_attention, npu_fusion_attention_grad
-from tileattn.spec import to_canonical
-from tileattn.testing import judge
+from tileattn.core.spec import to_canonical
+from tileattn.core.testing import judge
 
 BIG = 2147483647
 TRIU = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)

@@ -11,7 +11,7 @@ import torch
 
 import tileattn
 import tileattn.npu as torch_npu
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 TRIU = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 B, N, NKV, D = 2, 4, 2, 8

@@ -15,7 +15,7 @@ import torch
 
 import tileattn
 from tileattn.npu import npu_fusion_attention, npu_fusion_attention_grad, npu_ring_attention_update
-from tileattn.testing import check_against_reference, judge
+from tileattn.core.testing import check_against_reference, judge
 
 TRIU = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 

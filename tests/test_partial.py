@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 from conftest import make_qkv, skip_unless_supported
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import api, lean
-from tileattn.dispatch import get_backend
+from tileattn.core import api, lean
+from tileattn.core.dispatch import get_backend
 
 
 def _tensors_reachable(root) -> list:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.modifiers import Dropout
+from tileattn.core.modifiers import Dropout
 
 from conftest import make_qkv
 

@@ -8,7 +8,7 @@ import torch
 
 import tileattn
 from tileattn.backends.cpu import TileConfig, kernels
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 
 from conftest import assert_matches_reference, attention_fn, make_qkv
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import tileattn
 from tileattn.sdpa import SdpaArgumentError, scaled_dot_product_attention as sdpa
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 
 def _rand(*shape, dtype=torch.float32, seed=0):

@@ -16,7 +16,7 @@ from torch.profiler import profile
 
 import tileattn
 import tileattn.integrations.torch_sdpa as hook
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 
 pytestmark = pytest.mark.skipif(not hook.hook_available(), reason="torch without the flash-attention hook")
 

@@ -8,7 +8,7 @@ import torch
 
 import tileattn
 from tileattn.serving import quantise, store
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 
 def gen(seed):

@@ -14,16 +14,24 @@ from pathlib import Path
 
 import torch
 
-from tileattn import bench, tuning
+from tileattn.tools import bench, tuning
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLING_FILES = sorted(
-    [REPO / "tileattn" / name for name in ("bench.py", "tuning.py", "contest.py", "tunecache.py", "measure.py",
-                                           "contest_baseline.py", "contest_baseline_decode.py")]
-    + list((REPO / "tileattn" / "cli").glob("*.py"))
+    [REPO / "tileattn" / "tools" / name for name in ("bench.py", "tuning.py", "contest.py", "measure.py",
+                                                      "contest_baseline.py", "contest_baseline_decode.py")]
+    + [REPO / "tileattn" / "core" / "tunecache.py"]
+    + list((REPO / "tileattn" / "tools" / "cli").glob("*.py"))
     + [REPO / "benchmarks" / "bench_cpu.py", REPO / "benchmarks" / "gpu_check.py", REPO / "hub" / "tutorials" / "_hub.py"]
 )
 
+
+
+def test_the_tooling_file_list_is_real():
+    """Every listed file exists and the command's modules are among them (a moved folder would
+    otherwise leave the checks below with nothing to read)."""
+    assert all(p.is_file() for p in TOOLING_FILES)
+    assert sum(p.parent.name == "cli" for p in TOOLING_FILES) >= 5
 
 def _defined_names(path: Path):
     """Top-level functions, classes and assignments, and the methods of top-level classes."""

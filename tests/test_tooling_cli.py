@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tileattn import contest, tuning
-from tileattn.cli import main
+from tileattn.tools import contest, tuning
+from tileattn.tools.cli import main
 
 from conftest import sigint_as_usual
 
@@ -88,7 +88,7 @@ def test_an_unwritable_tune_cache_is_refused_before_the_search(tmp_path, monkeyp
 
 
 def test_an_unexpected_error_is_one_line_and_exit_1(monkeypatch, capsys):
-    from tileattn.cli import env
+    from tileattn.tools.cli import env
 
     def broken(args):
         raise RuntimeError("the probe exploded\nwith a second line")
@@ -140,7 +140,7 @@ def test_the_contest_baseline_ships_inside_the_package():
     assert contest.DEFAULT_BASELINE.parent == package and contest.DEFAULT_BASELINE.is_file()
     import torch
 
-    from tileattn.contest_baseline import attention
+    from tileattn.tools.contest_baseline import attention
 
     q = torch.randn(1, 2, 16, 8)
     assert torch.allclose(attention(q, q, q, causal=True), torch.nn.functional.scaled_dot_product_attention(

@@ -1,8 +1,8 @@
 """Layering: the core (operator, engines, dialects) never imports the tooling (bench, tuning, contest,
 the command, measure), and the import graph of tileattn has no large cycle.
 
-Before the tune cache moved to ``tileattn.tunecache``, the engines reached the tooling through
-``tileattn.tuning`` (the Triton launcher at import, the CPU engine on its first call), and 16 modules
+Before the tune cache moved to ``tileattn.core.tunecache``, the engines reached the tooling through
+``tileattn.tools.tuning`` (the Triton launcher at import, the CPU engine on its first call), and 16 modules
 formed one import cycle: dispatch -> backends -> triton/launch -> tuning -> bench -> dispatch.
 """
 
@@ -17,10 +17,8 @@ import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tileattn"
-TOOLING = ("tileattn.bench", "tileattn.tuning", "tileattn.contest", "tileattn.contest_baseline",
-           "tileattn.contest_baseline_decode", "tileattn.cli", "tileattn.measure", "tileattn.__main__",
-           "tileattn.decode_bench")
-#: Engines register with tileattn.engine, which dispatch imports too, so the registry is no cycle.
+TOOLING = ("tileattn.tools", "tileattn.__main__")
+#: Engines register with tileattn.core.engine, which dispatch imports too, so the registry is no cycle.
 #: No import cycle is left (the flash-attn dialect's interface and kvcache share checks.py).
 MAX_CYCLE = 1
 
@@ -143,7 +141,7 @@ def test_core_modules_never_import_the_tooling():
     """
     core = sorted(m for m in _modules() if not _is_tooling(m))
     if importlib.util.find_spec("transformers") is None:
-        core.remove("tileattn.integrations.transformers")
+        core = [m for m in core if m not in ("tileattn.integrations.transformers", "tileattn.dialects.transformers")]
     script = textwrap.dedent("""
         import importlib, json, sys
         TOOLING = %r
@@ -170,3 +168,50 @@ def test_core_modules_never_import_the_tooling():
     assert len(report) == len(core) + 2
     first_bad = next(((step, loaded) for step, loaded in report if loaded), None)
     assert first_bad is None, f"after {first_bad[0]!r} the tooling modules {first_bad[1]} are loaded"
+
+
+#: What each layer may import, besides itself and the package root's alias helper: the folders are
+#: the layers (core -> engines -> dialects -> distributed -> tools; flex is programmable attention,
+#: beside the core).
+ALLOWED = {
+    "tileattn.core": ("tileattn.core", "tileattn.backends", "tileattn.flex"),
+    "tileattn.backends": ("tileattn.core", "tileattn.backends"),
+    "tileattn.flex": ("tileattn.core", "tileattn.backends", "tileattn.flex"),
+    "tileattn.dialects": ("tileattn.core", "tileattn.backends", "tileattn.flex", "tileattn.dialects"),
+}
+
+
+def _layer(name: str, layers) -> str:
+    return next((x for x in layers if name == x or name.startswith(x + ".")), "")
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = import_graph()
+    wrong = []
+    for name, targets in graph.items():
+        layer = _layer(name, ALLOWED)
+        if not layer:
+            continue
+        for t in targets:
+            if t in ("tileattn", "tileattn._aliases") or _layer(t, ALLOWED[layer]):
+                continue
+            wrong.append(f"{name} imports {t}")
+    assert not wrong, "imports against the layering: " + "; ".join(sorted(wrong))
+
+
+def test_the_old_public_paths_are_the_moved_modules():
+    """Code written against tileattn.npu, tileattn.compat.flash_attn, tileattn.sdpa and
+    tileattn.integrations.* keeps working, with the same module objects (state and patches shared)."""
+    import tileattn.compat.flash_attn.kvcache as old_kvcache
+    import tileattn.dialects.flash_attn.kvcache as new_kvcache
+    import tileattn.integrations.torch_sdpa
+    import tileattn.npu
+    import tileattn.sdpa
+    from tileattn.dialects import flash_attn, npu, sdpa, sdpa_hook
+
+    assert old_kvcache is new_kvcache
+    assert sys.modules["tileattn.compat.flash_attn"] is flash_attn
+    assert tileattn.npu is npu and sys.modules["tileattn.npu.inference"] is sys.modules["tileattn.dialects.npu.inference"]
+    assert sys.modules["tileattn.sdpa"] is sdpa and sys.modules["tileattn.integrations.torch_sdpa"] is sdpa_hook
+    proc = subprocess.run([sys.executable, "-m", "tileattn.npu", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: python -m tileattn.npu" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""tileattn.measure is the one place that times, computes statistics, reads peak memory and probes
+"""tileattn.tools.measure is the one place that times, computes statistics, reads peak memory and probes
 the machine; the tooling files use it instead of their own copies.
 
 Before, timing loops lived in six places (bench, tuning, contest, bench_cpu, gpu_check, the hub), with
@@ -16,20 +16,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from tileattn import measure
+from tileattn.tools import measure
 
 REPO = Path(__file__).resolve().parents[1]
 #: Files of the tooling layer: none may carry its own timing loop, statistics, memory reading or
 #: machine probe. (tunecache.py, core, owns the CPU model and core count its cache key needs;
 #: measure re-exports them.)
 TOOLING_FILES = sorted(
-    [REPO / "tileattn" / name for name in ("bench.py", "tuning.py", "contest.py")]
-    + list((REPO / "tileattn" / "cli").glob("*.py"))
+    [REPO / "tileattn" / "tools" / name for name in ("bench.py", "tuning.py", "contest.py")]
+    + list((REPO / "tileattn" / "tools" / "cli").glob("*.py"))
     + [REPO / "benchmarks" / "bench_cpu.py", REPO / "benchmarks" / "gpu_check.py", REPO / "hub" / "tutorials" / "_hub.py"]
 )
 MEASUREMENT_CODE = re.compile(r"perf_counter|VmHWM|VmRSS|clear_refs|malloc_trim|/proc/cpuinfo|sched_getaffinity|"
                               r"statistics\.|max_memory_allocated|torch\.cuda\.Event|/sys/devices/system/cpu")
 
+
+
+def test_the_tooling_file_list_is_real():
+    """Every listed file exists and the command's modules are among them (a moved folder would
+    otherwise leave the checks below with nothing to read)."""
+    assert all(p.is_file() for p in TOOLING_FILES)
+    assert sum(p.parent.name == "cli" for p in TOOLING_FILES) >= 5
 
 def _code_lines(path: Path):
     """(number, line without its comment) of every line outside docstrings."""
@@ -48,7 +55,7 @@ def _code_lines(path: Path):
 def test_tooling_files_measure_only_through_measure_py():
     offenders = [f"{path.relative_to(REPO)}:{number}: {code.strip()}"
                  for path in TOOLING_FILES for number, code in _code_lines(path) if MEASUREMENT_CODE.search(code)]
-    assert not offenders, "measurement code outside tileattn/measure.py:\n" + "\n".join(offenders)
+    assert not offenders, "measurement code outside tileattn/tools/measure.py:\n" + "\n".join(offenders)
 
 
 def test_median_and_spread_have_one_definition():

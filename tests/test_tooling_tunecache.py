@@ -1,4 +1,4 @@
-"""The tune cache the engines read (tileattn.tunecache): read once, validated, written atomically.
+"""The tune cache the engines read (tileattn.core.tunecache): read once, validated, written atomically.
 
 Before: every call re-read the cache's stamp, entries went to the engines unchecked (a negative
 block gave uninitialised output, zero or a string crashed every call of that shape bucket) and
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn import tunecache
+from tileattn.core import tunecache
 from tileattn.backends.cpu import default_config
-from tileattn.spec import build_spec
+from tileattn.core.spec import build_spec
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
-from tileattn.modifiers import Band, TileState
-from tileattn.spec import build_spec
-from tileattn.testing import check_against_reference
+from tileattn.core.modifiers import Band, TileState
+from tileattn.core.spec import build_spec
+from tileattn.core.testing import check_against_reference
 
 from conftest import make_qkv, strided_view
 from test_unit_stride import CASES as UNIT_STRIDE_CASES
@@ -403,7 +403,7 @@ def test_deterministic_bitwise_repeat():
 
 @interpreted
 def test_refusals_in_interpreter():
-    from tileattn.dispatch import get_backend, select
+    from tileattn.core.dispatch import get_backend, select
 
     engine = get_backend("triton")
     assert engine.priority < get_backend("cpu").priority
@@ -428,7 +428,7 @@ def test_refusals_in_interpreter():
 
 @compiled_process
 def test_cpu_tensors_refused_without_interpreter():
-    from tileattn.dispatch import get_backend, select
+    from tileattn.core.dispatch import get_backend, select
 
     q, k, v = make_qkv(b=1, hq=1, sq=8, d=16)
     inp = build_spec(q, k, v)
@@ -447,7 +447,7 @@ def test_bf16_on_gpu():
 
 @interpreted
 def test_tune_cache_supplies_the_forward_config(monkeypatch):
-    from tileattn import tuning
+    from tileattn.tools import tuning
 
     seen = []
     original = launch._launch
@@ -631,7 +631,7 @@ def test_modifiers_outside_the_decode_kernel_take_the_prefill_kernel(monkeypatch
 @interpreted
 def test_paged_kv_gradients_refused_with_a_reason():
     """The kernels read a paged cache forward only: a call that needs gradients is refused before compute."""
-    from tileattn.dispatch import get_backend
+    from tileattn.core.dispatch import get_backend
 
     q, k, v = make_qkv(b=1, hq=2, sq=1, sk=16, d=16, layout="BSND", seed=37)
     pool_k, pool_v, table = _paged(k.transpose(1, 2), v.transpose(1, 2), 8, seed=37)

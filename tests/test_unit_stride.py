@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.dispatch import explain, get_backend
-from tileattn.spec import build_spec
-from tileattn.testing import check_against_reference
+from tileattn.core.dispatch import explain, get_backend
+from tileattn.core.spec import build_spec
+from tileattn.core.testing import check_against_reference
 
 from conftest import CPU_BACKENDS, assert_matches_reference, attention_fn
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.modifiers import Dropout
+from tileattn.core.modifiers import Dropout
 from tileattn.backends.cpu import TileConfig
-from tileattn.dispatch import get_backend
+from tileattn.core.dispatch import get_backend
 
 from conftest import assert_matches_reference, attention_fn, make_qkv
 

@@ -5,14 +5,14 @@ engine, Triton kernels for GPUs, an exact reference) behind one dispatcher that 
 refused a call.
 """
 
-from .api import AttentionGradients, attention_backward, attention_partial, explain, flash_attention
-from .dispatch import NoBackendError, get_backend, list_backends
-from .merge import merge_attentions
+from .core.api import AttentionGradients, attention_backward, attention_partial, explain, flash_attention
+from .core.dispatch import NoBackendError, get_backend, list_backends
+from .core.merge import merge_attentions
 from .flex import flex_attention, patch_flex
-from .reference import reference
-from .spec import LAYOUTS
-from . import npu
-from .compat.flash_attn import (
+from .core.reference import reference
+from .core.spec import LAYOUTS
+from .dialects import npu
+from .dialects.flash_attn import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -21,7 +21,7 @@ from .compat.flash_attn import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
-from .sdpa import patch_sdpa, scaled_dot_product_attention
+from .dialects.sdpa import patch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 

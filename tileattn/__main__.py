@@ -1,5 +1,5 @@
 """``python -m tileattn``: the same command as the ``tileattn`` console script."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

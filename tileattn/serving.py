@@ -1,7 +1,7 @@
 """Writing a quantised KV cache: quantise new keys/values and store them in place, with their scales.
 
 The caches these write are the ones :func:`tileattn.flash_attention` reads as stored with
-``k_scale``/``k_offset``/``v_scale``/``v_offset`` (:mod:`tileattn.kvquant`): ``real = (x + offset) *
+``k_scale``/``k_offset``/``v_scale``/``v_offset`` (:mod:`tileattn.core.kvquant`): ``real = (x + offset) *
 scale``.
 
 * :func:`quantise`: x (float) -> (stored x in int8 / float8_e4m3fn / float8_e5m2, fp32 scale, fp32
@@ -23,8 +23,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .kvquant import QUANT_DTYPES
-from .modifiers import fail
+from .core.kvquant import QUANT_DTYPES
+from .core.modifiers import fail
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _TINY = 1e-12  # a group of zeros gets a tiny positive scale (and stores zeros)

@@ -32,7 +32,7 @@ except ImportError:  # no Ascend NPU here: tileattn stands in for torch_npu
     import torch_npu
 
 import tileattn
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 SMALL = os.environ.get("TILEATTN_SMALL") == "1"
 HEADS, KV_HEADS, HEAD_DIM = (4, 2, 16) if SMALL else (16, 4, 128)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 
 SMALL = os.environ.get("TILEATTN_SMALL") == "1"
 BATCH, HEADS, HEAD_DIM = 2, 8, 40

@@ -32,7 +32,7 @@ import tempfile
 import torch
 
 import tileattn
-from tileattn.testing import check_against_reference, judge
+from tileattn.core.testing import check_against_reference, judge
 
 try:
     from torch_npu import npu_fusion_attention

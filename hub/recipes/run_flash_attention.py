@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
-from tileattn.testing import judge, max_error
+from tileattn.core.testing import judge, max_error
 
 SMALL = os.environ.get("TILEATTN_SMALL") == "1"
 B, H, S, D = (1, 4, 256, 64) if SMALL else (1, 32, 2048, 128)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import tileattn
 from tileattn.serving import store
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 
 SMALL = os.environ.get("TILEATTN_SMALL") == "1"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = (2, 4, 2, 32, 97) if SMALL else (4, 8, 2, 64, 1000)

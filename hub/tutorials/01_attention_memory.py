@@ -30,7 +30,7 @@
 import torch
 
 import tileattn
-from tileattn.testing import check_against_reference
+from tileattn.core.testing import check_against_reference
 from _hub import MiB, check, figure, interleaved_times, peak_memory, pick, save_figure, seeded
 
 torch.manual_seed(0)
@@ -46,7 +46,7 @@ def naive_attention(q, k, v):
 
 
 # %% [markdown]
-# First, both functions must compute the same thing. `tileattn.testing.check_against_reference`
+# First, both functions must compute the same thing. `tileattn.core.testing.check_against_reference`
 # applies FlashAttention's own accuracy rule: the error against an fp64 oracle may be at most twice
 # the error of plain PyTorch math in the same dtype.
 

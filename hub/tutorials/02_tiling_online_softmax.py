@@ -37,7 +37,7 @@ import math
 import torch
 
 import tileattn
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 from _hub import check, pick, seeded
 
 B, H, S, D = 1, 2, pick(192, 512), 64

@@ -32,7 +32,7 @@ import math
 import torch
 
 import tileattn
-from tileattn.testing import check_against_reference, judge
+from tileattn.core.testing import check_against_reference, judge
 from _hub import MiB, check, pick, seeded
 
 B, H, S, D = 1, 2, pick(128, 512), 32

@@ -18,15 +18,15 @@
 #
 # tileattn aligns causal (and sliding windows) to the **bottom-right** corner like FlashAttention-2:
 # query `i` sees key `j` iff `j <= i + (Sk - Sq)`. For `Sq == Sk` that is the usual lower triangle.
-# `tileattn.modifiers.Band` owns that geometry for every engine: `Band.tile_state` classifies a
+# `tileattn.core.modifiers.Band` owns that geometry for every engine: `Band.tile_state` classifies a
 # (query block, key block) tile as EMPTY (skipped), PARTIAL (masked) or FULL (no mask needed); we
 # use it here to count tiles exactly as the engines do.
 
 # %%
 import tileattn
 from tileattn.backends.cpu import TileConfig
-from tileattn.modifiers import Band, TileState
-from tileattn.testing import check_against_reference
+from tileattn.core.modifiers import Band, TileState
+from tileattn.core.testing import check_against_reference
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded, tiles_visited
 
 

@@ -19,13 +19,13 @@
 # decimal digits. FlashAttention kernels read and write 16-bit tensors but keep the running maximum,
 # sum and output accumulator in fp32, and judge themselves with a rule that respects the format:
 # **the kernel's error against an fp64 oracle may be at most twice the error of plain PyTorch math
-# done in the same 16-bit format** (`tileattn.testing`).
+# done in the same 16-bit format** (`tileattn.core.testing`).
 
 # %%
 import torch
 
 import tileattn
-from tileattn.testing import judge, max_error
+from tileattn.core.testing import judge, max_error
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded
 
 for dt, eps, biggest in ((torch.float16, 9.77e-4, 65504), (torch.bfloat16, 7.81e-3, 3.39e38), (torch.float32, 1.19e-7, 3.40e38)):
@@ -163,4 +163,4 @@ save_figure(fig, "05_precision.png")
 #    `D = 64` and the standard deviation of a dot product of two Gaussian vectors.
 # 2. Move the scale before the product in `naive_fp16` (`(q * scale) @ k^T`). Does it still
 #    overflow? What else could still go wrong in fp16 (hint: the sum in the softmax)?
-# 3. Measure the backward error per format with `tileattn.testing.check_against_reference`.
+# 3. Measure the backward error per format with `tileattn.core.testing.check_against_reference`.

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 import tileattn
-from tileattn import tunecache
+from tileattn.core import tunecache
 from tileattn.backends.cpu import TileConfig, default_config
-from tileattn.spec import build_spec
-from tileattn.testing import judge
+from tileattn.core.spec import build_spec
+from tileattn.core.testing import judge
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded, tiles_visited
 
 

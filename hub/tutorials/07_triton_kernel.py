@@ -27,7 +27,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import tileattn  # noqa: E402
-from tileattn.testing import judge  # noqa: E402
+from tileattn.core.testing import judge  # noqa: E402
 from _hub import check, pick, seeded  # noqa: E402
 
 # %% [markdown]

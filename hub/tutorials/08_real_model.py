@@ -30,7 +30,7 @@ except ImportError as exc:
 
 import tileattn
 import tileattn.integrations.transformers as tileattn_hf
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 from _hub import MiB, check, figure, peak_memory, pick, save_figure
 
 hf_logging.set_verbosity_error()

@@ -28,7 +28,7 @@
 # Everything runs on **one core** (`torch.set_num_threads(1)`): this chapter is about what one core
 # does with its instructions, and threads multiply every contender alike. Micro-measurements use
 # the thread's **CPU time** (like `benchmarks/bench_native.py --cpu-time`), which other jobs on a
-# shared machine do not inflate; the engine comparison uses `tileattn.measure`'s interleaved wall
+# shared machine do not inflate; the engine comparison uses `tileattn.tools.measure`'s interleaved wall
 # clock, like `tileattn bench`.
 
 # %%
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 
 import tileattn
-from tileattn import measure
-from tileattn.testing import judge
+from tileattn.tools import measure
+from tileattn.core.testing import judge
 from _hub import check, figure, pick, save_figure, seeded
 
 torch.set_num_threads(1)
@@ -62,7 +62,7 @@ print(f"torch {torch.__version__}, {torch.get_num_threads()} thread")
 
 def cpu_times(fns: dict, reps: int, iters: int = 1, stat=statistics.median) -> dict:
     """{name: seconds per call}, in this thread's CPU time: every repetition runs each function
-    `iters` times in a row, the functions round-robin (as tileattn.measure interleaves); the median
+    `iters` times in a row, the functions round-robin (as tileattn.tools.measure interleaves); the median
     of the repetitions, or `stat` of them (min: the best, for rates held against a peak)."""
     samples = {name: [] for name in fns}
     for fn in fns.values():  # warm-up
@@ -861,7 +861,7 @@ save_figure(fig, "09_micro_gemm.png")
 # augmented-operand trick of `tiles.py` that folds the subtraction of the max into the GEMM);
 # `scaled_dot_product_attention` is PyTorch's own fused C++ kernel. Each is checked against the
 # reference with FlashAttention's 2x rule at every shape, then all three are timed round-robin with
-# `tileattn.measure` (wall clock, one thread; the median of the repetitions, and their spread).
+# `tileattn.tools.measure` (wall clock, one thread; the median of the repetitions, and their spread).
 
 # %%
 check(ok, f"the native engine is available here ({why or nk.build_info()['isa']})")

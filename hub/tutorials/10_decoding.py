@@ -51,9 +51,9 @@ except ImportError as exc:
 
 import tileattn
 import tileattn.integrations.transformers as tileattn_hf
-from tileattn import measure
+from tileattn.tools import measure
 from tileattn.compat.flash_attn import flash_attn_with_kvcache
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 from _hub import MiB, check, figure, peak_memory, pick, save_figure, seeded
 
 torch.set_num_threads(1)
@@ -454,7 +454,7 @@ check(rows / gpu_sms < 0.07, f"batch 1 x 8 kv heads = {rows} rows: {rows / gpu_s
 # engine releases Python's lock while it computes) and merged. Since the step is bandwidth-bound, a
 # split gains at most what a second core adds to the bandwidth, so we measure that too, summing the
 # buffer of section 2 on two threads. These are wall-clock times, medians of interleaved rounds
-# (`tileattn.measure`): on a shared machine another job can take either core.
+# (`tileattn.tools.measure`): on a shared machine another job can take either core.
 
 # %%
 pool = ThreadPoolExecutor(max_workers=2)

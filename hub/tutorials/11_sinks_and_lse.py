@@ -47,8 +47,8 @@ import math
 import torch
 
 import tileattn
-from tileattn import measure
-from tileattn.testing import judge
+from tileattn.tools import measure
+from tileattn.core.testing import judge
 from _hub import MiB, check, figure, peak_memory, pick, save_figure, seeded
 
 B, H, S, D = 2, 4, pick(64, 256), 32
@@ -259,7 +259,7 @@ check(rule("out", stable, loud_oracle, tileattn.reference(loud, k32, v32, causal
 # %% [markdown]
 # **A sink is a merge.** The sink is a part with one "key" of score `sigma` and value 0: its output
 # is 0 and its LSE is `sigma`. Merging the keys' result with `(0, sigma)` must give attention with
-# sinks, and that is how tileattn implements sinks for every engine (`tileattn/ops.py`): the engine
+# sinks, and that is how tileattn implements sinks for every engine (`tileattn/core/ops.py`): the engine
 # never sees them. The same view answers what a row that sees no key outputs with a sink: 0, with
 # LSE `sigma` (the sink holds all the mass).
 
@@ -417,7 +417,7 @@ check(peak_tileattn * 4 < peak_reference, f"tileattn's peak is {peak_reference /
 # Attention itself is `O(S^2 D)` work per head. The sink adds, per row, one `logaddexp`, one `exp`
 # and a scaling of the `D` outputs in the forward, and one `exp` and a sum in the backward: `O(S D)`,
 # a fraction `~1/S` of the whole that should vanish as `S` grows. We time causal attention with and
-# without sinks, forward and forward+backward, round-robin with `tileattn.measure` (the timing loop of
+# without sinks, forward and forward+backward, round-robin with `tileattn.tools.measure` (the timing loop of
 # `tileattn bench`) on **one thread**: the sink's few element-wise operations run outside the engine's
 # worker threads, and on a shared machine a multi-threaded element-wise operation can wait for a
 # preempted core, which would time the machine rather than the sink. For the same reason the cost is

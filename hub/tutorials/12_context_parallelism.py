@@ -50,7 +50,7 @@ import torch
 import tileattn
 import tileattn.distributed as cp
 from tileattn.distributed import model
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 from _cp_ranks import four_ranks, inputs, spawn, two_ranks
 from _hub import check, figure, pick, save_figure
 

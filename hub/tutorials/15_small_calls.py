@@ -38,9 +38,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tileattn
-from tileattn import decode_bench, lean, measure
-from tileattn.dispatch import get_backend
-from tileattn.testing import judge
+from tileattn.tools import decode_bench, measure
+from tileattn.core import lean
+from tileattn.core.dispatch import get_backend
+from tileattn.core.testing import judge
 from _hub import check, pick
 
 torch.set_num_threads(1)
@@ -57,7 +58,7 @@ v = torch.randn(B, HKV, KEYS, D, generator=gen)
 # %% [markdown]
 # ## 1. The layers, timed one by one
 #
-# `tileattn.decode_bench.overhead` times each layer of `flash_attention(q, k, v, seqused_k=...)`
+# `tileattn.tools.decode_bench.overhead` times each layer of `flash_attention(q, k, v, seqused_k=...)`
 # on its own, many calls in a row, the layers interleaved so that a burst of load on a shared
 # machine hits them alike. The rows nest: the whole call contains validation (`build_spec`),
 # dispatch (`select`) and `run_forward` (the output's allocation and the engine), which contains the
@@ -92,7 +93,7 @@ if NATIVE:
 #
 # A decode loop calls attention with the same *kind* of arguments thousands of times: the same
 # heads, head dims, dtype, flags; only the key length, the strides of the growing cache and the data
-# change. `tileattn.lean` keys a memo by everything validation and dispatch read **except** the key
+# change. `tileattn.core.lean` keys a memo by everything validation and dispatch read **except** the key
 # length and K/V's strides. The first call takes the full path and leaves a plan: the engine's
 # prepared call (for the native engine, the kernel's argument struct with every constant packed
 # once) and the geometry to check. Every later call checks what the key leaves out (K/V's batch,

@@ -34,7 +34,7 @@ import tileattn
 from tileattn.flex import create_block_mask, examples
 from tileattn.flex.blocks import EMPTY, FULL, PARTIAL, classify
 from tileattn.flex.semantics import flex_reference
-from tileattn.testing import judge
+from tileattn.core.testing import judge
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded
 
 B, H, S, D = 1, 2, pick(320, 2048), 32

@@ -1,7 +1,7 @@
 """Small helpers shared by the tutorials: sizes, checks, timing, peak memory and plots.
 
 Kept deliberately short so a reader can see everything a tutorial relies on. Timing and memory
-go through :mod:`tileattn.measure`, the module ``tileattn bench`` uses, so a tutorial's figures
+go through :mod:`tileattn.tools.measure`, the module ``tileattn bench`` uses, so a tutorial's figures
 mean what the command's mean.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tileattn import measure
+from tileattn.tools import measure
 
 #: ``TILEATTN_SMALL=1`` shrinks every tutorial to seconds (what the test suite runs).
 SMALL = os.environ.get("TILEATTN_SMALL") == "1"
@@ -67,14 +67,14 @@ def figure(*args, **kwargs):
 
 def interleaved_times(fns: dict, repeat: int = 5, warmup: int = 1) -> dict:
     """Median seconds of each function, run round-robin so machine noise hits all of them alike
-    (tileattn's own timing loop, :func:`tileattn.measure.median_times`)."""
+    (tileattn's own timing loop, :func:`tileattn.tools.measure.median_times`)."""
     return measure.median_times(fns, repeat, warmup)
 
 
 def peak_memory(fn):
     """Run ``fn`` and return (its result, peak extra resident bytes while it ran). Linux only.
 
-    :func:`tileattn.measure.peak_memory` writes "5" to /proc/self/clear_refs, which resets the
+    :func:`tileattn.tools.measure.peak_memory` writes "5" to /proc/self/clear_refs, which resets the
     kernel's high-water mark (VmHWM) to the current resident size, so VmHWM after the call minus
     VmRSS before it is what the call added at its peak.
     """

@@ -1,4 +1,4 @@
-"""Built-in engines. Importing this package registers them with :mod:`tileattn.dispatch`."""
+"""Built-in engines. Importing this package registers them with :mod:`tileattn.core.dispatch`."""
 
 from . import cpu, native, reference_backend  # noqa: F401
 

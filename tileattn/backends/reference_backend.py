@@ -2,15 +2,15 @@
 
 Never chosen by ``backend="auto"``. It computes in fp32 (fp64 for fp64 inputs) and rounds the result
 to the output's dtype, so it has the accuracy a fused kernel should reach. Its backward is
-:func:`tileattn.reference.reference_backward` (the formulas written out, using the given LSE).
+:func:`tileattn.core.reference.reference_backward` (the formulas written out, using the given LSE).
 """
 
 from __future__ import annotations
 
-from ..engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
-from ..kvquant import KVQuant
-from ..reference import reference_backward, reference_from_spec
-from ..spec import AttentionSpec, to_canonical
+from ..core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ..core.kvquant import KVQuant
+from ..core.reference import reference_backward, reference_from_spec
+from ..core.spec import AttentionSpec, to_canonical
 
 
 class ReferenceBackend(Backend):

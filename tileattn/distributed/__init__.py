@@ -15,7 +15,7 @@ the global (out, LSE). The core never imports this package. See docs/distributed
 from .attention import SEQ_DIM, context_parallel_attention, positions, shard, unshard
 from .comm import DEFAULT_TIMEOUT_S, CollectiveError, CommStats, count_collectives
 from .plan import ShardPlan, zigzag_chunks
-from ..merge import merge_into, merge_sink
+from ..core.merge import merge_into, merge_sink
 from .ring import block_kind
 from .topology import hybrid_mesh
 

@@ -18,7 +18,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..modifiers import fail
+from ..core.modifiers import fail
 from .plan import ShardPlan, local_lengths
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.int32, torch.int64,

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from ..modifiers import (Alibi, Band, Bias, Mask, Sinks, Softcap, check_keywords, fail, modifiers_from_keywords,
+from ..core.modifiers import (Alibi, Band, Bias, Mask, Sinks, Softcap, check_keywords, fail, modifiers_from_keywords,
                          to_4d)
-from ..spec import CALL_KEYWORDS, build_spec, check_bool, to_canonical
+from ..core.spec import CALL_KEYWORDS, build_spec, check_bool, to_canonical
 from . import ring as ring_mod
 from . import agreement, topology, ulysses
 from .plan import ShardPlan

@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..modifiers import fail
+from ..core.modifiers import fail
 
 
 @dataclass(frozen=True)

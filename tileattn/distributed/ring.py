@@ -32,9 +32,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..api import attention_backward, attention_partial, flash_attention
-from ..merge import merge_into, merge_sink
-from ..modifiers import Band, Bias, Mask, Modifier, Sinks, TileState
+from ..core.api import attention_backward, attention_partial, flash_attention
+from ..core.merge import merge_into, merge_sink
+from ..core.modifiers import Band, Bias, Mask, Modifier, Sinks, TileState
 from . import comm
 from .plan import Run, split_sizes
 

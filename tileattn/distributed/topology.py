@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..modifiers import fail
+from ..core.modifiers import fail
 from . import comm
 
 MODES = ("ring", "ulysses", "hybrid")

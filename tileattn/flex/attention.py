@@ -330,7 +330,7 @@ def _span(row: Row):
 
 def _mask_only(call, block_map, q, k, v):
     """One tileattn.flash_attention call per row of blocks, over the span of its visible keys."""
-    from ..api import flash_attention
+    from ..core.api import flash_attention
 
     k, v = _expand_kv(call, k), _expand_kv(call, v)
     if block_map is None:

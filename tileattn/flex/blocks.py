@@ -5,7 +5,7 @@ unmasked, or computes with a per-element mask, and that mask, packed.
 ``BlockMask.from_kv_blocks``, or this module's :func:`create_block_mask`) into a :class:`BlockMap` for a
 call with ``batch`` sequences and ``heads`` query heads:
 
-* ``states``: uint8 (Bs, Hs, rows, cols), one :class:`~tileattn.modifiers.TileState` per block of
+* ``states``: uint8 (Bs, Hs, rows, cols), one :class:`~tileattn.core.modifiers.TileState` per block of
   ``BLOCK_SIZE`` = (block_q, block_kv): EMPTY (skip), PARTIAL (apply the bits), FULL (no mask).
   ``rows = ceil(q_len / block_q)``, ``cols = ceil(kv_len / block_kv)``; the last row and column may
   be cut short by the lengths and are classified on their in-range elements only. ``Bs`` is 1 (the
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..modifiers import TileState, fail
+from ..core.modifiers import TileState, fail
 from . import compiler
 from .semantics import block_grid, check_block_mask, listed_blocks, mask_tile
 from .trace import INDEX_DTYPE, IndexByTensors, Unsupported, structure, trace

@@ -21,8 +21,8 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from ..modifiers import Alibi, Band, Bias, Mask, Modifier, Softcap, diagonal_offset, fail
-from ..score_math import to_4d
+from ..core.modifiers import Alibi, Band, Bias, Mask, Modifier, Softcap, diagonal_offset, fail
+from ..core.score_math import to_4d
 from .attention import flex_attention
 from .blocks import _Evaluator, create_block_mask
 from .semantics import mask_tile, score_tile

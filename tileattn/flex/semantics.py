@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
 
-from ..modifiers import fail
+from ..core.modifiers import fail
 from .trace import INDEX_DTYPE, IndexByTensors
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -5,7 +5,7 @@ the tile configuration and cuts the work into independent tasks over canonical s
 (range of kv heads, query block) in the forward pass, range of kv heads in the backward pass (each
 head owns its dK/dV). :func:`.parallel.run_tasks` runs the tasks on one single-threaded worker per
 core, most expensive first. Outputs, the LSE gradient, sinks and the bias-gradient reduction are
-handled above the engine (:mod:`tileattn.ops`).
+handled above the engine (:mod:`tileattn.core.ops`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from functools import partial
 
 import torch
 
-from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
-from ...kvquant import KVQuant, quant_of
-from ...spec import AttentionSpec, dequantised_spec, sequence_views
+from ...core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...core.kvquant import KVQuant, quant_of
+from ...core.spec import AttentionSpec, dequantised_spec, sequence_views
 from . import kernels
 from .parallel import planned_workers, run_tasks
 from .tiles import SequenceProblem
@@ -53,7 +53,7 @@ class TileConfig:
 
 
 def default_config(spec: AttentionSpec) -> TileConfig:
-    from ...tunecache import lookup
+    from ...core.tunecache import lookup
 
     tuned = lookup("cpu", spec)
     if tuned is not None:

@@ -2,11 +2,11 @@
 
 A :class:`SequenceProblem` describes one (batch item or varlen sequence) attention problem in the
 terms a kernel needs: strided ``(H, S, D)`` tensors and the call's kernel arguments
-(:class:`tileattn.kernel_args.KernelArgs`: the modifiers lowered), nothing of the public API.
+(:class:`tileattn.core.kernel_args.KernelArgs`: the modifiers lowered), nothing of the public API.
 :meth:`SequenceProblem.scores` turns ``q_tile . k_tile^T`` into base-2 logits with every score
 modifier applied, for forward and backward alike, so the two passes can never disagree. Geometry
 (which keys a query block sees, whether a tile is cut by the band, which tiles a mask hides) and
-the dropout hash come from :mod:`tileattn.score_math` and the band's geometry
+the dropout hash come from :mod:`tileattn.core.score_math` and the band's geometry
 (:attr:`KernelArgs.band`); this module only does the in-place tile arithmetic.
 
 Work is cut per range of kv heads ``hs``: the queries of the ``G = Hq / Hkv`` heads that share a
@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch
 
-from ...kernel_args import KernelArgs
-from ...modifiers import Band
-from ...score_math import TileState, alibi_scores, dropout_keep, mask_tile_states, score_block
+from ...core.kernel_args import KernelArgs
+from ...core.modifiers import Band
+from ...core.score_math import TileState, alibi_scores, dropout_keep, mask_tile_states, score_block
 
 LOG2E = 1.4426950408889634
 
@@ -156,7 +156,7 @@ class SequenceProblem:
 
     def mask_hidden(self, hs: slice, i0, i1, j0, j1) -> MaskTile:
         """The user's mask on the tile (the band is separate). Tiles on the block grid read their
-        state from :func:`~tileattn.score_math.mask_tile_states` (computed once per call); a tile the mask keeps whole
+        state from :func:`~tileattn.core.score_math.mask_tile_states` (computed once per call); a tile the mask keeps whole
         skips the masked fill (slow: ~10x a float pass)."""
         mask = self.args.mask
         if mask is None:

@@ -17,10 +17,10 @@ import warnings
 
 import torch
 
-from ...engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
-from ...kvquant import KVQuant, canonical_scales, quant_of
-from ...spec import AttentionSpec
-from ...tunecache import lookup
+from ...core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...core.kvquant import KVQuant, canonical_scales, quant_of
+from ...core.spec import AttentionSpec
+from ...core.tunecache import lookup
 from . import kernels, prepared
 
 #: Calls whose work (score elements) is below this run without arming the Ctrl-C hook: a decode
@@ -92,7 +92,7 @@ class NativeBackend(Backend):
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
         """The kernels' keywords for a validated call: its kernel arguments (the modifiers lowered,
-        :class:`tileattn.kernel_args.KernelArgs`) and the tuned tiles; index tensors made contiguous (a
+        :class:`tileattn.core.kernel_args.KernelArgs`) and the tuned tiles; index tensors made contiguous (a
         caller's ``t[::2]`` is valid input, the kernels read plain arrays)."""
         tuned = lookup("native", spec) or {}
         a = spec.kernel_args

@@ -38,7 +38,7 @@ mask -> softmax -> dropout -> . v``; query row i of a sequence sees key j iff
 ``i + off - left <= j <= i + off + right`` (-1 = unbounded) with
 ``off = shift + (k_len - q_len if bottom_right else 0)``; ALiBi adds ``-slope * |i + off - j|``;
 a row that sees no key gets out = 0 and lse = -inf. Dropout keeps (seed, batch, head, row, col)
-by the counter-based hash of :mod:`tileattn.score_math` (row and column within the sequence).
+by the counter-based hash of :mod:`tileattn.core.score_math` (row and column within the sequence).
 
 Ragged batches: varlen q (``cu_seqlens_q``) with a paged cache (``block_table`` + ``seqused_k``), or
 with varlen k (``cu_seqlens_k``, ``seqused_k`` optional), mixes decode rows and prefill chunks in one
@@ -350,7 +350,7 @@ def profile():
 
 # ----------------------------------------------------------------------------------- argument checks
 # A direct call (tests, benchmarks, tuning) is checked here before any C runs. The engine's calls
-# pass ``validate=False``: the spec validated them once (tileattn.spec and the modifiers), and a
+# pass ``validate=False``: the spec validated them once (tileattn.core.spec and the modifiers), and a
 # second pass over every argument costs a decode step microseconds.
 
 

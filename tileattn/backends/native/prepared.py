@@ -130,7 +130,7 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
 
 def _output_strides(layout: str, batch: int, heads: int, rows: int, dim: int) -> tuple:
     """(batch, head, row) strides of the canonical view of an output allocated contiguous in
-    ``layout`` (:func:`tileattn.spec.empty_in_layout`), without allocating one."""
+    ``layout`` (:func:`tileattn.core.spec.empty_in_layout`), without allocating one."""
     if layout == "BNSD":
         return heads * rows * dim, rows * dim, dim
     if layout == "SBH":  # (S, B, H*D)

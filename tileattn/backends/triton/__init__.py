@@ -2,7 +2,7 @@
 
 Layers, top to bottom:
 
-* :class:`TritonBackend` (here): what the engine accepts, registered with :mod:`tileattn.dispatch`
+* :class:`TritonBackend` (here): what the engine accepts, registered with :mod:`tileattn.core.dispatch`
   at priority 10, ahead of the CPU engine, so ``backend="auto"`` runs CUDA tensors here;
 * :mod:`.launch`: validates, allocates, chooses block sizes (fixed, tune cache or autotune), launches;
 * :mod:`.forward_kernel`, :mod:`.backward_kernel`, :mod:`.decode_kernel` (split-K flash-decoding for
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ...engine import BUILTIN_MODIFIERS, Backend, Capabilities, register
-from ...spec import AttentionSpec
+from ...core.engine import BUILTIN_MODIFIERS, Backend, Capabilities, register
+from ...core.spec import AttentionSpec
 from . import launch
 
 

@@ -4,7 +4,7 @@ The gradients
 -------------
 The forward saved only ``out`` and the base-2 log-sum-exp ``lse2`` per row. The backward rebuilds
 each probability tile from them, ``P = 2^(s - lse2)``, instead of storing the Sq x Sk matrix. With
-``Delta_i = sum_d dO_id O_id - dLSE_i`` (computed by the caller, :mod:`tileattn.ops`)::
+``Delta_i = sum_d dO_id O_id - dLSE_i`` (computed by the caller, :mod:`tileattn.core.ops`)::
 
     dV_j = sum_i P_ij dO_i          dP_ij = dO_i . V_j          dS_ij = P_ij (dP_ij - Delta_i)
     dQ_i = scale * sum_j dS_ij K_j  dK_j  = scale * sum_i dS_ij Q_i

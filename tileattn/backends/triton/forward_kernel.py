@@ -3,7 +3,7 @@
 The problem
 -----------
 For one query row ``q_i`` and the keys it may see, attention is ``sum_j softmax(s_i)_j v_j`` with
-``s_ij`` the score of :mod:`tileattn.modifiers`. Materialising ``s`` costs O(Sq * Sk) memory; the
+``s_ij`` the score of :mod:`tileattn.core.modifiers`. Materialising ``s`` costs O(Sq * Sk) memory; the
 FlashAttention idea is never to hold more than one ``BLOCK_M x BLOCK_N`` tile of it.
 
 The grid
@@ -36,7 +36,7 @@ loads; the padding columns load as zeros and contribute nothing to the dot produ
 
 Dropout drops probabilities *after* they enter ``l`` (the softmax denominator is that of the undropped
 weights) and scales the output by ``1 / (1 - p)``; the keep decision is the counter-based hash of
-:mod:`tileattn.modifiers`, so the backward regenerates it instead of storing it.
+:mod:`tileattn.core.modifiers`, so the backward regenerates it instead of storing it.
 """
 
 import triton

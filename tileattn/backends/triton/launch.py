@@ -1,7 +1,7 @@
 """Launchers of the Triton kernels: validate, allocate, pick a configuration, launch.
 
-The kernels know nothing of the public API. This layer turns an :class:`~tileattn.spec.AttentionSpec`
-and its kernel arguments (:class:`~tileattn.kernel_args.KernelArgs`, the modifiers lowered) into
+The kernels know nothing of the public API. This layer turns an :class:`~tileattn.core.spec.AttentionSpec`
+and its kernel arguments (:class:`~tileattn.core.kernel_args.KernelArgs`, the modifiers lowered) into
 pointers, strides and flags (:func:`_common`, shared by every kernel of a call): canonical strided
 views are passed as they are (a transposed BSND or SBH tensor is read in place, never copied),
 broadcast masks and biases become stride-0 dimensions, and packed (TND) problems pass
@@ -16,7 +16,7 @@ modules are imported lazily, in the same mode as Triton's library (:func:`kernel
 Configurations
 --------------
 Under the interpreter (and under pytest) one fixed small configuration runs, so tests stay fast and
-repeatable. On a GPU the tune cache (``tileattn tune``, :mod:`tileattn.tuning`) may name the forward
+repeatable. On a GPU the tune cache (``tileattn tune``, :mod:`tileattn.tools.tuning`) may name the forward
 configuration; otherwise ``triton.autotune`` picks among a handful, keyed by a coarse length bucket,
 head dims and the feature flags, so one tuning serves all lengths of similar size.
 """
@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...score_math import reduce_to_shape
-from ...spec import AttentionSpec
-from ...tunecache import lookup, seqlen_bucket
+from ...core.score_math import reduce_to_shape
+from ...core.spec import AttentionSpec
+from ...core.tunecache import lookup, seqlen_bucket
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
@@ -325,7 +325,7 @@ def _decode(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None
 
 
 def backward(spec: AttentionSpec, grads) -> None:
-    """dq, dk, dv (and the reduced bias gradient) of a :class:`~tileattn.dispatch.Gradients` bundle."""
+    """dq, dk, dv (and the reduced bias gradient) of a :class:`~tileattn.core.dispatch.Gradients` bundle."""
     _, bwd = kernels()[:2]
     v = spec.is_varlen
     # Base-2 LSE; rows that saw no key get +inf so every recomputed probability is exactly 0.

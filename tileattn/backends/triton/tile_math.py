@@ -1,7 +1,7 @@
 """Device helpers shared by the forward and backward kernels: one score pipeline, written once.
 
 Both passes must turn ``q . k^T`` into the *same* base-2 logits, or the backward differentiates a
-different function than the forward computed. So the whole pipeline of :mod:`tileattn.modifiers`
+different function than the forward computed. So the whole pipeline of :mod:`tileattn.core.modifiers`
 
     s = scale * q.k^T -> softcap -> + ALiBi + bias -> band (causal/window) and bool mask
 
@@ -18,7 +18,7 @@ import triton.language as tl
 # log2(e): the kernels work in base 2 (exp2 is one hardware instruction, exp is exp2 plus a multiply).
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# The counter-based dropout hash of tileattn/modifiers.py (Dropout), in uint32 arithmetic. The multipliers are
+# The counter-based dropout hash of tileattn/core/modifiers.py (Dropout), in uint32 arithmetic. The multipliers are
 # below 2**31, which is what lets the torch reference emulate these exact products in int64.
 MUL_A = tl.constexpr(0x7FEB352D)
 MUL_B = tl.constexpr(0x5BD1E995)
@@ -187,7 +187,7 @@ def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT: tl.constexpr):
-    """Query row i is aligned with key column i + offset (tileattn.modifiers.diagonal_offset):
+    """Query row i is aligned with key column i + offset (tileattn.core.modifiers.diagonal_offset):
     ``k_len - q_len`` bottom-right (FlashAttention-2), 0 top-left (SDPA), plus a fixed shift."""
     if BOTTOM_RIGHT:
         return align_shift + k_len - q_len

@@ -1,0 +1,168 @@
+"""Quantised and low-precision K/V caches: one representation in the core, :class:`KVQuant`.
+
+A cache stored as int8, float8_e4m3fn or float8_e5m2 (or in q's own dtype with descales) is read as
+
+    k_real = (k + k_offset) * k_scale        v_real = (v + v_offset) * v_scale
+
+(the Ascend antiquant convention; no offset = symmetric, no scale = 1), and ``q_scale`` multiplies
+the scores of each kv head's query heads (FlashAttention-3's ``q_descale``). The keywords
+``k_scale``, ``k_offset``, ``v_scale``, ``v_offset``, ``q_scale`` of :func:`tileattn.flash_attention`
+(and of ``attention_partial`` / ``tileattn.reference``) make one :class:`KVQuant` modifier; a k/v
+of a quantised dtype without any of them is read with unit scales.
+
+Shapes: every scale and offset is an fp32 tensor broadcastable to k's (v's) own shape *as passed*
+with its last dim replaced by ``G`` channel groups (1: no channel axis; the head dim: per channel;
+a divisor of it: groups of channels). So, for k (B, Sk, Hkv, D) in ``layout="BSND"``: per tensor
+``(1, 1, 1, 1)``, per kv head ``(1, 1, Hkv, 1)``, per channel ``(1, 1, Hkv, D)``, per token
+``(B, Sk, Hkv, 1)``. A paged pool (num_blocks, block_size, Hkv, D) or a packed TND cache (Tk, Hkv, D)
+takes the same, and also a leading batch axis of size B (per-sequence scales, such as
+FlashAttention-3's descales of shape (B, Hkv)). ``q_scale``: fp32 (B|1, Hkv|1). Flattened-head
+layouts (BSH, SBH) take no scales.
+
+Forward only (inference): a call that would need gradients is refused. Engines: the native kernels
+read the cache as stored and dequantise inside their tile loop (declared in their capabilities); the
+``cpu`` engine and the exact reference dequantise a copy first (:func:`tileattn.core.spec.dequantised_spec`), the
+reference in its own compute dtype, which makes it the independent check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping, Optional, Tuple
+
+import torch
+
+from .modifiers import OP_TENSOR, Modifier, fail
+
+#: The stored formats of a quantised cache (besides q's own dtype with descales).
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_NAMES = ("k_scale", "k_offset", "v_scale", "v_offset")
+
+
+@dataclass(frozen=True)
+class KVQuant(Modifier):
+    """The scales and offsets of a quantised (or descaled) K/V cache; see the module docstring."""
+
+    kind: ClassVar[str] = "kv_quant"
+    stage: ClassVar[int] = -1  # acts on the inputs, before any score transform
+    keywords: ClassVar[Mapping[str, object]] = {"k_scale": None, "k_offset": None, "v_scale": None,
+                                                "v_offset": None, "q_scale": None}
+    binds: ClassVar[Tuple[str, ...]] = ("k_scale", "k_offset", "v_scale", "v_offset", "q_scale")
+    forward_only: ClassVar[bool] = True
+    k_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
+    k_offset: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
+    v_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
+    v_offset: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
+    q_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
+
+    @classmethod
+    def from_args(cls, k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None):
+        if k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None:
+            return None
+        return cls(k_scale, k_offset, v_scale, v_offset, q_scale)
+
+    def check(self, spec) -> None:
+        if spec.layout in ("BSH", "SBH"):
+            fail(ValueError, self._first_given(), f"a quantised or scaled cache with layout='{spec.layout}'",
+                 "layout 'BNSD', 'BSND' or 'TND', or a paged cache (scales follow k's head axis)")
+        q, k, v = spec.q, spec.k, spec.v
+        if k.dtype is not v.dtype:
+            fail(TypeError, "v", f"dtype {v.dtype}", f"k's dtype {k.dtype} (one cache format)")
+        if k.dtype is not q.dtype and k.dtype not in QUANT_DTYPES:
+            fail(TypeError, "k", f"dtype {k.dtype} for q of dtype {q.dtype}",
+                 f"q's dtype or a quantised format ({', '.join(str(d) for d in QUANT_DTYPES)})")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            fail(ValueError, self._first_given(), "a quantised or scaled cache with inputs that require grad",
+                 "inputs without gradients or torch.no_grad(): quantised K/V are forward only (inference)")
+        leading = spec.is_paged or spec.is_varlen
+        for name in _SCALE_NAMES:
+            t = getattr(self, name)
+            if t is not None:
+                _check_scale(name, t, k if name[0] == "k" else v, spec.batch, leading, spec.device)
+        if self.q_scale is not None:
+            t = self.q_scale
+            _check_fp32(t, "q_scale", spec.device, f"(batch, kv heads) = ({spec.batch}, {spec.heads_kv})")
+            if t.dim() != 2 or any(n not in (1, f) for n, f in zip(t.shape, (spec.batch, spec.heads_kv))):
+                fail(ValueError, "q_scale", f"shape {tuple(t.shape)}",
+                     f"a shape broadcastable to (batch, kv heads) = ({spec.batch}, {spec.heads_kv})")
+
+    def _first_given(self) -> str:
+        return next((n for n in _SCALE_NAMES + ("q_scale",) if getattr(self, n) is not None), "k")
+
+    def lower(self):
+        return {}
+
+    def bind(self):
+        return {"k_scale": self.k_scale, "k_offset": self.k_offset, "v_scale": self.v_scale,
+                "v_offset": self.v_offset, "q_scale": self.q_scale}
+
+
+def _check_fp32(t, name, device, shape_text):
+    if not isinstance(t, torch.Tensor) or t.dtype is not torch.float32:
+        given = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        fail(TypeError, name, given, f"an fp32 tensor broadcastable to {shape_text}")
+    if t.layout is not torch.strided or t.is_nested:
+        fail(TypeError, name, "a non-strided tensor", "a regular strided (dense) fp32 tensor")
+    if t.device != device:
+        fail(ValueError, name, f"device {t.device}", f"device {device}, as q")
+
+
+def _check_scale(name, t, cache, batch, leading, device):
+    """A scale/offset broadcastable to the cache's shape with its last dim replaced by G channel
+    groups (G divides the head dim), with an optional leading batch axis when ``leading``."""
+    shape = tuple(cache.shape[:-1]) + ("G",)
+    width = cache.shape[-1]
+    options = f"{shape}" + (f" or {(batch,) + shape}" if leading else "")
+    what = f"a shape broadcastable to {options}, G channel groups dividing the head dim {width} (1: none)"
+    _check_fp32(t, name, device, options)
+    full = tuple(cache.shape[:-1])
+    if leading and t.dim() == cache.dim() + 1:
+        full = (batch,) + full
+    if t.dim() != len(full) + 1:
+        fail(ValueError, name, f"shape {tuple(t.shape)}", what)
+    groups = t.shape[-1]
+    if groups < 1 or width % groups or any(n not in (1, f) for n, f in zip(t.shape[:-1], full)):
+        fail(ValueError, name, f"shape {tuple(t.shape)}", what)
+
+
+def quant_of(spec) -> Optional[KVQuant]:
+    """The call's :class:`KVQuant` (one with unit scales for a quantised cache given none), or None."""
+    for m in spec.modifiers:
+        if isinstance(m, KVQuant):
+            return m
+    return KVQuant() if spec.k.dtype is not spec.q.dtype else None
+
+
+def dequantise(x: torch.Tensor, scale: Optional[torch.Tensor], offset: Optional[torch.Tensor], dtype) -> torch.Tensor:
+    """``(x + offset) * scale`` in ``dtype``, scale and offset broadcast along x's shape, their last
+    dim (G channel groups) repeated over the groups' channels."""
+    y = x.to(dtype)
+    for t, op in ((offset, torch.add), (scale, torch.mul)):
+        if t is not None:
+            y = op(y, t.to(dtype).repeat_interleave(x.shape[-1] // t.shape[-1], dim=-1))
+    return y
+
+
+def _per_sequence(t: Optional[torch.Tensor], cache: torch.Tensor, batch: int):
+    """A scale as a (batch, *cache shape[:-1], G) view (a scale without a batch axis repeated)."""
+    if t is None:
+        return None
+    if t.dim() == cache.dim():
+        t = t[None]
+    return t.expand((batch,) + tuple(cache.shape[:-1]) + (t.shape[-1],))
+
+
+def _has_batch_axis(m: KVQuant, k: torch.Tensor) -> bool:
+    return any(t is not None and t.dim() == k.dim() + 1 for t in (m.k_scale, m.k_offset, m.v_scale, m.v_offset))
+
+
+def canonical_scales(spec, args) -> dict:
+    """The kernels' scale keywords from a call's kernel arguments: each scale in the cache's canonical
+    order (a BSND cache's (B, Sk, Hkv, G) read as (B, Hkv, Sk, G), as its keys are)."""
+    swap = spec.layout == "BSND" and not spec.is_paged
+    out = {}
+    for name in _SCALE_NAMES:
+        t = getattr(args, name)
+        out[name] = t.transpose(1, 2) if swap and t is not None else t
+    out["q_scale"] = args.q_scale
+    return out

@@ -1,0 +1,200 @@
+"""The lean call: a repeated inference call served by a prepared kernel call, without the spec,
+dispatch, the modifiers' parsing or the custom op.
+
+A decode step is a few microseconds of kernel; the full path around it (validation into an
+:class:`~tileattn.core.spec.AttentionSpec`, engine choice, the op boundary, the kernels' keyword
+wrapper) cost several times that. :func:`tileattn.flash_attention` therefore looks a call up here
+first when it needs no gradient (no input requires grad, or grad mode is off), is not being traced
+by ``torch.compile``, and uses only keywords that bind no per-call tensor (``causal``, ``window``,
+``softcap``, ``scale``, ``align``, ``layout``, ``num_heads``, ``seqused_k``, ``block_table``).
+
+The memo is keyed by everything validation and dispatch read of such a call *except K/V's key
+length and strides*: a decode loop whose cache grows by a key every step (a new shape each time)
+finds one entry. An entry (:class:`LeanPlan`) holds the engine's prepared call
+(:meth:`tileattn.core.engine.Backend.prepare`; the native engine's packs its argument struct once) and
+the geometry of K/V, the output and the LSE. Per call it checks what the key leaves out (K/V's
+batch, heads, head dims and unit last stride; key length within the short-call limit; the block
+table's page range) and refreshes pointers and strides; anything unexpected, and a value the kernel
+refuses (a ``seqused_k`` beyond the keys), returns None, and the full path runs the call: it
+validates, raises its usual error before any compute, or computes. Results are bitwise those of
+the full path (the same kernel, the same arguments).
+
+Entries hold no tensor (shapes, flags, the engine, the prepared struct's bytes). Whoever changes an
+engine's declaration or replaces its ``forward`` (a test's spy) is served by the full path again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from .engine import registry_version
+
+#: Lean plans by call key (None: a call shape the engine prepares nothing for). Bounded; the
+#: oldest entry goes first. Holds no tensor.
+PLANS: Dict[tuple, Optional["LeanPlan"]] = {}
+_LIMIT = 64
+
+
+def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, seqused_k, block_table,
+           deterministic, backend) -> Tuple[Optional[tuple], Optional["LeanPlan"]]:
+    """``(key, plan)`` of a call whose other keywords are all absent: key None when the call must
+    take the full path (gradients, tracing, tensor subclasses, unhashable arguments), plan None
+    when there is none yet (or the engine prepares nothing for the call). Scalars of other types
+    than the documented ones take the full path, so that ``causal=1`` (refused there) never shares
+    ``causal=True``'s plan, though the two are equal keys."""
+    if _BYPASSED or torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+        return None, None
+    if not (type(causal) is bool and type(softcap) is float and type(deterministic) is bool
+            and (scale is None or type(scale) is float) and (num_heads is None or type(num_heads) is int)
+            and (type(align) is str or type(align) is int)):
+        return None, None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None, None
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout, num_heads,
+               scale, causal, None if window is None else (window, tuple(map(type, window))), align, softcap,
+               deterministic, backend,
+               _ENVIRON.get(_BACKEND_VARIABLE) if _FAST_ENVIRON else os.environ.get("TILEATTN_BACKEND"),
+               registry_version(),
+               None if seqused_k is None else _index_meta(seqused_k),
+               None if block_table is None else _index_meta(block_table))
+        return key, PLANS.get(key)
+    except (TypeError, RuntimeError, AttributeError):  # not tensors, a nested q, an unhashable value
+        return None, None
+
+
+#: ``os.environ``'s own dict (bytes keys on POSIX): reading TILEATTN_BACKEND there costs a tenth of
+#: ``os.environ.get``, which encodes the name and decodes the value on every call. It is the
+#: mapping ``os.environ[...] = ...`` and ``del`` update, so a changed variable is seen at once.
+_ENVIRON = getattr(os.environ, "_data", None)
+_BACKEND_VARIABLE = os.environ.encodekey("TILEATTN_BACKEND") if hasattr(os.environ, "encodekey") else None
+_FAST_ENVIRON = type(_ENVIRON) is dict and _BACKEND_VARIABLE is not None
+
+
+def _index_meta(t):
+    if type(t) is not torch.Tensor:
+        raise TypeError("not a tensor")
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def remember(key: tuple, spec, engine) -> None:
+    """Make the plan of a call the full path just validated and dispatched (or note that its engine
+    prepares nothing for it)."""
+    prepared = engine.prepare(spec)
+    if len(PLANS) >= _LIMIT:
+        PLANS.pop(next(iter(PLANS)))
+    PLANS[key] = None if prepared is None else LeanPlan(spec, engine, prepared)
+
+
+def clear() -> None:
+    PLANS.clear()
+
+
+_BYPASSED = False
+
+
+class bypassed:
+    """Every call inside the block takes the full path: what the benchmarks compare the lean call
+    with, and what the tests of the full path's own plan memo measure. Not thread-local. (A class,
+    not a generator context: the benchmarks enter it around calls of a few microseconds.)"""
+
+    def __enter__(self):
+        global _BYPASSED
+        self._before, _BYPASSED = _BYPASSED, True
+
+    def __exit__(self, *exc):
+        global _BYPASSED
+        _BYPASSED = self._before
+
+
+class LeanPlan:
+    """A prepared call and the geometry the call key leaves out."""
+
+    __slots__ = ("engine", "capabilities", "forward", "prepared", "read_k", "read_v", "out_shape", "lse_shape",
+                 "dtype", "acc")
+
+    def __init__(self, spec, engine, prepared):
+        self.engine, self.capabilities, self.prepared = engine, engine.capabilities, prepared
+        self.forward = getattr(engine.forward, "__func__", None)
+        paged = spec.is_paged
+        self.read_k = _reader(spec.layout, paged, spec.batch, spec.heads_kv, spec.head_dim,
+                              spec.block_size if paged else 0)
+        self.read_v = _reader(spec.layout, paged, spec.batch, spec.heads_kv, spec.head_dim_v,
+                              spec.block_size if paged else 0)
+        self.out_shape, self.lse_shape = spec.out_shape(), spec.lse_shape()
+        self.dtype, self.acc = spec.dtype, spec.acc_dtype()
+
+    def run(self, q, k, v, seqused_k, block_table, return_lse) -> Optional[Tuple[torch.Tensor, object]]:
+        """``(out, lse or None)``, or None when this call is not one the plan serves."""
+        engine = self.engine
+        if engine.capabilities is not self.capabilities or \
+                getattr(engine.forward, "__func__", None) is not self.forward:
+            return None
+        try:
+            kg, vg = self.read_k(k), self.read_v(v)
+        except RuntimeError:  # a nested tensor has no strides
+            return None
+        if kg is None or vg is None or kg[0] != vg[0]:
+            return None
+        prepared = self.prepared
+        keys = kg[0]
+        if prepared.paged:
+            if block_table.numel():
+                low, high = torch.aminmax(block_table)
+                if low < 0 or high >= keys:
+                    return None  # the full path names the bad block index
+        elif not 0 < keys <= prepared.max_keys:
+            return None
+        out = torch.empty(self.out_shape, dtype=self.dtype)
+        lse = torch.empty(self.lse_shape, dtype=self.acc) if return_lse else None
+        if not prepared.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                            None if lse is None else lse.data_ptr(), keys, kg[1], vg[1],
+                            0 if seqused_k is None else seqused_k.data_ptr(),
+                            0 if block_table is None else block_table.data_ptr()):
+            return None  # the kernel refused a value before computing: the full path says which
+        return out, lse
+
+
+def _reader(layout: str, paged: bool, batch: int, heads: int, dim: int,
+            page_size: int) -> Callable[[torch.Tensor], Optional[tuple]]:
+    """A function of K (or V) giving ``(keys, (batch, head, key) strides)`` of its canonical view, or
+    None when its shape is not this plan's (or its head dim is not unit-stride: the full path copies
+    it). For a paged pool: ``(pages, (page, head, slot) strides)``."""
+    if paged:
+        def read(t):
+            s = t.shape
+            if len(s) == 4 and s[1] == page_size and s[2] == heads and s[3] == dim:
+                st = t.stride()
+                if st[3] == 1 or dim == 1:
+                    return s[0], (st[0], st[2], st[1])
+            return None
+    elif layout == "BNSD":
+        def read(t):
+            s = t.shape
+            if len(s) == 4 and s[0] == batch and s[1] == heads and s[3] == dim:
+                st = t.stride()
+                if st[3] == 1 or dim == 1:
+                    return s[2], (st[0], st[1], st[2])
+            return None
+    elif layout == "BSND":
+        def read(t):
+            s = t.shape
+            if len(s) == 4 and s[0] == batch and s[2] == heads and s[3] == dim:
+                st = t.stride()
+                if st[3] == 1 or dim == 1:
+                    return s[1], (st[0], st[2], st[1])
+            return None
+    else:  # BSH (B, S, H*D) and SBH (S, B, H*D): heads are D-wide slices of the last dim
+        seq, bat = (1, 0) if layout == "BSH" else (0, 1)
+
+        def read(t):
+            s = t.shape
+            if len(s) == 3 and s[bat] == batch and s[2] == heads * dim:
+                st = t.stride()
+                if st[2] == 1 or dim == 1:
+                    return s[seq], (st[bat], dim * st[2], st[seq])
+            return None
+    return read

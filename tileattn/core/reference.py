@@ -1,0 +1,192 @@
+"""The exact reference: attention that materialises the score matrix of every sequence.
+
+It is the oracle of every test, benchmark and tutorial, so it is written to be obviously right rather
+than fast: one einsum for the scores, each modifier applied by its own hooks in pipeline order
+(:mod:`tileattn.core.modifiers`: scores, visible pairs, weights, extra logits), a softmax, one einsum for
+the output, one sequence at a time. It is
+differentiable by plain autograd (the tests' oracle for gradients), and :func:`reference_backward`
+writes FlashAttention's backward formulas out explicitly for the reference backend, which must use
+the LSE it is given (a partial result's backward with global statistics).
+
+``compute_dtype`` chooses the arithmetic: ``None`` computes in the inputs' own dtype ("plain PyTorch
+math in the same dtype", the yardstick of FlashAttention's error rule), ``torch.float32`` or
+``torch.float64`` upcast first. The result comes back in ``compute_dtype`` (the input dtype when None).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kvquant import quant_of
+from .merge import merge_weights
+from .score_math import ScoreBlock
+from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool, dequantised_spec, sequence_views
+
+
+def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
+    """Exact attention with the semantics of :func:`tileattn.flash_attention`.
+
+    Takes the same keyword arguments as ``flash_attention`` (layout, num_heads, scale, causal,
+    window, align, mask, bias, alibi_slopes, softcap, dropout_p, seed, generator, sinks,
+    cu_seqlens_q/k, seqused_k, block_table, ...).
+    """
+    kwargs.pop("backend", None)
+    check_bool("return_lse", return_lse)
+    spec = build_spec(q, k, v, **kwargs)
+    out, lse = reference_from_spec(spec, compute_dtype)
+    return (out, lse) if return_lse else out
+
+
+def _block(spec: AttentionSpec, seq: SequenceSlice, cdtype) -> ScoreBlock:
+    """The whole score matrix of one sequence, every query head."""
+    return ScoreBlock(seq.batch, slice(None), 0, seq.q_len, 0, seq.k_len, seq.offset, cdtype, spec.device)
+
+
+def _scores(spec: AttentionSpec, block: ScoreBlock, q, k, cdtype):
+    """Masked scores (Hq, q_len, k_len) of one sequence, the scores before each modifier (its
+    ``scores_grad`` reads them) and the pairs that take part (None: all). Every modifier is applied
+    by its own hooks, in pipeline order."""
+    k = k.to(cdtype).repeat_interleave(spec.group_size, dim=0)
+    s = torch.einsum("hid,hjd->hij", q.to(cdtype), k) * spec.scale
+    before = []
+    for m in spec.modifiers:
+        before.append(s)
+        s = m.scores(s, block)
+    keep = None
+    for m in spec.modifiers:
+        visible = m.visible(block)
+        if visible is not None:
+            keep = visible if keep is None else keep & visible
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    return s.expand(spec.heads_q, block.i1 - block.i0, block.j1 - block.j0), before, keep
+
+
+def _lse(s):
+    """Log-sum-exp of each row of scores. A row that sees no key gets -inf, computed over zeros so that
+    neither the forward nor the logsumexp backward meets ``-inf - (-inf) = NaN`` (which would leak
+    into dq, dk and dbias)."""
+    empty = torch.isneginf(s).all(dim=-1)
+    lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), dim=-1)
+    return lse.masked_fill(empty, -math.inf)
+
+
+def _with_extra_parts(spec: AttentionSpec, out, lse):
+    """(out, lse) with the partial results the modifiers add (the sinks: an extra logit in every
+    row's denominator), merged by :func:`tileattn.core.merge.merge_weights`, whose form keeps gradients
+    finite for a sink of +-inf and for rows that see no key (whose LSE becomes the sink)."""
+    for m in spec.modifiers:
+        logits = m.extra_logits(lse, 0)
+        if logits is not None:
+            (weight, _), lse = merge_weights(lse, logits)
+            out = out * weight[..., None]
+    return out, lse
+
+
+def _probabilities(s, lse):
+    """exp(s - lse), 0 in rows whose LSE is -inf."""
+    return torch.exp(s - lse.masked_fill(torch.isneginf(lse), math.inf)[..., None])
+
+
+def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
+    """(out in the user's layout, LSE) of a validated call, computed in ``compute_dtype`` (an
+    autocast region around the call does not change that: the oracle's precision is its argument)."""
+    if spec.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(spec.device.type):
+        with torch.autocast(spec.device.type, enabled=False):
+            return reference_from_spec(spec, compute_dtype)
+    cdtype = compute_dtype or spec.dtype
+    if quant_of(spec) is not None:  # a quantised cache: dequantised, and q_scale applied, in cdtype
+        spec = dequantised_spec(spec, cdtype)
+    outs, lses = [], []
+    for seq in spec.sequences:
+        q, k, v = sequence_views(spec, seq)
+        block = _block(spec, seq, cdtype)
+        s, _, _ = _scores(spec, block, q, k, cdtype)
+        lse = _lse(s)
+        p = _probabilities(s, lse)
+        for m in spec.modifiers:
+            p = m.weights(p, block, spec.heads_q)
+        v = v.to(cdtype).repeat_interleave(spec.group_size, dim=0)
+        out, lse = _with_extra_parts(spec, torch.einsum("hij,hjd->hid", p, v), lse)
+        outs.append(out)
+        lses.append(lse)
+    lse_dtype = torch.float64 if cdtype == torch.float64 else torch.float32
+    if spec.is_varlen:
+        out_c = torch.cat([o.transpose(0, 1) for o in outs], 0) if outs else \
+            spec.q.new_zeros((0, spec.heads_q, spec.head_dim_v), dtype=cdtype)
+        lse = torch.cat(lses, 1) if lses else torch.zeros(spec.lse_shape(), dtype=lse_dtype)
+        return out_c, lse.to(lse_dtype)
+    out_c = torch.stack(outs) if outs else spec.q.new_zeros((0, spec.heads_q, spec.seqlen_q, spec.head_dim_v),
+                                                             dtype=cdtype)
+    lse = torch.stack(lses) if lses else torch.zeros(spec.lse_shape(), dtype=lse_dtype)
+    return from_canonical(out_c, spec.layout), lse.to(lse_dtype)
+
+
+def from_canonical(out_c: torch.Tensor, layout: str) -> torch.Tensor:
+    """A canonical (B, H, S, D) tensor in ``layout`` (a copy for the flattened-head layouts)."""
+    if layout in ("BNSD", "TND"):
+        return out_c
+    if layout == "BSND":
+        return out_c.transpose(1, 2)
+    if layout == "BSH":
+        return out_c.transpose(1, 2).flatten(2)
+    return out_c.permute(2, 0, 1, 3).flatten(2)
+
+
+@torch.no_grad()
+def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_c, dv_c, dbias4=None):
+    """FlashAttention's backward, written out, in the accumulation dtype, with the *given* LSE and
+    ``delta = rowsum(dO * O) - dLSE``::
+
+        P = exp(S - lse)        dV = (P * D)^T dO        dP = (dO V^T) * D     (D: dropout factor)
+        dS = P * (dP - delta)   dBias = dS               dS *= 1 - tanh^2     (softcap)
+        dQ = dS K * scale       dK = dS^T Q * scale
+
+    Writes dq, dk, dv (canonical views) and accumulates into ``dbias4`` (the bias's 4-d shape).
+    """
+    cdt = spec.acc_dtype()
+    g = spec.group_size
+    dk_c.zero_(), dv_c.zero_()
+    for seq in spec.sequences:
+        q, k, v = sequence_views(spec, seq)
+        block = _block(spec, seq, cdt)
+        s, before, keep = _scores(spec, block, q, k, cdt)
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        if spec.is_varlen:
+            lse_s, delta_s = lse[:, rows].to(cdt), delta[:, rows].to(cdt)
+            do = dout_c[rows].transpose(0, 1).to(cdt)
+        else:
+            lse_s, delta_s, do = lse[seq.batch].to(cdt), delta[seq.batch].to(cdt), dout_c[seq.batch].to(cdt)
+        p = _probabilities(s, lse_s)
+        pd = p
+        for m in spec.modifiers:
+            pd = m.weights(pd, block, spec.heads_q)
+        v_rep = v.to(cdt).repeat_interleave(g, dim=0)
+        k_rep = k.to(cdt).repeat_interleave(g, dim=0)
+        dv_rep = torch.einsum("hij,hid->hjd", pd, do)
+        dp = torch.einsum("hid,hjd->hij", do, v_rep)
+        for m in reversed(spec.modifiers):
+            dp = m.weights_grad(dp, block, spec.heads_q)
+        ds = p * (dp - delta_s[..., None])
+        if keep is not None:
+            # Hidden pairs get no gradient, even in a row made NaN by a +inf score (as autograd
+            # through the forward's masked_fill gives).
+            ds = ds.masked_fill(~keep, 0.0)
+        for m, s_before in reversed(list(zip(spec.modifiers, before))):
+            ds = m.scores_grad(ds, s_before, block, dbias4 if m.grad_slot == "bias" else None)
+        dq = torch.einsum("hij,hjd->hid", ds, k_rep) * spec.scale
+        dk_rep = torch.einsum("hij,hid->hjd", ds, q.to(cdt)) * spec.scale
+        dk = dk_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
+        dv = dv_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
+        if spec.is_varlen:
+            keys = slice(seq.k_start, seq.k_start + seq.k_len)
+            dq_c[rows] = dq.transpose(0, 1)
+            dk_c[keys] = dk.transpose(0, 1)
+            dv_c[keys] = dv.transpose(0, 1)
+        else:
+            dq_c[seq.batch] = dq
+            dk_c[seq.batch, :, : seq.k_len] = dk
+            dv_c[seq.batch, :, : seq.k_len] = dv
+
