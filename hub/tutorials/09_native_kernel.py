@@ -612,9 +612,9 @@ for (bm, bn), p_ in fused_profile.items():
         print(f"tile {bm}x{bn}: the fused pass costs {ratio:.1f}x as much per element as at 128x256: a panel "
               f"({panel // 1024} KiB) against L1 ({l1 // 1024} KiB), logits and P ({tile // 1024} KiB) against L2 "
               f"({l2 // 1024} KiB)")
-check(t_fwd["torch ops"] > t_fwd["fused step"],
-      f"the forward pass with the fused step is faster: {t_fwd['torch ops'] / t_fwd['fused step']:.2f}x (the GEMMs, "
-      "the same torch calls in both, are most of it)")
+# In the whole forward the GEMMs (the same torch calls in both) are most of the time, so the fused
+# step's gain there is small and, on a busy machine, within the noise: reported, not claimed.
+print(f"the whole forward with the fused step: {t_fwd['torch ops'] / t_fwd['fused step']:.2f}x the torch-ops one")
 
 fig, ax = figure(figsize=(7.5, 3.6))
 labels = [f"{bm}x{bn}" for bm, bn in TILES]

@@ -70,7 +70,7 @@ class DecodeCase:
 
     def extra_bytes(self, provider: str) -> int:
         """Memory a contender needs besides the cache itself (repeated K/V copies)."""
-        return 0 if provider in ("tileattn", "sdpa_gqa") else self.group * self.kv_bytes
+        return 0 if provider in ("tileattn", "tileattn_full", "sdpa_gqa") else self.group * self.kv_bytes
 
     def tensors(self, seed: int = 0):
         """(q (B, Hq, 1, D), k_cache, v_cache (B, Hkv, cache, D), seqused_k int32 (B,)): a full cache."""
@@ -118,7 +118,8 @@ def contenders(case: DecodeCase, q, k, v, used, providers) -> Dict[str, Callable
 
 
 def _full_path(q, k, v, used):
-    from .. import flash_attention, lean
+    from .. import flash_attention
+    from ..core import lean
 
     with lean.bypassed():
         return flash_attention(q, k, v, seqused_k=used)
@@ -232,7 +233,8 @@ def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int =
     checks, the output allocation and the prepared kernel call) and the full path (validation +
     dispatch + run_forward: allocation, argument building, kernel wrapper). The layers nest, so
     differences between rows are each layer's own cost."""
-    from .. import flash_attention, lean, ops
+    from .. import flash_attention
+    from ..core import lean, ops
     from ..backends.native import kernels
     from ..core.dispatch import select
     from ..core.spec import build_spec
