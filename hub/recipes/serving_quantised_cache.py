@@ -110,6 +110,24 @@ class Request:
         return torch.tensor(self.generated[-1:])
 
 
+def advance(running, q_lens, logits, start):
+    """After one step: count each request's prompt chunk (its time to first token when the prompt is
+    done), append the greedy token of those generating, and take the finished ones out of
+    ``running``; returns them, for the caller to free what they held."""
+    now, done = time.perf_counter(), []
+    for r, n, row in zip(list(running), q_lens, logits):
+        if r.done_prompt < len(r.prompt):
+            r.done_prompt += n
+            if r.done_prompt < len(r.prompt):
+                continue
+            r.ttft = now - start
+        r.generated.append(int(row.argmax()))
+        if len(r.generated) >= r.max_new:
+            running.remove(r)
+            done.append(r)
+    return done
+
+
 def serve_paged(model, prompts, outputs, check_first):
     """Continuous batching with ragged calls over the int8 pool; (tokens generated, seconds, TTFTs)."""
     pages_needed = sum(-(-(len(p) + n) // PAGE) for p, n in zip(prompts, outputs))
@@ -151,18 +169,9 @@ def serve_paged(model, prompts, outputs, check_first):
 
         logits = model.forward(torch.cat(chunks), attend)[cu_q[1:].long() - 1]
         step_checks += 1
-        now = time.perf_counter()
-        for r, n, row in zip(list(running), q_lens, logits):
-            if r.done_prompt < len(r.prompt):
-                r.done_prompt += n
-                if r.done_prompt < len(r.prompt):
-                    continue
-                r.ttft = now - start
-            r.generated.append(int(row.argmax()))
-            if len(r.generated) >= r.max_new:
-                running.remove(r)
-                cache.free += r.pages
-                finished.append(r)
+        for r in advance(running, q_lens, logits, start):
+            cache.free += r.pages
+            finished.append(r)
     seconds = time.perf_counter() - start
     return sum(len(r.generated) for r in finished), seconds, [r.ttft for r in finished]
 
@@ -207,18 +216,9 @@ def serve_padded_sdpa(model, prompts, outputs):
             return torch.cat([out[b, :, :n].transpose(0, 1) for b, n in enumerate(q_lens)])
 
         logits = model.forward(torch.cat(chunks), attend)[cu_q[1:] - 1]
-        now = time.perf_counter()
-        for r, n, row in zip(list(running), q_lens, logits):
-            if r.done_prompt < len(r.prompt):
-                r.done_prompt += n
-                if r.done_prompt < len(r.prompt):
-                    continue
-                r.ttft = now - start
-            r.generated.append(int(row.argmax()))
-            if len(r.generated) >= r.max_new:
-                running.remove(r)
-                free_slots.append(r.slot)
-                finished.append(r)
+        for r in advance(running, q_lens, logits, start):
+            free_slots.append(r.slot)
+            finished.append(r)
     seconds = time.perf_counter() - start
     return sum(len(r.generated) for r in finished), seconds, [r.ttft for r in finished], s_max
 
