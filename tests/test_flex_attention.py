@@ -1,6 +1,7 @@
 """tileattn.flex_attention: PyTorch's flex_attention on CPU, forward and backward, judged against the
 fp64 reference (tileattn.flex.semantics.flex_reference) under FlashAttention's 2x rule, and against
-PyTorch's own eager flex_attention forward."""
+PyTorch's own eager flex_attention forward. A call is one flash_attention call: the native engine
+runs compiled functions in its tiles, the eager engine the ones the compiler refuses."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from torch.nn.attention import flex_attention as torch_flex
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, and_masks, create_block_mask
 
 import tileattn
-from tileattn.flex import compiler, examples
+from tileattn.flex import examples
 from tileattn.flex import create_block_mask as ta_create_block_mask
 from tileattn.flex.semantics import flex_reference
+from tileattn.programs import compiler
 from tileattn.core.testing import judge
 
 
@@ -74,8 +76,8 @@ MASK_CASES = [  # (mask, batch, heads_q, heads_kv, q_len, kv_len, block, also wi
 
 @pytest.mark.parametrize("mask_name,batch,hq,hkv,q_len,kv_len,block,scored", MASK_CASES)
 def test_mask_patterns_forward_backward(mask_name, batch, hq, hkv, q_len, kv_len, block, scored):
-    """Every attention-gym mask, mask-only (the native path), against the fp64 reference; two of them
-    (keys gathered from non-contiguous blocks) with a score_mod too (the compiled score path)."""
+    """Every attention-gym mask, mask-only, against the fp64 reference; two of them (keys in
+    non-contiguous blocks) with a score_mod too. Both run on the native engine's compiled path."""
     q, k, v = qkv(batch, hq, hkv, q_len, kv_len)
     mask_mod = examples.MASKS[mask_name](q_len, kv_len)
     block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=block)
@@ -196,23 +198,30 @@ def test_compiled_once_and_fallback_with_reason():
 
     bias = torch.randn(33, requires_grad=True)
 
-    class Table:  # a tensor behind an attribute: the tracer cannot lift it
-        values = bias
-
     def through_object(score, b, h, q_idx, kv_idx):
         return score + Table.values[kv_idx]
 
+    class Holder:  # a tensor behind an object's attribute: not keyed, so not compiled
+        def __init__(self, values):
+            self.values = values
+
+    holder = Holder(bias)
+
+    def through_object(score, b, h, q_idx, kv_idx):
+        return score + holder.values[kv_idx]
+
     why = tileattn.flex.explain(q, k, v, score_mod=through_object)
-    assert why["score_mod"].startswith("torch.vmap:") and "attribute" in why["score_mod"]
+    assert why["score_mod"].startswith("torch.vmap:") and "Holder" in why["score_mod"]
+    assert why["path"].endswith("the eager engine") and "score_mod is not compiled" in why["engines"]["native"][0]
     assert_ok(verdicts(q, k, v, (bias,), score_mod=through_object))
     block_mask = create_block_mask(examples.causal, None, None, 33, 33, device="cpu", BLOCK_SIZE=16)
     assert_ok(verdicts(q, k, v, (bias,), score_mod=through_object, block_mask=block_mask))
-    assert "mask only" in tileattn.flex.explain(q, k, v, block_mask=block_mask)["path"]
+    assert tileattn.flex.explain(q, k, v, block_mask=block_mask)["path"].endswith("the native engine")
 
     def unchanged(score, b, h, q_idx, kv_idx):  # what transformers passes without softcap or bias
         return score
 
-    assert "mask only" in tileattn.flex.explain(q, k, v, score_mod=unchanged, block_mask=block_mask)["path"]
+    assert tileattn.flex.explain(q, k, v, score_mod=unchanged, block_mask=block_mask)["path"].endswith("native engine")
     assert_ok(verdicts(q, k, v, score_mod=unchanged, block_mask=block_mask))
 
 
@@ -234,18 +243,12 @@ def test_errors_before_compute():
         tileattn.flex_attention(q, k, v, score_mod=wrong_index, enable_gqa=True)
 
 
-def test_block_map_rows_hold_no_dense_mask():
-    """The per-row layouts of a long document mask hold O(blocks) bytes, not q_len x kv_len."""
-    from tileattn.flex.attention import _rows
-    from tileattn.flex.blocks import classify
+def test_block_map_holds_no_dense_mask():
+    """A long document mask's block map holds one byte per block, not q_len x kv_len."""
+    from tileattn.programs.blocks import states_of
 
     length = 4096
     doc_ids = torch.arange(length) * 5 // length
     block_mask = ta_create_block_mask(examples.document(doc_ids), None, None, length, length)
-    block_map = classify(block_mask, 1, 1)
-    rows = _rows(block_map)
-    masks = sum(r.mask.numel() for r in rows if r.mask is not None)
-    assert masks == block_map.counts()["partial"] * 128 * 128  # the partial blocks, nothing else
-    assert masks > 0
-    held = masks + sum(keys.index.numel() * 8 for r in rows for keys, _ in r.parts if keys.index is not None)
-    assert held < length * length / 8  # a dense bool mask would hold length * length
+    states = states_of(block_mask)
+    assert states.states.numel() == (length // 128) ** 2 and states.counts()["partial"] > 0

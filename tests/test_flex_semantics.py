@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as torch_flex
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, noop_mask
 
+import tileattn
 from tileattn.flex.examples import MASKS, causal, document, relative_bias, score_mods
 from tileattn.flex.semantics import flex_reference
 
@@ -240,3 +241,21 @@ def test_block_mask_errors():
                                     compute_q_blocks=False)
     with pytest.raises(ValueError, match="both as partial"):
         flex_reference(q, k, v, block_mask=both)
+
+
+def test_messages_start_with_pytorchs_own_words(pytorch_flex):
+    """Code that matches on PyTorch's messages keeps working: return_lse with return_aux, and a block
+    mask made for other lengths (shorter and longer), begin with PyTorch's own text."""
+    q, k, v = qkv(1, 2, 2, 40, 40)
+    block_mask = create_block_mask(causal, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    cases = [(q, dict(return_lse=True, return_aux=AuxRequest(lse=True))),
+             (q[:, :, :30], dict(block_mask=block_mask)),
+             (torch.cat([q, q], 2), dict(block_mask=block_mask))]
+    for query, kwargs in cases:
+        with pytest.raises(ValueError) as theirs:
+            pytorch_flex(query, k, v, **kwargs)
+        for ours in (flex_reference, tileattn.flex_attention):
+            with pytest.raises(ValueError) as mine:
+                ours(query, k, v, **kwargs)
+            first = str(theirs.value).split(". ")[0]
+            assert str(mine.value).startswith(first), (str(mine.value), first)

@@ -38,7 +38,7 @@ def test_the_variant_keywords_are_declared_by_the_modifier_types_and_mirrored_by
     declared = variant_keywords()
     assert set(declared) == {"softcap", "alibi_slopes", "bias", "causal", "window", "mask", "sinks", "dropout_p",
                              "seed", "generator", "k_scale", "k_offset", "v_scale", "v_offset", "q_scale",
-                             "score_mod", "mask_mod"}
+                             "score_mod", "mask_mod", "block_mask"}
     public = inspect.signature(tileattn.flash_attention).parameters
     for name, default in declared.items():
         assert public[name].default == default and type(public[name].default) is type(default), name
@@ -105,18 +105,35 @@ def test_engines_support_exactly_the_modifier_types_they_declare():
         assert all(isinstance(t, type) and issubclass(t, Modifier) for t in b.capabilities.modifiers), b.name
 
 
+def _declarations(tree):
+    """The nodes of an engine module's modifier declarations: the class attribute ``capabilities`` and
+    module constants named ``*_MODIFIERS`` (where modifier types are data)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and (t.id == "capabilities" or t.id.endswith("_MODIFIERS")) for t in node.targets):
+            found.extend(ast.walk(node.value))
+    return {id(n) for n in found}
+
+
 def test_no_engine_and_not_the_reference_look_a_modifier_up_by_name():
     """Engines read the kernel arguments; the reference calls the modifiers' hooks. Neither asks a
-    call for "its band" or "its mask" by name (the spec no longer offers it)."""
+    call for "its band" or "its mask" by name (the spec no longer offers it). An engine names the
+    modifier types it runs only in its capabilities (data), never to test a call's modifiers."""
     assert not hasattr(AttentionSpec, "modifier") and not hasattr(AttentionSpec, "without")
     files = [PACKAGE / "core" / "reference.py", *sorted((PACKAGE / "backends").rglob("*.py"))]
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        declared = _declarations(tree)
+        imported = set()
+        for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
                 assert node.attr not in ("modifier", "kinds", "kind"), f"{path.name} reads .{node.attr}"
-            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("modifiers"):
-                # Band alone, as the geometry of the band kernel arguments (KernelArgs.band).
-                assert {a.name for a in node.names} <= {"Band"}, f"{path.name} imports modifier types"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(("modifiers", "functions", "kvquant")):
+                imported |= {a.name for a in node.names if a.name[:1].isupper()} - {"Band"}
+        # Band, as the geometry of the band kernel arguments (KernelArgs.band), may be used anywhere
+        uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in imported and id(n) not in declared]
+        assert not uses, f"{path.name} uses modifier types outside its capabilities: {sorted({n.id for n in uses})}"
 
 
 # --------------------------------------------------------- a modifier type from outside the package

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tileattn.backends.native import build
+from tileattn.programs import toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +47,7 @@ def run(args, tmp_path, **env):
 @needs_cc
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_variant_without_avx512_passes_the_kernel_tests(isa, tmp_path):
-    got = build._variant(CC, isa)
+    got = toolchain.variant(CC, isa)
     if isinstance(got, str):
         pytest.skip(f"{isa} cannot be built here: {got}")
     selection = f"(test_native_kernels and ({VARIANT_TESTS})) or (test_native_serving and ({SERVING_VARIANT_TESTS}))"
@@ -213,7 +214,7 @@ def test_a_damaged_cached_library_is_rebuilt_not_loaded(how, tmp_path):
     assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-3000:]}"
     got = json.loads(res.stdout.splitlines()[-1])
     assert got == dict(available=[True, ""], ok=True, engine="native", cached=False, warnings=[]), got
-    assert build._damage(lib) is None  # rebuilt in place, with its record: the next process loads it
+    assert toolchain.damage(lib) is None  # rebuilt in place, with its record: the next process loads it
 
 
 @needs_cc
@@ -232,12 +233,12 @@ def test_a_damaged_library_that_cannot_be_rebuilt_falls_back_to_the_cpu_engine_w
 
 def test_the_library_record_catches_a_changed_size_or_content(tmp_path):
     lib = tmp_path / build.LIB_NAME
-    assert build._damage(lib) == "missing"
+    assert toolchain.damage(lib) == "missing"
     lib.write_bytes(b"\x7fELF" + bytes(1000))
-    assert "no valid size/hash record" in build._damage(lib)
-    (tmp_path / build.RECORD_NAME).write_text(json.dumps(build._fingerprint(lib)))
-    assert build._damage(lib) is None
+    assert "no valid size/hash record" in toolchain.damage(lib)
+    (tmp_path / build.RECORD_NAME).write_text(json.dumps(toolchain.fingerprint(lib)))
+    assert toolchain.damage(lib) is None
     lib.write_bytes(b"\x7fELF" + bytes(999) + b"\x01")
-    assert "its SHA-256 differs" in build._damage(lib)
+    assert "its SHA-256 differs" in toolchain.damage(lib)
     lib.write_bytes(b"\x7fELF" + bytes(500))
-    assert "504 bytes, 1004 when built" in build._damage(lib)
+    assert "504 bytes, 1004 when built" in toolchain.damage(lib)

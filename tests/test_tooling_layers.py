@@ -171,13 +171,13 @@ def test_core_modules_never_import_the_tooling():
 
 
 #: What each layer may import, besides itself and the package root's alias helper: the folders are
-#: the layers (core -> engines -> dialects -> distributed -> tools; flex is programmable attention,
-#: beside the core).
+#: the layers (programs -> core -> engines -> dialects -> distributed -> tools; programs, the user
+#: functions' compiler, is the lowest and imports nothing else of tileattn).
 ALLOWED = {
-    "tileattn.core": ("tileattn.core", "tileattn.backends", "tileattn.flex"),
-    "tileattn.backends": ("tileattn.core", "tileattn.backends"),
-    "tileattn.flex": ("tileattn.core", "tileattn.backends", "tileattn.flex"),
-    "tileattn.dialects": ("tileattn.core", "tileattn.backends", "tileattn.flex", "tileattn.dialects"),
+    "tileattn.programs": ("tileattn.programs",),
+    "tileattn.core": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
+    "tileattn.backends": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
+    "tileattn.dialects": ("tileattn.core", "tileattn.backends", "tileattn.programs", "tileattn.dialects"),
 }
 
 

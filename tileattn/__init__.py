@@ -8,7 +8,7 @@ refused a call.
 from .core.api import AttentionGradients, attention_backward, attention_partial, explain, flash_attention
 from .core.dispatch import NoBackendError, get_backend, list_backends
 from .core.merge import merge_attentions
-from .flex import flex_attention, patch_flex
+from .dialects.flex import flex_attention, patch_flex
 from .core.reference import reference
 from .core.spec import LAYOUTS
 from .dialects import npu

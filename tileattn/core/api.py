@@ -32,7 +32,7 @@ def flash_attention(
     mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
     return_lse=False, deterministic=False, backend="auto", modifiers=(), k_scale=None, k_offset=None, v_scale=None,
-    v_offset=None, q_scale=None, score_mod=None, mask_mod=None,
+    v_offset=None, q_scale=None, score_mod=None, mask_mod=None, block_mask=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -141,7 +141,7 @@ def flash_attention(
     if (mask is None and bias is None and alibi_slopes is None and sinks is None and type(dropout_p) is float
             and dropout_p == 0.0 and seed is None and generator is None and cu_seqlens_q is None
             and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
-            and type(modifiers) is tuple and not modifiers and score_mod is None and mask_mod is None
+            and type(modifiers) is tuple and not modifiers and score_mod is None and mask_mod is None and block_mask is None
             and k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None):
         lean_key, lean_plan = lean.lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap,
                                           seqused_k, block_table, deterministic, backend)
@@ -152,13 +152,6 @@ def flash_attention(
     # the arguments, which the modifier types parse (they read their own names only)
     keywords = locals()
     found = modifiers_from_keywords(keywords, modifiers)
-    routed = next((m for m in found if m.routed_to_flex), None) if backend == "auto" else None
-    if routed is not None:
-        spec = spec_of(q, k, v, found, layout=layout, num_heads=num_heads, scale=scale, align=align,
-                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
-                       deterministic=deterministic)
-        return routed.run_call(spec, return_lse)
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     try:
@@ -263,7 +256,7 @@ def _needs_grad(spec: AttentionSpec) -> bool:
         t = m.grad_tensor()
         if t is not None and t.requires_grad:
             return True
-    return False
+    return bool(ops.grad_captures(spec))
 
 
 def run(spec: AttentionSpec, backend="auto", partial: bool = False):
@@ -272,6 +265,12 @@ def run(spec: AttentionSpec, backend="auto", partial: bool = False):
 
 
 def _execute(spec: AttentionSpec, engine, partial: bool):
+    if any(m.user_function for m in spec.modifiers):
+        if not _needs_grad(spec):
+            return ops.run_forward(spec, engine, partial)
+        own = {m.grad_slot: m.grad_tensor() for m in spec.modifiers if m.grad_slot is not None}
+        return ops.UserFunctionAttention.apply(spec, engine, partial, spec.q, spec.k, spec.v, own.get("bias"),
+                                               own.get("sinks"), *ops.grad_captures(spec))
     if torch.compiler.is_compiling() or _needs_grad(spec):
         return ops.attention_forward(*ops.pack(spec, engine.name, partial))
     return ops.run_forward(spec, engine, partial)
@@ -320,7 +319,7 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **
         dout = dout.contiguous()
     need_dbias = any(m.grad_slot == "bias" and m.grad_tensor().requires_grad for m in spec.modifiers)
     with torch.no_grad():
-        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, need_dbias)
+        grads = ops.run_backward(spec, engine, dout, dlse, out, lse, need_dbias)[:5]
     return AttentionGradients(*grads)
 
 

@@ -7,7 +7,7 @@ engines on first use and chooses among the registered ones, so the registry has 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional
 
 import torch
@@ -38,6 +38,9 @@ class Capabilities:
     bias_grad: bool = True
     #: Bitwise-reproducible gradients with ``deterministic=True``.
     deterministic: bool = True
+    #: User functions (score_mod / mask_mod) run only compiled (:mod:`tileattn.programs`): one the
+    #: compiler refused is refused, with its reason.
+    compiled_functions: bool = False
 
 
 class Backend:
@@ -53,7 +56,8 @@ class Backend:
     or None, for engines that recompute a row's statistics), it writes dq, dk,
     dv into the canonical views ``grads.dq``/``dk``/``dv`` (input dtype) and, when
     ``grads.dbias`` is set, accumulates dS reduced over the bias's broadcast dims into it (fp32,
-    the bias's 4-d shape with size-1 dims). Sinks and the LSE gradient are handled by the caller.
+    the bias's 4-d shape with size-1 dims), and the gradients of a score_mod's captured tensors into
+    ``grads.captures``. Sinks and the LSE gradient are handled by the caller.
     """
 
     name: str = "?"
@@ -103,6 +107,9 @@ class Backend:
         missing = [m.kind for m in spec.modifiers if not m.applied_by_op and type(m) not in cap.modifiers]
         if missing:
             why.append("modifiers not supported: " + ", ".join(missing))
+        if cap.compiled_functions:
+            why += [f"the {m.kind} is not compiled ({m.user.how})" for m in spec.modifiers
+                    if m.user_function and m.user.bound is None]
         for flag, present, what in (
             (cap.varlen, spec.is_varlen, "varlen (layout='TND')"),
             (cap.seqused_k, spec.seqused_k is not None, "seqused_k"),
@@ -149,6 +156,9 @@ class Gradients:
     dk: torch.Tensor
     dv: torch.Tensor
     dbias: Optional[torch.Tensor] = None
+    #: one buffer (accumulation dtype, the tensor's shape) per tensor the score_mod captures that
+    #: requires grad (:attr:`tileattn.core.functions.UserFunction.grad_captures`, in order), added to
+    captures: List[torch.Tensor] = field(default_factory=list)
 
 
 _REGISTRY: Dict[str, Backend] = {}

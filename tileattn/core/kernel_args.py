@@ -21,7 +21,8 @@ from .modifiers import Band, Modifier, fail
 from .score_math import dropout_threshold
 
 #: The fields a modifier binds per call (a tensor or a per-call value), never kept by a plan.
-PER_CALL_FIELDS = ("alibi_slopes", "mask", "bias", "seed", "k_scale", "k_offset", "v_scale", "v_offset", "q_scale")
+PER_CALL_FIELDS = ("alibi_slopes", "mask", "bias", "seed", "k_scale", "k_offset", "v_scale", "v_offset", "q_scale",
+                   "score_mod", "mask_mod", "block_states")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class KernelArgs:
     ``per_call``, the per-call fields this call binds. Per call: ``alibi_slopes`` fp32 (Hq,) or
     (B, Hq); ``mask`` (bool) and ``bias`` (float), 4-d with size-1 dims where they broadcast against
     (B, Hq, Sq, Sk); the dropout ``seed``; the scales and offsets of a quantised cache and ``q_scale``
-    (:mod:`tileattn.core.kvquant`, in the shapes the caller gave).
+    (:mod:`tileattn.core.kvquant`, in the shapes the caller gave); the user's ``score_mod`` and
+    ``mask_mod`` (:class:`tileattn.core.functions.UserFunction`: compiled and bound to this call's
+    captures, or the reason not) and a block mask's ``block_states``
+    (:class:`tileattn.programs.blocks.BlockStates`).
     """
 
     scale: float
@@ -54,6 +58,9 @@ class KernelArgs:
     v_scale: Optional[torch.Tensor] = None
     v_offset: Optional[torch.Tensor] = None
     q_scale: Optional[torch.Tensor] = None
+    score_mod: Optional[object] = None
+    mask_mod: Optional[object] = None
+    block_states: Optional[object] = None
 
     @property
     def band(self) -> Optional[Band]:
@@ -68,8 +75,9 @@ class KernelArgs:
 
     @property
     def plain(self) -> bool:
-        """No score transform between the GEMM and the softmax (softcap, ALiBi, bias)."""
-        return self.softcap == 0 and "alibi_slopes" not in self.per_call and "bias" not in self.per_call
+        """No score transform between the GEMM and the softmax (softcap, ALiBi, bias, score_mod)."""
+        return (self.softcap == 0 and "alibi_slopes" not in self.per_call and "bias" not in self.per_call
+                and "score_mod" not in self.per_call)
 
     @property
     def dropout_threshold(self) -> int:

@@ -109,15 +109,16 @@ class Modifier:
     keywords: ClassVar[Mapping[str, object]] = {}
     #: The per-call fields of the kernel arguments that :meth:`bind` sets.
     binds: ClassVar[Tuple[str, ...]] = ()
-    #: The op argument holding the modifier's one tensor when it is differentiable ("bias", "sinks").
+    #: Where the gradients it owns go: the op argument of its one differentiable tensor ("bias",
+    #: "sinks"), or "captures" (a score_mod's captured tensors, :attr:`tileattn.core.engine.Gradients.captures`).
     grad_slot: ClassVar[Optional[str]] = None
     #: Applied to every engine's (out, LSE) above the engines (sinks), so no engine declares it.
     applied_by_op: ClassVar[bool] = False
     #: Inference only (a quantised cache): engines refuse a backward pass of a call that has it.
     forward_only: ClassVar[bool] = False
-    #: A user function (score_mod / mask_mod): ``backend="auto"`` runs the whole validated call by the
-    #: modifier's ``run_call(spec, return_lse)`` (:mod:`tileattn.flex.modifiers`); no engine declares it.
-    routed_to_flex: ClassVar[bool] = False
+    #: A user function (score_mod / mask_mod, :mod:`tileattn.core.functions`): its call takes the
+    #: autograd function that returns the gradients of the tensors the function captures.
+    user_function: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -15,6 +15,11 @@ passed directly; every other tensor travels in one list.
 Above the engines, here and once for all of them: the output is allocated in the user's layout
 (fp32 for partial results), sinks are merged into (out, LSE), the bias gradient is reduced to the
 bias's shape, ``delta`` is computed, and ``dsinks`` follows from it.
+
+A call with user functions (``score_mod``, ``mask_mod``, :mod:`tileattn.core.functions`) cannot
+cross a ``torch.library`` boundary (an op takes no Python function): it runs as
+:class:`UserFunctionAttention`, an autograd function whose inputs are also the tensors the functions
+capture, so their gradients (a learned bias table, per-head scales) come back like the bias's.
 """
 
 from __future__ import annotations
@@ -150,8 +155,11 @@ def _lse_to_rows(x: Tensor, spec: AttentionSpec) -> Tensor:
 
 
 def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optional[Tensor], out: Tensor,
-                 lse: Tensor, need_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(dq, dk, dv, dbias or None, dsinks or None) for the output gradient ``dout`` (and ``dlse``)."""
+                 lse: Tensor, need_dbias: bool, captures: tuple = ()
+                 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], list]:
+    """(dq, dk, dv, dbias or None, dsinks or None, [gradient of each of ``captures``]) for the output
+    gradient ``dout`` (and ``dlse``); ``captures``: the score_mod's captured tensors that need one
+    (:attr:`tileattn.core.functions.UserFunction.grad_captures`)."""
     acc = spec.acc_dtype()
     out_c = to_canonical(out, spec.layout, spec.heads_q)
     dout_c = to_canonical(dout, spec.layout, spec.heads_q)
@@ -168,9 +176,10 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     heads_kv = spec.heads_kv if spec.layout in ("BSH", "SBH") else None
     bias = next((m for m in spec.modifiers if m.grad_slot == "bias"), None)
     dbias4 = torch.zeros(bias.view4.shape, dtype=acc, device=spec.device) if need_dbias else None
+    dcaptures = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in captures]
     grads = Gradients(out=out_c, dout=dout_c, lse=lse, delta=delta, dlse=dlse,
                       dq=to_canonical(dq, spec.layout, spec.heads_q), dk=to_canonical(dk, spec.layout, heads_kv),
-                      dv=to_canonical(dv, spec.layout, heads_kv), dbias=dbias4)
+                      dv=to_canonical(dv, spec.layout, heads_kv), dbias=dbias4, captures=dcaptures)
     if dq.numel() and dk.numel():
         with _autocast_off(spec.device):
             engine.backward(spec.for_engines(), grads)
@@ -181,7 +190,37 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     for m in spec.modifiers:
         if m.applied_by_op:
             dsinks = m.result_grad(lse.to(acc), delta, _lse_heads_axis(spec))
-    return dq, dk, dv, dbias, dsinks
+    return dq, dk, dv, dbias, dsinks, [g.to(t.dtype) for g, t in zip(dcaptures, captures)]
+
+
+def grad_captures(spec: AttentionSpec) -> tuple:
+    """The tensors the call's score_mod captures that require grad (none without one)."""
+    return next((m.user.grad_captures for m in spec.modifiers if m.grad_slot == "captures"), ())
+
+
+class UserFunctionAttention(torch.autograd.Function):
+    """A call with user functions: ``(out, lse)`` of ``spec`` on ``engine``, differentiable in q, k, v,
+    the bias, the sinks and the captured tensors (the trailing inputs, :func:`grad_captures`)."""
+
+    @staticmethod
+    def forward(ctx, spec, engine, partial, q, k, v, bias, sinks, *captures):
+        out, lse = run_forward(spec, engine, partial)
+        ctx.spec, ctx.engine = spec, engine
+        ctx.save_for_backward(out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse = ctx.saved_tensors
+        spec = ctx.spec
+        need_dbias = ctx.needs_input_grad[6]
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        with torch.no_grad():
+            dq, dk, dv, dbias, dsinks, dcaptures = run_backward(spec, ctx.engine, dout, dlse, out, lse, need_dbias,
+                                                                grad_captures(spec))
+        return (None, None, None, dq, dk, dv, dbias if need_dbias else None,
+                dsinks if ctx.needs_input_grad[7] else None, *dcaptures)
 
 
 @torch.library.custom_op("tileattn::attention_forward", mutates_args=())
@@ -210,7 +249,7 @@ def attention_backward(dout: Tensor, dlse: Optional[Tensor], out: Tensor, lse: T
     spec, backend, _, traced = unpack(q, k, v, bias, sinks, extras, ints, floats, config)
     if traced:
         spec = check_sequence_values(spec)
-    dq, dk, dv, dbias, dsinks = run_backward(spec, get_backend(backend), dout, dlse, out, lse, need_dbias)
+    dq, dk, dv, dbias, dsinks, _ = run_backward(spec, get_backend(backend), dout, dlse, out, lse, need_dbias)
     # Absent gradients come back as fresh empty tensors: outputs of an op must not alias each other.
     return (dq, dk, dv, q.new_empty((0,)) if dbias is None else dbias,
             q.new_empty((0,)) if dsinks is None else dsinks)

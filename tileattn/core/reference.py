@@ -39,9 +39,13 @@ def reference(q, k, v, *, compute_dtype=None, return_lse=False, **kwargs):
     return (out, lse) if return_lse else out
 
 
-def _block(spec: AttentionSpec, seq: SequenceSlice, cdtype) -> ScoreBlock:
-    """The whole score matrix of one sequence, every query head."""
-    return ScoreBlock(seq.batch, slice(None), 0, seq.q_len, 0, seq.k_len, seq.offset, cdtype, spec.device)
+def _blocks(spec: AttentionSpec, seq: SequenceSlice, cdtype, max_elements=None):
+    """The score blocks of one sequence, every query head: its whole matrix, or blocks of rows of at
+    most ``max_elements`` scores (the ``eager`` engine's bound on memory)."""
+    step = seq.q_len if max_elements is None else max(1, max_elements // max(1, spec.heads_q * seq.k_len))
+    for i0 in range(0, max(1, seq.q_len), max(1, step)):  # a sequence without queries: one empty block
+        yield ScoreBlock(seq.batch, slice(None), i0, min(seq.q_len, i0 + step), 0, seq.k_len, seq.offset, cdtype,
+                         spec.device)
 
 
 def _scores(spec: AttentionSpec, block: ScoreBlock, q, k, cdtype):
@@ -53,7 +57,7 @@ def _scores(spec: AttentionSpec, block: ScoreBlock, q, k, cdtype):
     before = []
     for m in spec.modifiers:
         before.append(s)
-        s = m.scores(s, block)
+        s = m.scores(s, block).to(cdtype)  # a score_mod may promote (bf16 scores times a float32 table)
     keep = None
     for m in spec.modifiers:
         visible = m.visible(block)
@@ -90,28 +94,32 @@ def _probabilities(s, lse):
     return torch.exp(s - lse.masked_fill(torch.isneginf(lse), math.inf)[..., None])
 
 
-def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
+def reference_from_spec(spec: AttentionSpec, compute_dtype=None, max_elements=None):
     """(out in the user's layout, LSE) of a validated call, computed in ``compute_dtype`` (an
-    autocast region around the call does not change that: the oracle's precision is its argument)."""
+    autocast region around the call does not change that: the oracle's precision is its argument),
+    in blocks of rows of at most ``max_elements`` scores (None: each sequence's whole matrix)."""
     if spec.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(spec.device.type):
         with torch.autocast(spec.device.type, enabled=False):
-            return reference_from_spec(spec, compute_dtype)
+            return reference_from_spec(spec, compute_dtype, max_elements)
     cdtype = compute_dtype or spec.dtype
     if quant_of(spec) is not None:  # a quantised cache: dequantised, and q_scale applied, in cdtype
         spec = dequantised_spec(spec, cdtype)
     outs, lses = [], []
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
-        block = _block(spec, seq, cdtype)
-        s, _, _ = _scores(spec, block, q, k, cdtype)
-        lse = _lse(s)
-        p = _probabilities(s, lse)
-        for m in spec.modifiers:
-            p = m.weights(p, block, spec.heads_q)
         v = v.to(cdtype).repeat_interleave(spec.group_size, dim=0)
-        out, lse = _with_extra_parts(spec, torch.einsum("hij,hjd->hid", p, v), lse)
-        outs.append(out)
-        lses.append(lse)
+        seq_outs, seq_lses = [], []
+        for block in _blocks(spec, seq, cdtype, max_elements):
+            s, _, _ = _scores(spec, block, q[:, block.i0:block.i1], k, cdtype)
+            lse = _lse(s)
+            p = _probabilities(s, lse)
+            for m in spec.modifiers:
+                p = m.weights(p, block, spec.heads_q)
+            out, lse = _with_extra_parts(spec, torch.einsum("hij,hjd->hid", p, v), lse)
+            seq_outs.append(out)
+            seq_lses.append(lse)
+        outs.append(torch.cat(seq_outs, 1))
+        lses.append(torch.cat(seq_lses, 1))
     lse_dtype = torch.float64 if cdtype == torch.float64 else torch.float32
     if spec.is_varlen:
         out_c = torch.cat([o.transpose(0, 1) for o in outs], 0) if outs else \
@@ -122,6 +130,32 @@ def reference_from_spec(spec: AttentionSpec, compute_dtype=None):
                                                              dtype=cdtype)
     lse = torch.stack(lses) if lses else torch.zeros(spec.lse_shape(), dtype=lse_dtype)
     return from_canonical(out_c, spec.layout), lse.to(lse_dtype)
+
+
+#: score elements a step of :func:`row_max` materialises (bounds its memory)
+ROW_MAX_ELEMENTS = 1 << 24
+
+
+@torch.no_grad()
+def row_max(spec: AttentionSpec) -> torch.Tensor:
+    """The largest score each query row sees (after every modifier and mask), lse-shaped, in the
+    accumulation dtype; -inf for rows that see nothing. Computed in blocks of rows, never the whole
+    score matrix (FlexAttention's ``AuxRequest(max_scores=True)``)."""
+    cdtype = spec.acc_dtype()
+    out = torch.full(spec.lse_shape(), -math.inf, dtype=cdtype, device=spec.device)
+    for seq in spec.sequences:
+        q, k, _ = sequence_views(spec, seq)
+        step = max(1, ROW_MAX_ELEMENTS // max(1, spec.heads_q * seq.k_len))
+        for i0 in range(0, seq.q_len, step):
+            i1 = min(seq.q_len, i0 + step)
+            block = ScoreBlock(seq.batch, slice(None), i0, i1, 0, seq.k_len, seq.offset, cdtype, spec.device)
+            s, _, _ = _scores(spec, block, q[:, i0:i1], k, cdtype)
+            top = s.amax(-1) if seq.k_len else s.new_full(s.shape[:-1], -math.inf)
+            if spec.is_varlen:
+                out[:, seq.q_start + i0:seq.q_start + i1] = top
+            else:
+                out[seq.batch, :, i0:i1] = top
+    return out
 
 
 def from_canonical(out_c: torch.Tensor, layout: str) -> torch.Tensor:
@@ -136,7 +170,8 @@ def from_canonical(out_c: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_c, dv_c, dbias4=None):
+def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_c, dv_c, dbias4=None, captures=(),
+                       max_elements=None):
     """FlashAttention's backward, written out, in the accumulation dtype, with the *given* LSE and
     ``delta = rowsum(dO * O) - dLSE``::
 
@@ -144,49 +179,55 @@ def reference_backward(spec: AttentionSpec, out_c, dout_c, lse, delta, dq_c, dk_
         dS = P * (dP - delta)   dBias = dS               dS *= 1 - tanh^2     (softcap)
         dQ = dS K * scale       dK = dS^T Q * scale
 
-    Writes dq, dk, dv (canonical views) and accumulates into ``dbias4`` (the bias's 4-d shape).
+    Writes dq, dk, dv (canonical views) and accumulates into ``dbias4`` (the bias's 4-d shape) and
+    ``captures`` (the buffers of a score_mod's captured tensors, :class:`tileattn.core.engine.Gradients`),
+    in blocks of rows of at most ``max_elements`` scores (None: each sequence's whole matrix).
     """
     cdt = spec.acc_dtype()
     g = spec.group_size
     dk_c.zero_(), dv_c.zero_()
     for seq in spec.sequences:
         q, k, v = sequence_views(spec, seq)
-        block = _block(spec, seq, cdt)
-        s, before, keep = _scores(spec, block, q, k, cdt)
-        rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        if spec.is_varlen:
-            lse_s, delta_s = lse[:, rows].to(cdt), delta[:, rows].to(cdt)
-            do = dout_c[rows].transpose(0, 1).to(cdt)
-        else:
-            lse_s, delta_s, do = lse[seq.batch].to(cdt), delta[seq.batch].to(cdt), dout_c[seq.batch].to(cdt)
-        p = _probabilities(s, lse_s)
-        pd = p
-        for m in spec.modifiers:
-            pd = m.weights(pd, block, spec.heads_q)
         v_rep = v.to(cdt).repeat_interleave(g, dim=0)
         k_rep = k.to(cdt).repeat_interleave(g, dim=0)
-        dv_rep = torch.einsum("hij,hid->hjd", pd, do)
-        dp = torch.einsum("hid,hjd->hij", do, v_rep)
-        for m in reversed(spec.modifiers):
-            dp = m.weights_grad(dp, block, spec.heads_q)
-        ds = p * (dp - delta_s[..., None])
-        if keep is not None:
-            # Hidden pairs get no gradient, even in a row made NaN by a +inf score (as autograd
-            # through the forward's masked_fill gives).
-            ds = ds.masked_fill(~keep, 0.0)
-        for m, s_before in reversed(list(zip(spec.modifiers, before))):
-            ds = m.scores_grad(ds, s_before, block, dbias4 if m.grad_slot == "bias" else None)
-        dq = torch.einsum("hij,hjd->hid", ds, k_rep) * spec.scale
-        dk_rep = torch.einsum("hij,hid->hjd", ds, q.to(cdt)) * spec.scale
-        dk = dk_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
-        dv = dv_rep.unflatten(0, (spec.heads_kv, g)).sum(1)
+        dk = torch.zeros(spec.heads_kv, seq.k_len, spec.head_dim, dtype=cdt, device=spec.device)
+        dv = torch.zeros(spec.heads_kv, seq.k_len, spec.head_dim_v, dtype=cdt, device=spec.device)
+        for block in _blocks(spec, seq, cdt, max_elements):
+            qb = q[:, block.i0:block.i1]
+            s, before, keep = _scores(spec, block, qb, k, cdt)
+            rows = slice(seq.q_start + block.i0, seq.q_start + block.i1)
+            if spec.is_varlen:
+                lse_s, delta_s = lse[:, rows].to(cdt), delta[:, rows].to(cdt)
+                do = dout_c[rows].transpose(0, 1).to(cdt)
+            else:
+                lse_s, delta_s = lse[seq.batch, :, rows].to(cdt), delta[seq.batch, :, rows].to(cdt)
+                do = dout_c[seq.batch, :, rows].to(cdt)
+            p = _probabilities(s, lse_s)
+            pd = p
+            for m in spec.modifiers:
+                pd = m.weights(pd, block, spec.heads_q)
+            dv += torch.einsum("hij,hid->hjd", pd, do).unflatten(0, (spec.heads_kv, g)).sum(1)
+            dp = torch.einsum("hid,hjd->hij", do, v_rep)
+            for m in reversed(spec.modifiers):
+                dp = m.weights_grad(dp, block, spec.heads_q)
+            ds = p * (dp - delta_s[..., None])
+            if keep is not None:
+                # Hidden pairs get no gradient, even in a row made NaN by a +inf score (as autograd
+                # through the forward's masked_fill gives).
+                ds = ds.masked_fill(~keep, 0.0)
+            for m, s_before in reversed(list(zip(spec.modifiers, before))):
+                ds = m.scores_grad(ds, s_before, block, {"bias": dbias4, "captures": captures}.get(m.grad_slot))
+            dq = torch.einsum("hij,hjd->hid", ds, k_rep) * spec.scale
+            dk += (torch.einsum("hij,hid->hjd", ds, qb.to(cdt)) * spec.scale).unflatten(0, (spec.heads_kv, g)).sum(1)
+            if spec.is_varlen:
+                dq_c[rows] = dq.transpose(0, 1)
+            else:
+                dq_c[seq.batch, :, rows] = dq
         if spec.is_varlen:
             keys = slice(seq.k_start, seq.k_start + seq.k_len)
-            dq_c[rows] = dq.transpose(0, 1)
             dk_c[keys] = dk.transpose(0, 1)
             dv_c[keys] = dv.transpose(0, 1)
         else:
-            dq_c[seq.batch] = dq
             dk_c[seq.batch, :, : seq.k_len] = dk
             dv_c[seq.batch, :, : seq.k_len] = dv
 

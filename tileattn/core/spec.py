@@ -28,6 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from . import functions  # noqa: F401  (registers score_mod= / mask_mod= / block_mask=)
 from .kernel_args import KernelArgs, lower
 from .kvquant import QUANT_DTYPES, KVQuant, quant_of, dequantise, _has_batch_axis, _per_sequence
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords

@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from ...core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...core.functions import MaskMod, ScoreMod
 from ...core.kvquant import KVQuant, canonical_scales, quant_of
 from ...core.spec import AttentionSpec
 from ...core.tunecache import lookup
@@ -33,8 +34,9 @@ class NativeBackend(Backend):
     priority = 15
     capabilities = Capabilities(
         devices=frozenset(("cpu",)), dtypes=frozenset(kernels.CAPABILITIES["dtypes"]) & ALL_DTYPES,
-        # a quantised cache in the formats the kernels read as stored (kernels.CAPABILITIES["kv_formats"])
-        modifiers=BUILTIN_MODIFIERS | {KVQuant},
+        # a quantised cache in the formats the kernels read as stored (kernels.CAPABILITIES["kv_formats"]);
+        # user functions compiled into tile functions the kernels call (tileattn.programs)
+        modifiers=BUILTIN_MODIFIERS | {KVQuant, ScoreMod, MaskMod}, compiled_functions=True,
     )
     _warned = False
 
@@ -69,7 +71,7 @@ class NativeBackend(Backend):
         k, v = (spec.k, spec.v) if spec.is_paged else (spec.k_c, spec.v_c)
         with self._interruptible(spec) as cancel:
             kernels.forward(kernels.unit_stride(spec.q_c), kernels.unit_stride(k), kernels.unit_stride(v), out, lse,
-                            cancel=cancel, validate=False, **kwargs)
+                            cancel=cancel, validate=False, user=self._user(spec), **kwargs)
 
     def backward(self, spec: AttentionSpec, grads: Gradients):
         kwargs = self._call_arguments(spec)
@@ -79,15 +81,43 @@ class NativeBackend(Backend):
         # The kernels read delta with lse's strides, which a row slice of one head's LSE keeps from
         # the whole (contiguous() leaves the strides of size-1 dims alone).
         delta = torch.empty_like(lse).copy_(grads.delta)
+        user = self._user(spec, grads.captures)
         with self._interruptible(spec) as cancel:
             kernels.backward(kernels.unit_stride(spec.q_c), kernels.unit_stride(spec.k_c),
                              kernels.unit_stride(spec.v_c), grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
-                             grads.dv, cancel=cancel, dbias=grads.dbias, validate=False, **kwargs)
+                             grads.dv, cancel=cancel, dbias=grads.dbias, validate=False, user=user, **kwargs)
+        if user is not None and user.grads is not None:
+            # each thread added into its own copy of a captured tensor's gradient: sum them
+            wanted = {id(t): i for i, t in enumerate(user.score_mod.grad_captures)}
+            for t, buffer in zip(user.score.captures, user.grads):
+                if buffer is not None:
+                    grads.captures[wanted[id(t)]] += buffer.sum(0).to(grads.captures[wanted[id(t)]].dtype)
 
     def prepare(self, spec: AttentionSpec):
         """The struct of a short decode step packed once (:mod:`.prepared`): a lean call writes only
         its pointers, key length and K/V strides."""
         return prepared.prepare(spec, _INTERRUPTIBLE_WORK)
+
+    @staticmethod
+    def _user(spec: AttentionSpec, capture_grads=None):
+        """The user record of a call with user functions or a block map (None without): their compiled
+        tile functions bound to this call, and for a backward with ``capture_grads`` a buffer per
+        thread for each captured tensor that requires grad."""
+        a = spec.kernel_args
+        if a.score_mod is None and a.mask_mod is None and a.block_states is None:
+            return None
+        score = a.score_mod.bound if a.score_mod is not None else None
+        grads = None
+        if capture_grads and score is not None:
+            wanted = {id(t) for t in a.score_mod.grad_captures}
+            threads = torch.get_num_threads()
+            grads = [torch.zeros((threads, *t.shape), dtype=score.program.dtype) if id(t) in wanted else None
+                     for t in score.captures]
+        user = kernels.UserCall(kernels._library(), score=score,
+                                mask=a.mask_mod.bound if a.mask_mod is not None else None, states=a.block_states,
+                                grads=grads)
+        user.score_mod = a.score_mod
+        return user
 
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:

@@ -94,11 +94,10 @@ from pathlib import Path
 import torch
 
 from . import build as _build
+from . import record as _record
 
 _F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 _DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
-_ELEMENT = {"p": "Q", "i": "q", "d": "d", "i3": "3q", "i4": "4q", "i6": "6q"}
-_WIDTH = {"p": 1, "i": 1, "d": 1, "i3": 3, "i4": 4, "i6": 6}
 #: element formats of a quantised K/V cache (csrc/kv.h), besides q's own dtype
 _KV_FORMATS = {torch.int8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 #: options bit that says the "quant" section is set; only forward() sets it
@@ -121,14 +120,6 @@ CAPABILITIES = {
     #: K/V formats read natively by the forward pass (with k_scale/k_offset/v_scale/v_offset/q_scale)
     "kv_formats": frozenset(_KV_FORMATS),
 }
-
-#: The core section in C's order, packed by every call (checked against the library at load time).
-CORE = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv", "dbias", "cu_q", "cu_k", "seqused_k",
-        "block_table", "alibi", "mask", "bias", "cancel", "err", "B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv", "Tq",
-        "Tk", "q_st", "k_st", "v_st", "o_st", "lse_st", "dtype", "out_dtype", "left", "right", "bottom_right",
-        "shift", "drop_threshold", "seed", "block_m", "block_n", "num_threads", "varlen", "paged", "options",
-        "scale", "softcap", "dropout_p")
-
 
 class Unavailable(RuntimeError):
     """The native library cannot be used here (no compiler, failed build); the message says why."""
@@ -203,21 +194,15 @@ class _Library:
         self.lib = lib
         self.forward_fn, self.backward_fn = lib.ta_forward, lib.ta_backward
         self.build_info = lib.ta_build_info().decode()
-        # the argument struct: one (byte offset, struct.Struct, field names) per section
-        fmt, names, offset, self.size, self.field_offset = {}, {}, {}, 0, {}
-        for field in lib.ta_abi().decode().strip(",").split(","):
-            section, name, kind = field.split(":")
-            offset.setdefault(section, self.size)
-            self.field_offset[name] = self.size
-            fmt[section] = fmt.get(section, "<") + _ELEMENT[kind]
-            names.setdefault(section, []).append(name)
-            self.size += 8 * _WIDTH[kind]
-        if tuple(names["core"]) != CORE:
-            raise _build.BuildError("the library's argument layout does not match kernels.py")
-        self.sections = {s: (offset[s], struct.Struct(fmt[s])) for s in fmt}
-        if offset["core"] != 0:
-            raise _build.BuildError("the library's argument layout does not start with its core section")
-        self.core = self.sections["core"][1]
+        lib.ta_user_abi.restype = ctypes.c_char_p
+        #: the argument record (csrc/ta.h), filled section by section by field name (record.py)
+        self.record = _record.Record(lib.ta_abi().decode())
+        if self.record.section_offset["core"] != 0 or self.record.names("core")[:5] != ("q", "k", "v", "out", "lse"):
+            raise _build.BuildError("the library's argument record does not start with its core section (q, k, v, "
+                                    "out, lse)")
+        self.size, self.field_offset, self.fill = self.record.size, self.record.offset, self.record.fill
+        #: the user-function record (user functions and block maps), passed by pointer
+        self.UserArgs = _record.structure(lib.ta_user_abi().decode(), "UserArgs")
         self.local = threading.local()
         self.bf16dot_speedup = self._probe()
         #: vdpbf16ps tiles for bf16 where they beat fp32 tiles by a clear margin on this machine
@@ -249,11 +234,6 @@ class _Library:
             loc.args_addr = ctypes.addressof(loc.args)
             loc.err_addr = ctypes.addressof(loc.err)
         return loc
-
-    def pack(self, section, loc, *values):
-        off, packer = self.sections[section]
-        packer.pack_into(loc.args, off, *values)
-
 
 _lock = threading.Lock()
 _state = {}
@@ -538,74 +518,106 @@ def _bcast4(t, full):
     return [st[d] if n == f and f != 1 else 0 for d, (n, f) in enumerate(zip(t.shape, full))]
 
 
-def _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                 dropout_p, seed, block_m, block_n, num_threads, options):
-    """The common call (padded q/k/v, no mask, bias, ALiBi or cancel flag) packed with as few Python
-    operations as possible (a decode step is a few microseconds of C). Returns the full
-    (B, Hq, Sq, Sk) shape."""
-    qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
-    batch, hq, sq, d = q.shape
-    _, hkv, sk, _ = k.shape
-    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                       0, 0, 0, 0, 0, 0, 0, 0, 0 if seqused_k is None else seqused_k.data_ptr(), 0, 0, 0, 0, 0,
-                       loc.err_addr, batch, hq, hkv, sq, sk, d, v.shape[3], 0, 0, qst[0], qst[1], qst[2],
-                       kst[0], kst[1], kst[2], vst[0], vst[1], vst[2], ost[0], ost[1], ost[2], lst[0], lst[1], lst[2],
-                       _DTYPES[q.dtype], _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
-                       int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
-                       torch.get_num_threads() if num_threads is None else num_threads, 0, 0,
-                       options | lib.default_options, scale, softcap, dropout_p)
-    return batch, hq, sq, sk
-
-
-def _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+def _core(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
           seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
-          cancel, options):
-    """Pack every section but the backward ones. Returns the full (B, Hq, Sq, Sk) shape and whether
-    the call is varlen, for the backward wrapper."""
+          cancel, options, user, backward=None):
+    """Fill every section but the backward ones and the quantised cache's, by field name (``backward``:
+    core fields of the backward pass, which may replace any other). Returns the full (B, Hq, Sq, Sk) shape and
+    whether the call is varlen. A padded call without mask, bias or ALiBi (a decode step) fills the
+    core section alone."""
     varlen, paged = cu_seqlens_q is not None, block_table is not None
-    if not (varlen or paged or mask is not None or bias is not None or alibi_slopes is not None or
-            cancel is not None):
-        return _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                            dropout_p, seed, block_m, block_n, num_threads, options), False
-    qs, qst, ks, kst, vst, ost, lst = q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), lse.stride()
+    qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
     if varlen:
-        tq, hq, d = qs
+        tq, hq, d = q.shape
         batch, sq = cu_seqlens_q.shape[0] - 1, 0
         q_st, o_st, l_st = (0, qst[1], qst[0]), (0, ost[1], ost[0]), (0, lst[0], lst[1])
     else:
-        batch, hq, sq, d = qs
+        batch, hq, sq, d = q.shape
         tq, q_st, o_st, l_st = 0, qst[:3], ost[:3], lst
-    dv = v.shape[-1]
     if paged:
-        pages, page_size, hkv = ks[:3]
+        pages, page_size, hkv = k.shape[:3]
         sk, tk = block_table.shape[1] * page_size, 0
         k_st, v_st = (kst[0], kst[2], kst[1]), (vst[0], vst[2], vst[1])
-        lib.pack("paged", loc, pages, page_size, block_table.shape[1], *block_table.stride(), 0)
+        lib.fill["paged"](loc.args, num_pages=pages, page_size=page_size, max_pages=block_table.shape[1],
+                          bt_st=block_table.stride() + (0,))
     elif varlen:
-        tk, hkv = ks[:2]
+        tk, hkv = k.shape[:2]
         sk = 0
         k_st, v_st = (0, kst[1], kst[0]), (0, vst[1], vst[0])
     else:
-        hkv, sk = ks[1], ks[2]
+        hkv, sk = k.shape[1], k.shape[2]
         tk, k_st, v_st = 0, kst[:3], vst[:3]
     full = (batch, hq, sq, sk)
     if mask is not None:
-        lib.pack("mask", loc, *_bcast4(mask, full))
+        lib.fill["mask"](loc.args, mask_st=_bcast4(mask, full))
     if bias is not None:
-        lib.pack("bias", loc, *_bcast4(bias, full), _DTYPES[bias.dtype])
+        lib.fill["bias"](loc.args, bias_st=_bcast4(bias, full), bias_dtype=_DTYPES[bias.dtype])
     if alibi_slopes is not None:
         sl = alibi_slopes
-        lib.pack("alibi", loc, *((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()), 0)
+        lib.fill["alibi"](loc.args, alibi_st=((0, sl.stride(0)) if sl.dim() == 1 else sl.stride()) + (0,))
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    lib.core.pack_into(loc.args, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-             0, 0, 0, 0, 0, 0, ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(seqused_k), ptr(block_table),
-             ptr(alibi_slopes), ptr(mask), ptr(bias), 0 if cancel is None else cancel.address, loc.err_addr,
-             batch, hq, hkv, sq, sk, d, dv, tq, tk, *q_st, *k_st, *v_st, *o_st, *l_st,
-             _DTYPES[q.dtype], _DTYPES[out.dtype], left, right, 1 if bottom_right else 0, shift,
-             int(round(dropout_p * (1 << 24))), seed & (2**63 - 1), block_m, block_n,
-             torch.get_num_threads() if num_threads is None else num_threads,
-             1 if varlen else 0, 1 if paged else 0, options | lib.default_options, scale, softcap, dropout_p)
+    fields = dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+                     lse=lse.data_ptr(), cu_q=ptr(cu_seqlens_q), cu_k=ptr(cu_seqlens_k), seqused_k=ptr(seqused_k),
+                     block_table=ptr(block_table), alibi=ptr(alibi_slopes), mask=ptr(mask), bias=ptr(bias),
+                     cancel=0 if cancel is None else cancel.address, err=loc.err_addr,
+                     user=0 if user is None else user.address, B=batch, Hq=hq, Hkv=hkv, Sq=sq, Sk=sk, D=d,
+                     Dv=v.shape[-1], Tq=tq, Tk=tk, q_st=q_st, k_st=k_st, v_st=v_st, o_st=o_st, lse_st=l_st,
+                     dtype=_DTYPES[q.dtype], out_dtype=_DTYPES[out.dtype], left=left, right=right,
+                     bottom_right=1 if bottom_right else 0, shift=shift,
+                     drop_threshold=int(round(dropout_p * (1 << 24))), seed=seed & (2**63 - 1), block_m=block_m,
+                     block_n=block_n, num_threads=torch.get_num_threads() if num_threads is None else num_threads,
+                     varlen=1 if varlen else 0, paged=1 if paged else 0, options=options | lib.default_options,
+                     scale=scale, softcap=softcap, dropout_p=dropout_p)
+    fields.update(backward or {})
+    lib.fill["core"](loc.args, **fields)
     return full, varlen
+
+
+class UserCall:
+    """The user record of one call (csrc/ta.h's ta_user_args: user functions, a block map, the status
+    word) and everything it points at, kept alive for the call. ``score``/``mask``: bound programs
+    (:class:`tileattn.programs.compiler.Bound`); ``states``: a :class:`tileattn.programs.blocks.BlockStates`;
+    ``grads``: per capture of the score program, a buffer (threads, *shape) of its dtype or None."""
+
+    def __init__(self, lib, score=None, mask=None, states=None, grads=None):
+        self.score, self.mask, self.states, self.grads = score, mask, states, grads
+        record, keep = lib.UserArgs(), []
+        for name, bound, functions in (("score", score, ("ta_user_score", "ta_user_score_rows", "ta_user_score_bwd")),
+                                       ("mask", mask, ("ta_user_mask", "ta_user_mask_rows"))):
+            if bound is None:
+                continue
+            pointers, sizes, scalars, tensors = bound.pack()
+            keep += [pointers, sizes, scalars, tensors]
+            for field, function in zip(("_fn", "_rows_fn", "_bwd_fn"), functions):
+                setattr(record, name + field, bound.program.address(function))
+            setattr(record, name + "_cap", ctypes.addressof(pointers))
+            setattr(record, name + "_sizes", ctypes.addressof(sizes))
+            setattr(record, name + "_scalars", ctypes.addressof(scalars))
+        if grads is not None:
+            threads = max(g.shape[0] for g in grads if g is not None)
+            table = (ctypes.c_void_p * (threads * len(grads)))(*[
+                None if g is None else g[t].data_ptr() for t in range(threads) for g in grads])
+            keep.append(table)
+            record.score_grad, record.score_ncap = ctypes.addressof(table), len(grads)
+        if states is not None:
+            st = states.states
+            record.states = st.data_ptr()
+            record.states_st = tuple(st.stride(d) if st.shape[d] > 1 else 0 for d in range(4))
+            record.block_q, record.block_kv = states.block_q, states.block_kv
+            record.map_q_len, record.map_kv_len = states.q_len, states.kv_len
+        self.status = ctypes.c_int32(0)
+        record.status = ctypes.addressof(self.status)
+        self._record, self._keep = record, keep
+        self.address = ctypes.addressof(record)
+
+    def raise_failed(self):
+        """Raise the error a user function reported (an index out of range), if any."""
+        code = self.status.value
+        if code > 0:
+            self.score.program.raise_check(code, self.score.captures)
+        elif code < 0:
+            self.mask.program.raise_check(-code, self.mask.captures)
+
 
 # -------------------------------------------------------------------------------------- quantised K/V
 
@@ -655,9 +667,9 @@ def _scale_strides(name, t, k, width, batch, leading):
     _fail(name, getattr(t, "dtype", type(t).__name__), "an fp32 CPU tensor", TypeError)
 
 
-def _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale):
-    """Validate the scales of a quantised cache and pack the "quant" section (after _pack or
-    _pack_padded checked the shapes of q, k and v)."""
+def _fill_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale):
+    """Validate the scales of a quantised cache and fill the "quant" section (the caller sets the
+    options bit that says it is there)."""
     leading = "paged" if block_table is not None else "varlen" if cu_seqlens_q is not None else None
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     none = (0, 0, 0, 0, 0, 0)
@@ -674,12 +686,10 @@ def _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset,
                   f"an fp32 CPU tensor broadcastable to (batch, kv heads) = ({batch}, {hkv})", TypeError)
         q_st = tuple(q_scale.stride(d) if q_scale.shape[d] != 1 else 0 for d in range(2)) + (0,)
         q_ptr = q_scale.data_ptr()
-    lib.pack("quant", loc, _KV_FORMATS.get(k.dtype, _DTYPES[q.dtype]),
-             0 if k_scale is None else k_scale.data_ptr(), 0 if k_offset is None else k_offset.data_ptr(),
-             0 if v_scale is None else v_scale.data_ptr(), 0 if v_offset is None else v_offset.data_ptr(), q_ptr,
-             *ks, *ko, *vs, *vo, *q_st)
-    off = lib.field_offset["options"]
-    struct.pack_into("<q", loc.args, off, struct.unpack_from("<q", loc.args, off)[0] | _KV_QUANT)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    lib.fill["quant"](loc.args, kv_dtype=_KV_FORMATS.get(k.dtype, _DTYPES[q.dtype]), k_scale=ptr(k_scale),
+                      k_offset=ptr(k_offset), v_scale=ptr(v_scale), v_offset=ptr(v_offset), q_scale=q_ptr,
+                      k_scale_st=ks, k_offset_st=ko, v_scale_st=vs, v_offset_st=vo, q_scale_st=q_st)
 
 
 def _raise(loc, status):
@@ -694,11 +704,11 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
             cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
             bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
             options=0, validate=True, k_scale=None, k_offset=None, v_scale=None, v_offset=None,
-            q_scale=None) -> None:
+            q_scale=None, user=None) -> None:
     """Attention forward into ``out`` and ``lse`` (see the module docstring; a quantised cache and
-    its scales: "Quantised K/V" there). ``validate=False`` skips the argument checks: only for
-    arguments validated already (the engine's calls); the scales of a quantised cache are always
-    checked."""
+    its scales: "Quantised K/V" there; ``user``: a :class:`UserCall`). ``validate=False`` skips the
+    argument checks: only for arguments validated already (the engine's calls); the scales of a
+    quantised cache are always checked."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
     quant = k_scale is not None or k_offset is not None or v_scale is not None or v_offset is not None or \
@@ -708,26 +718,25 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
             _fail("options", options, f"flags without {_KV_QUANT} (set by the k_scale/... arguments)")
         _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes,
                   mask, bias, dropout_p, cancel, False, _kv_format(q, k) if quant else None)
-    if cu_seqlens_q is None and block_table is None and mask is None and bias is None and alibi_slopes is None \
-            and cancel is None:  # the common call (a decode step): packed with as few operations as possible
-        _pack_padded(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, seqused_k, softcap,
-                     dropout_p, seed, block_m, block_n, num_threads, options)
-    else:
-        _pack(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
-              seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n,
-              num_threads, cancel, options)
     if quant:
-        _pack_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale)
+        _fill_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset, v_scale, v_offset, q_scale)
+        options |= _KV_QUANT
+    _core(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
+          seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
+          cancel, options, user)
     status = lib.forward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)
+    if user is not None:
+        user.raise_failed()
 
 
 def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0,
              alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0,
-             num_threads=None, cancel=None, options=0, dbias=None, validate=True) -> None:
-    """Gradients into ``dq``, ``dk``, ``dv`` (overwritten) and ``dbias`` (added to)."""
+             num_threads=None, cancel=None, options=0, dbias=None, validate=True, user=None) -> None:
+    """Gradients into ``dq``, ``dk``, ``dv`` (overwritten), ``dbias`` and the user record's capture
+    gradient buffers (added to)."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
     if validate:
@@ -735,19 +744,19 @@ def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, righ
         full, varlen = _validate(q, k, v, dout, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, softcap,
                                  alibi_slopes, mask, bias, dropout_p, cancel, True)
         _validate_backward(q, k, v, dout, lse, delta, dq, dk, dv, bias, dbias, full, varlen)
-    full, varlen = _pack(lib, loc, q, k, v, dout, lse, scale, left, right, bottom_right, shift, cu_seqlens_q,
+    # out is not read: dout takes its place in the forward-shaped fields, the backward pointers follow
+    full, varlen = _core(lib, loc, q, k, v, dout, lse, scale, left, right, bottom_right, shift, cu_seqlens_q,
                          cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed,
-                         block_m, block_n, num_threads, cancel, options)
-    strides = [(0, g.stride(1), g.stride(0)) if varlen else g.stride()[:3] for g in (dout, dq, dk, dv)]
-    lib.pack("bwd", loc, *strides[0], *strides[1], *strides[2], *strides[3], _DTYPES[dout.dtype], _DTYPES[dq.dtype],
-             _DTYPES[dk.dtype])
+                         block_m, block_n, num_threads, cancel, options, user,
+                         dict(out=0, dout=dout.data_ptr(), delta=delta.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),
+                              dv=dv.data_ptr(), dbias=0 if dbias is None else dbias.data_ptr()))
+    strides = [(0, g.stride(1), g.stride(0)) if varlen else tuple(g.stride()[:3]) for g in (dout, dq, dk, dv)]
+    lib.fill["bwd"](loc.args, do_st=strides[0], dq_st=strides[1], dk_st=strides[2], dv_st=strides[3],
+                    dout_dtype=_DTYPES[dout.dtype], dq_dtype=_DTYPES[dq.dtype], dkv_dtype=_DTYPES[dk.dtype])
     if dbias is not None:
-        lib.pack("dbias", loc, *_bcast4(dbias, full))  # size-1 dims: reduced
-    off = lib.sections["core"][0]
-    # the backward's pointers in the core section: out (not read) and, after lse, dout .. dbias
-    struct.pack_into("<Q", loc.args, off + 3 * 8, 0)
-    struct.pack_into("<6Q", loc.args, off + 5 * 8, dout.data_ptr(), delta.data_ptr(), dq.data_ptr(),
-                     dk.data_ptr(), dv.data_ptr(), 0 if dbias is None else dbias.data_ptr())
+        lib.fill["dbias"](loc.args, dbias_st=_bcast4(dbias, full))  # size-1 dims: reduced
     status = lib.backward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)
+    if user is not None:
+        user.raise_failed()

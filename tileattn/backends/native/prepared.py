@@ -114,17 +114,14 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
         return None
     page_size = spec.block_size if paged else 0
     max_pages = spec.block_table.shape[1] if paged else 0
-    core = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-            spec.batch, spec.heads_q, spec.heads_kv, spec.seqlen_q, spec.seqlen_k, spec.head_dim, spec.head_dim_v,
-            0, 0, qst[0], qst[1], qst[2], 0, 0, 0, 0, 0, 0, ost[0], ost[1], ost[2], *lst,
-            kernels._DTYPES[spec.dtype], kernels._DTYPES[spec.dtype], args.left, args.right,
-            1 if args.bottom_right else 0, args.shift, 0, 0, 0, 0, 1, 0, 1 if paged else 0, lib.default_options,
-            args.scale, args.softcap, 0.0)
     template = bytearray(lib.size)
-    lib.core.pack_into(template, 0, *core)
+    lib.fill["core"](template, B=spec.batch, Hq=spec.heads_q, Hkv=spec.heads_kv, Sq=spec.seqlen_q, Sk=spec.seqlen_k,
+                     D=spec.head_dim, Dv=spec.head_dim_v, q_st=qst[:3], o_st=ost, lse_st=lst,
+                     dtype=kernels._DTYPES[spec.dtype], out_dtype=kernels._DTYPES[spec.dtype], left=args.left,
+                     right=args.right, bottom_right=1 if args.bottom_right else 0, shift=args.shift, num_threads=1,
+                     paged=1 if paged else 0, options=lib.default_options, scale=args.scale, softcap=args.softcap)
     if paged:
-        off, packer = lib.sections["paged"]
-        packer.pack_into(template, off, 0, page_size, max_pages, *spec.block_table.stride(), 0)
+        lib.fill["paged"](template, page_size=page_size, max_pages=max_pages, bt_st=spec.block_table.stride() + (0,))
     return PreparedForward(lib, bytes(template), rows * acc.itemsize, paged, (interruptible_work - 1) // rows)
 
 

@@ -27,6 +27,7 @@
 
 #define TA_DESCRIBE(section, kind, name) #section ":" #name ":" #kind ","
 const char *ta_abi(void) { return TA_FIELDS(TA_DESCRIBE); }
+const char *ta_user_abi(void) { return TA_USER_FIELDS(TA_DESCRIBE); }
 
 const char *ta_build_info(void) {
     return "isa=" TA_ISA_NAME ";amx="

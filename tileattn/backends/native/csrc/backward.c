@@ -48,6 +48,11 @@ typedef struct {
      * pairs, Z and dS as rows over lanes, dS^T as key pairs */
     uint16_t *qt2, *dot2, *qn2, *don2, *k2, *v2, *kt2, *zb, *dsb, *dsp;
     void *rows_mem;
+    /* user functions (user.h): the keys' indices and visibility of a tile, the scores the score_mod
+     * received (its derivative is taken there) */
+    int32_t *ukv;
+    uint8_t *uvis;
+    real *upre;
 } bwd_bufs;
 
 static int64_t dpanels(int64_t width) { return (width + PW - 1) / PW; }
@@ -85,6 +90,14 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
     W->kbuf = W->T + lanes * bn;
     W->vbuf = W->kbuf + bn * D;
     W->tmp = W->vbuf + bn * Dv;
+    W->ukv = NULL, W->uvis = NULL, W->upre = NULL;
+    if (a->user) {
+        char *user = (char *)ta_scratch(2, (size_t)(lanes * bn) * sizeof(real) + (size_t)(bn * 4 + bn * lanes));
+        if (!user) return TA_ENOMEM;
+        W->upre = (real *)user;
+        W->ukv = (int32_t *)(user + (size_t)(lanes * bn) * sizeof(real));
+        W->uvis = (uint8_t *)(W->ukv + bn);
+    }
     return TA_OK;
 }
 
@@ -132,7 +145,7 @@ static void bwd_dbias(const ta_args *a, const ta_seq *s, const ta_rows *R, int64
 
 /* The elementwise middle of a tile, for panel p: S (scores times sc) -> P, Z and dP -> dS. */
 static void bwd_probs(const ta_args *a, const ta_seq *s, const ta_rows *R, int64_t p, real *S, real *dP, real *Z,
-                      const real *T, int64_t n, int64_t j0, real sc, int dk_side) {
+                      const real *T, int64_t n, int64_t j0, real sc, int dk_side, const ta_user_tile *U) {
     const int drop = a->dropout_p > 0;
     const real keep_scale = (real)(1.0 / (1.0 - a->dropout_p));
     const vr scv = vset1(sc);
@@ -152,19 +165,35 @@ static void bwd_probs(const ta_args *a, const ta_seq *s, const ta_rows *R, int64
             vstore(dP + e, pr * (dp - delta));
         }
     }
+    /* through the score_mod: dS w.r.t. the scores it received (and its captures' gradients) */
+    if (ta_user_scores(a)) ta_user_score_bwd(a, R, p, U->pre, dP, n, U->kv, dk_side);
     if (a->dbias && dk_side) bwd_dbias(a, s, R, p, dP, n, j0);
     if (T)
         for (int64_t e = 0; e < n * PW; e += VW) vstore(dP + e, vload(dP + e) * vload(T + e));
 }
-/* Which parts of a tile need the score pipeline (0: plain interior), or -1 when a mask hides it all. */
-static int bwd_flags(const ta_args *a, const bwd_plan *P, const ta_rows *R, int64_t j0, int64_t j1) {
+/* Which parts of a tile need the score pipeline (0: plain interior), or -1 when a mask, the block map
+ * or the user's mask hides it all (user functions: W receives the tile's keys and visibility). */
+static int bwd_flags(const ta_args *a, const bwd_plan *P, const ta_rows *R, int64_t j0, int64_t j1, bwd_bufs *W) {
     int flags = (P->mods ? TA_TILE_MODS : 0) | (ta_tile_on_edge(R, j0, j1) ? TA_TILE_EDGE : 0);
     if (a->mask) {
         int census = ta_mask_census(a, R, j0, j1);
         if (census == 2) return -1;
         if (census == 1) flags |= TA_TILE_MASK;
     }
+    if (a->user) {
+        int user = ta_user_tile_mask(a, R, j0, j1, W->ukv, W->uvis);
+        if (user < 0) return -1;
+        if (user > 0) flags |= TA_TILE_USER;
+    }
     return flags;
+}
+
+/* The user state of panel p's keys [k0, k0 + m) of a tile starting at j0 (tp: the panel stride of
+ * the tile buffers). */
+static ta_user_tile bwd_user(const bwd_bufs *W, int64_t p, int64_t tp, int64_t j0, int64_t n, int64_t k0) {
+    ta_user_tile U = {W->ukv + (k0 - j0), W->uvis ? W->uvis + (k0 - j0) * PW : NULL, n * PW,
+                      W->upre ? W->upre + p * tp + (k0 - j0) * PW : NULL};
+    return U;
 }
 
 /* Scores through the pipeline for the panels of a non-plain tile (S already times alpha). */
@@ -172,7 +201,8 @@ static void bwd_mods(const ta_args *a, const ta_rows *R, bwd_bufs *W, int64_t tp
     for (int64_t p = 0; p < R->npan; p++) {
         real cmax[PW];
         for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
-        ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, cmax, a->softcap > 0 ? W->T + p * tp : NULL);
+        ta_user_tile U = bwd_user(W, p, tp, j0, n, j0);
+        ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, cmax, a->softcap > 0 ? W->T + p * tp : NULL, &U);
     }
 }
 
@@ -209,7 +239,7 @@ static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const
                      int64_t j0, int64_t j1, real *dK, real *dV, real *dQt, ta_pfs *pf) {
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW;
     TA_PROF_T(pt);
-    int flags = bwd_flags(a, P, R, j0, j1);
+    int flags = bwd_flags(a, P, R, j0, j1, W);
     if (flags < 0) return;
     int64_t ldk, ldv, pk0[npan], pk1[npan];
     /* the prefetches spread over every GEMM of the tile */
@@ -231,14 +261,16 @@ static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const
         TA_PROF(pt, bwd_dp);
         int pflags = (flags & ~TA_TILE_EDGE) |
                      (ta_lanes_on_edge(R, p * PW, (p + 1) * PW, pk0[p], pk1[p]) ? TA_TILE_EDGE : 0);
+        ta_user_tile U = bwd_user(W, p, tp, j0, n, pk0[p]);
         if (pflags) {
             real cmax[PW];
             for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
-            ta_score_mods(a, R, p, W->S + p * tp + o, m, pk0[p], pflags, cmax, a->softcap > 0 ? W->T + p * tp + o : NULL);
+            ta_score_mods(a, R, p, W->S + p * tp + o, m, pk0[p], pflags, cmax, a->softcap > 0 ? W->T + p * tp + o : NULL,
+                          &U);
         }
         TA_PROF(pt, bwd_mods);
         bwd_probs(a, s, R, p, W->S + p * tp + o, W->dP + p * tp + o, W->Z + p * tp + o,
-                  a->softcap > 0 ? W->T + p * tp + o : NULL, m, pk0[p], 1, dK != NULL);
+                  a->softcap > 0 ? W->T + p * tp + o : NULL, m, pk0[p], 1, dK != NULL, &U);
         TA_PROF(pt, bwd_probs);
     }
     /* now S holds P and dP holds dS, on each panel's key range */
@@ -274,7 +306,7 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
     const int64_t D = a->D, Dv = a->Dv, n = j1 - j0, npan = R->npan, tp = P->bn * PW, lanes = npan * PW;
     const int64_t np = ta_round_up(n, 32), dpad = ta_round_up(D, 32), dvpad = ta_round_up(Dv, 32);
     TA_PROF_T(pt);
-    int flags = bwd_flags(a, P, R, j0, j1);
+    int flags = bwd_flags(a, P, R, j0, j1, W);
     if (flags < 0) return;
     ta_amx_pack_rows(W->k2, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, np, dpad);
     ta_amx_pack_rows(W->v2, a, s, a->v, a->v_st, s->v0, R->hk, j0, n, Dv, np, dvpad);
@@ -291,9 +323,11 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
         sc = 1;
     }
     TA_PROF(pt, bwd_mods);
-    for (int64_t p = 0; p < npan; p++)
+    for (int64_t p = 0; p < npan; p++) {
+        ta_user_tile U = bwd_user(W, p, tp, j0, n, j0);
         bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
-                  n, j0, sc, dK != NULL);
+                  n, j0, sc, dK != NULL, &U);
+    }
     TA_PROF(pt, bwd_probs);
     if (dK) {
         ta_amx_rows_bf16(W->zb, a->dropout_p > 0 ? W->Z : W->S, tp, npan, n, np, R->M);
@@ -544,7 +578,7 @@ int FN(backward)(const ta_args *a) {
     int64_t lanes = a->block_m > 0 ? a->block_m : 128;
     P.bmq = lanes / G > 0 ? lanes / G : 1;
     P.bn = a->block_n > 0 ? a->block_n : 256;
-    P.mods = a->softcap > 0 || a->alibi || a->bias;
+    P.mods = a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a);
     P.bgroup = (a->dbias && a->dbias_st[0] == 0) ? a->B : 1;
     P.hgroup = (a->dbias && a->dbias_st[1] == 0) ? a->Hkv : 1;
     P.nkb_max = (a->Sk + P.bn - 1) / P.bn;

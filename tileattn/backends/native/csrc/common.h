@@ -193,7 +193,7 @@ TA_INLINE vu32 ta_vmix32(vu32 x) {
  * not allocate. Defined in api.c; `slot` separates buffers that must coexist. NULL when out of memory. */
 void *ta_scratch(int slot, size_t bytes);
 void ta_scratch_trim(void);
-#define TA_SCRATCH_SLOTS 2
+#define TA_SCRATCH_SLOTS 3
 
 static inline int ta_cancelled(const ta_args *a) {
     return a->cancel && __atomic_load_n((const int32_t *)a->cancel, __ATOMIC_RELAXED) != 0;

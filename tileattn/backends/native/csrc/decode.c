@@ -208,10 +208,16 @@ static void dec_pv_rows(int64_t kd, real *acc, int64_t Dvp, const real *P, int64
     dec_pv_kd(DEC_NATIVE, acc, Dvp, P, np, vrows, M, n);
 }
 
+/* Whether a row's scores go through the pipeline (raw scores in, base-2 logits out) rather than
+ * arriving as base-2 logits from the dot products. */
+static int dec_plain(const ta_args *a) { return !(a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a)); }
+
 /* Step 2 for one row: raw scores in srow to base-2 logits through the score pipeline; -inf for
- * hidden keys and for the padding up to a multiple of VW. */
-static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0, int64_t h, int64_t i, real *srow) {
-    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
+ * hidden keys and for the padding up to a multiple of VW. User functions (user.h) read the keys'
+ * indices `kv` and n bytes of scratch `vis`. */
+static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0, int64_t h, int64_t i, real *srow,
+                       const int32_t *kv, uint8_t *vis) {
+    const int plain = dec_plain(a);
     if (!plain) {
         const real cap = (real)a->softcap;
         real slope = a->alibi ? ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]] : 0;
@@ -223,8 +229,13 @@ static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0,
                 x += (real)ta_load1(ta_at(a->bias, s->b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2] +
                                                        (j0 + j) * a->bias_st[3], a->bias_dtype),
                                     a->bias_dtype);
-            srow[j] = x * (real)TA_LOG2E;
+            srow[j] = ta_user_scores(a) ? x : x * (real)TA_LOG2E;
         }
+    }
+    if (a->user) {
+        ta_user_decode_row(a, s, h, i, srow, n, j0, kv, vis);
+        if (!plain && ta_user_scores(a))
+            for (int64_t j = 0; j < n; j++) srow[j] *= (real)TA_LOG2E;
     }
     /* the band hides keys before lo and after hi; the padding past n is hidden too */
     int64_t lo = ta_band_lo(a, s, i) - j0, hi = ta_band_hi(a, s, i) - j0 + 1, np = ta_round_up(n, VW);
@@ -336,6 +347,24 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     memset(zero, 0, (size_t)(2 * W + VW) * sizeof(real)); /* a zero row of any format */
     memset(acc, 0, (size_t)(M * Dvp) * sizeof(real));
     real *part = P->part + t->slot;
+    int32_t *ukv = NULL;
+    uint8_t *uvis = NULL;
+    if (a->user) {
+        if (ta_user_chunk_hidden(a, &s, hk, t->i0, t->nq, j0, j1)) { /* the block map hides the chunk */
+            for (int64_t r = 0; r < M; r++) {
+                real *pr = part + r * (Dv + 2);
+                memset(pr, 0, (size_t)Dv * sizeof(real));
+                pr[Dv] = -INFINITY;
+                pr[Dv + 1] = 0;
+            }
+            return TA_OK;
+        }
+        char *user = (char *)ta_scratch(2, (size_t)(np * 5 + 64));
+        if (!user) return TA_ENOMEM;
+        ukv = (int32_t *)user;
+        uvis = (uint8_t *)(ukv + np);
+        ta_user_keys(ukv, j0, n);
+    }
 
     dec_factor ks = {TA_QS_NONE, 1, NULL}, ko = {TA_QS_NONE, 0, NULL}, vs = ks, vo = ko;
     int64_t kd = P->kd;
@@ -384,7 +413,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     }
 
     /* scale * q_descale * a per-tensor/head K scale * log2(e) when no modifier needs raw scores */
-    const int plain = !(a->softcap > 0 || a->alibi || a->bias);
+    const int plain = dec_plain(a);
     double alpha = plain ? a->scale * TA_LOG2E : a->scale;
     if ((a->options & TA_OPT_KV_QUANT) && a->q_scale)
         alpha *= ((const float *)a->q_scale)[s.b * a->q_scale_st[0] + hk * a->q_scale_st[1]];
@@ -403,7 +432,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     for (int64_t r = 0; r < M; r++) {
         int64_t i = t->i0 + r / G, h = hk * G + r % G;
         real *srow = S + r * np;
-        dec_logits(a, &s, n, j0, h, i, srow);
+        dec_logits(a, &s, n, j0, h, i, srow, ukv, uvis);
 
         vr mv = vset1(-INFINITY);
         for (int64_t j = 0; j < np; j += VW) mv = vmax_(mv, vload(srow + j));

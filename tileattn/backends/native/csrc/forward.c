@@ -179,6 +179,8 @@ typedef struct {
     uint16_t *qt2, *k2, *p2, *v2;
     int64_t kbase, kld; /* AMX: k2 and v2 hold the task's keys from kbase on, v2 rows kld keys long */
     real *kconv, *vconv; /* fp32 tiles of fp16/bf16 inputs: the task's K and V rows from kbase on, in fp32 */
+    int32_t *ukv;        /* user functions: the keys' indices of a tile and its visibility (user.h) */
+    uint8_t *uvis;
     int64_t sp;   /* rows of an S panel: keys per tile rounded up to 32 */
     int64_t accr; /* rows of an accumulator panel: Dv (rounded up to 32 for AMX) */
     int64_t q2;   /* pair rows of a Q^T panel */
@@ -211,6 +213,13 @@ static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void 
     W->k2 = W->qt2 + lanes * W->q2 * 2;
     W->p2 = W->k2 + sp * W->q2 * 2;
     W->v2 = W->p2 + lanes * sp;
+    W->ukv = NULL, W->uvis = NULL;
+    if (a->user) {
+        char *user = (char *)ta_scratch(2, (size_t)(sp * 4 + sp * lanes));
+        if (!user) return TA_ENOMEM;
+        W->ukv = (int32_t *)user;
+        W->uvis = (uint8_t *)(user + sp * 4);
+    }
     return TA_OK;
 }
 
@@ -281,7 +290,8 @@ static void fwd_accumulate_bf16(const ta_args *a, const fwd_plan *P, const ta_se
  * panel visits only the keys of the tile its lanes can see (on the causal diagonal about half). The
  * GEMMs pull the next tile's K (score GEMMs) and V (P.V GEMMs) rows into L2, a share per panel. */
 static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, const ta_rows *R, const fwd_bufs *W,
-                         int64_t hk, int64_t j0, int64_t j1, int64_t next_n, int flags, real alpha) {
+                         int64_t hk, int64_t j0, int64_t j1, int64_t next_n, int flags, real alpha,
+                         const ta_user_tile *U) {
     const int64_t D = a->D, Dv = a->Dv, npan = R->npan, tp = W->sp * PW, n = j1 - j0;
     int64_t kld, vld, nkld = 0, nvld = 0;
     const real *K = fwd_kv_direct(a, s, W, 0, hk, j0, &kld), *V = fwd_kv_direct(a, s, W, 1, hk, j0, &vld);
@@ -306,7 +316,10 @@ static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, c
         ta_gemm(k1 - k0, 1, D, ta_opa_rows(K + (k0 - j0) * kld, kld), W->Qt + p * D * PW, 0, Sp, 0, 0, alpha,
                 pflags ? NULL : cmax, &pf, budget);
         TA_PROF(pt, fwd_scores);
-        if (pflags) ta_score_mods(a, R, p, Sp, k1 - k0, k0, pflags, cmax, NULL);
+        if (pflags) {
+            ta_user_tile Up = {U->kv + (k0 - j0), U->vis ? U->vis + (k0 - j0) * PW : NULL, U->vis_panel, NULL};
+            ta_score_mods(a, R, p, Sp, k1 - k0, k0, pflags, cmax, NULL, &Up);
+        }
         TA_PROF(pt, fwd_mods);
         fwd_softmax(a, R, p, Sp, k1 - k0, k0, W->m, W->l, W->cmax, acc, Dv);
         TA_PROF(pt, fwd_softmax);
@@ -334,10 +347,16 @@ static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, con
             if (census == 2) continue; /* every score hidden: the tile changes nothing */
             if (census == 1) flags |= TA_TILE_MASK;
         }
+        ta_user_tile U = {W->ukv, NULL, n * PW, NULL};
+        if (a->user) {
+            int user = ta_user_tile_mask(a, R, j0, j1, W->ukv, W->uvis);
+            if (user < 0) continue; /* the block map or the mask_mod hides the whole tile */
+            if (user > 0) flags |= TA_TILE_USER, U.vis = W->uvis;
+        }
         real alpha = (real)(P->mods ? a->scale : a->scale * TA_LOG2E);
         TA_PROF(pt, fwd_mods);
         if (P->engine == FWD_F32) {
-            fwd_tile_f32(a, P, s, R, W, t->hk, j0, j1, j1 + P->bn < jhi ? P->bn : jhi - j1, flags, alpha);
+            fwd_tile_f32(a, P, s, R, W, t->hk, j0, j1, j1 + P->bn < jhi ? P->bn : jhi - j1, flags, alpha, &U);
             continue;
         }
 #if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
@@ -345,7 +364,8 @@ static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, con
         fwd_scores_bf16(a, P, s, t->hk, j0, n, npan, W, alpha, flags ? NULL : W->cmax);
         TA_PROF(pt, fwd_scores);
         if (flags)
-            for (int64_t p = 0; p < npan; p++) ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, W->cmax + p * PW, NULL);
+            for (int64_t p = 0; p < npan; p++)
+                ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, W->cmax + p * PW, NULL, &U);
         TA_PROF(pt, fwd_mods);
         int speculate = P->engine == FWD_AMX && !flags;
         for (int64_t p = 0; p < npan; p++)
@@ -488,7 +508,7 @@ static void fwd_tiling(const ta_args *a, int64_t G, int64_t nthreads, fwd_plan *
 static int prefill(const ta_args *a) {
     int64_t G = a->Hq / a->Hkv;
     fwd_plan P;
-    P.mods = a->softcap > 0 || a->alibi || a->bias;
+    P.mods = a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a);
     P.engine = FWD_F32;
 #ifdef TA_HAVE_BF16DOT
     if (a->dtype == TA_BF16 && (a->options & TA_OPT_BF16DOT) && !(a->options & TA_OPT_NO_BF16DOT))

@@ -12,6 +12,7 @@
  *  - lse/delta: (B, Hq, Sq) with st = (batch, head, seq); varlen (Hq, Tq) with st = (0, head, token).
  *  - mask/bias/dbias: 4-d broadcast views (B, Hq, Sq, Sk), strides may be 0.
  *  - quantised K/V (options & TA_OPT_KV_QUANT): kv_dtype and the scale descriptor of kv.h.
+ *  - user functions and block maps: `user` points at a ta_user_args (below), NULL without them.
  */
 #ifndef TA_H
 #define TA_H
@@ -40,13 +41,13 @@ enum ta_option {
 /* X(section, kind, name); kind: p = pointer, i = int64, d = double, i3/i4/i6 = int64 arrays.
  * Sections are contiguous and written by Python as units: "core" on every call, the others only
  * when the call uses them (the kernels read a section only when its pointer is set: block_table,
- * mask, bias, alibi, dout, dbias), so a decode step packs 61 values, not all of them. */
+ * mask, bias, alibi, dout, dbias), so a decode step packs 62 values, not all of them. */
 #define TA_FIELDS(X)                                                                                \
     X(core, p, q) X(core, p, k) X(core, p, v) X(core, p, out) X(core, p, lse)                       \
     X(core, p, dout) X(core, p, delta) X(core, p, dq) X(core, p, dk) X(core, p, dv)                 \
     X(core, p, dbias) X(core, p, cu_q) X(core, p, cu_k) X(core, p, seqused_k)                       \
     X(core, p, block_table) X(core, p, alibi) X(core, p, mask) X(core, p, bias)                     \
-    X(core, p, cancel) X(core, p, err)                                                              \
+    X(core, p, cancel) X(core, p, err) X(core, p, user)                                             \
     X(core, i, B) X(core, i, Hq) X(core, i, Hkv) X(core, i, Sq) X(core, i, Sk) X(core, i, D)        \
     X(core, i, Dv) X(core, i, Tq) X(core, i, Tk)                                                    \
     X(core, i3, q_st) X(core, i3, k_st) X(core, i3, v_st) X(core, i3, o_st) X(core, i3, lse_st)     \
@@ -77,5 +78,30 @@ enum ta_option {
 typedef struct ta_args {
     TA_FIELDS(TA_FIELD_DECL)
 } ta_args;
+
+/* User functions (score_mod / mask_mod compiled by tileattn.programs, see programs/codegen.py for
+ * their signatures) and a block map, read through ta_args.user. Score functions work on the
+ * kernels' `real` (the program was compiled for the call's working precision). Indices passed to
+ * them: b = sequence, h = query head, q_idx = i + off (the row's position aligned with the keys, as
+ * the band counts it), kv_idx = key j of the sequence.
+ *  - score_*: the score_mod (forward key-major, forward row-major, backward), its captures (pointer
+ *    array, their sizes), run-time scalars, and for the backward score_grad[t * score_ncap + c], the
+ *    buffer of thread t for capture c (NULL: no gradient), each `real` and shaped like the capture.
+ *  - mask_*: the mask_mod likewise (forward only: a mask has no gradient).
+ *  - states: uint8 block map (B|1, Hq|1, rows, cols) of block_q x block_kv blocks, 0 = hidden,
+ *    1 = mask_fn decides, 2 = visible; states_st its strides (0 where broadcast). Positions outside
+ *    map_q_len x map_kv_len are hidden. NULL: every block is 1 (mask_fn) or 2 (no mask_fn).
+ *  - status: an int32 that receives the first nonzero return of a user function (a failed index
+ *    check; the mask_mod's negated), for Python to raise. */
+#define TA_USER_FIELDS(X)                                                                           \
+    X(user, p, score_fn) X(user, p, score_rows_fn) X(user, p, score_bwd_fn) X(user, p, score_cap)   \
+    X(user, p, score_sizes) X(user, p, score_scalars) X(user, p, score_grad) X(user, i, score_ncap)  \
+    X(user, p, mask_fn) X(user, p, mask_rows_fn) X(user, p, mask_cap) X(user, p, mask_sizes)        \
+    X(user, p, mask_scalars) X(user, p, states) X(user, i4, states_st) X(user, i, block_q)           \
+    X(user, i, block_kv) X(user, i, map_q_len) X(user, i, map_kv_len) X(user, p, status)
+
+typedef struct ta_user_args {
+    TA_USER_FIELDS(TA_FIELD_DECL)
+} ta_user_args;
 
 #endif

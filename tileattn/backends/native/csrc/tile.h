@@ -9,7 +9,8 @@
  * This file holds the per-lane row descriptions, the packing of the query side (q, dout) into
  * panels, the K/V tile access and the score pipeline for tiles that need more than a scale:
  *
- *     s = scale * q.k  ->  softcap  ->  + ALiBi + bias  ->  band and bool mask  ->  * log2(e)
+ *     s = scale * q.k  ->  softcap  ->  + ALiBi + bias  ->  score_mod  ->  band, bool mask, the
+ *         user's mask and block map  ->  * log2(e)
  */
 #ifndef TA_TILE_H
 #define TA_TILE_H
@@ -28,13 +29,18 @@ typedef struct {
     int64_t *bias_row, *mask_row; /* offset of (b, h, i, 0) in the bias / mask */
     real *lse2, *delta;         /* backward: LSE in log2 units and Delta per lane */
     int64_t *plo, *phi;         /* per panel: the lowest lo and the highest hi of its lanes */
+    int32_t *ub, *uh, *uq;      /* user functions (user.h): b, h and q_idx of each lane */
+    int32_t *upair;             /* the lane's entry in pair_off */
+    int64_t *pair_off, npairs;  /* the distinct block-map rows of the lanes (-1: outside the map) */
 } ta_rows;
 
 static size_t ta_rows_bytes(int64_t npan) {
     int64_t n = npan * PW;
-    return (size_t)n * (4 * sizeof(int64_t) + 2 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) +
+    return (size_t)n * (5 * sizeof(int64_t) + 6 * sizeof(int32_t) + 4 * sizeof(real) + sizeof(uint32_t)) +
            (size_t)npan * 2 * sizeof(int64_t) + 64;
 }
+
+#include "user.h"
 
 /* Carve the arrays out of `mem` (ta_rows_bytes(npan) bytes) and describe rows [i0, i0 + nq) of the
  * query heads of kv head hk of sequence s. */
@@ -60,6 +66,11 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
     R->lo = (int32_t *)m, m += n * sizeof(int32_t);
     R->hi = (int32_t *)m, m += n * sizeof(int32_t);
     R->rkey = (uint32_t *)m, m += n * sizeof(uint32_t);
+    R->pair_off = (int64_t *)m, m += n * sizeof(int64_t);
+    R->ub = (int32_t *)m, m += n * sizeof(int32_t);
+    R->uh = (int32_t *)m, m += n * sizeof(int32_t);
+    R->uq = (int32_t *)m, m += n * sizeof(int32_t);
+    R->upair = (int32_t *)m, m += n * sizeof(int32_t);
     R->plo = (int64_t *)m, m += R->npan * sizeof(int64_t);
     R->phi = (int64_t *)m;
     for (int64_t r = 0; r < n; r++) {
@@ -84,6 +95,7 @@ static void ta_rows_init(ta_rows *R, void *mem, const ta_args *a, const ta_seq *
             R->phi[p] = R->hi[r] > R->phi[p] ? R->hi[r] : R->phi[p];
         }
     }
+    if (a->user) ta_user_rows(a, s, R);
 }
 
 /* The keys of [j0, j1) that some lane of panel p sees (by the band), as [*k0, *k1) (empty: k0 == k1).
@@ -231,8 +243,9 @@ static const real *ta_kv_rows(const ta_args *a, const ta_seq *s, const void *bas
 
 /* ---------------------------------------------------------------------------- the score pipeline */
 
-/* What a tile needs beyond scale * q.k. */
-enum { TA_TILE_EDGE = 1, TA_TILE_MASK = 2, TA_TILE_MODS = 4 };
+/* What a tile needs beyond scale * q.k (TA_TILE_MODS: a score transform, the user's score_mod
+ * included; TA_TILE_USER: the user's mask or block map hides part of it). */
+enum { TA_TILE_EDGE = 1, TA_TILE_MASK = 2, TA_TILE_MODS = 4, TA_TILE_USER = 8 };
 
 /* Whether the band hides part of keys [j0, j1) from some lane of lanes [r0, r1) (padding lanes
  * never matter). */
@@ -260,55 +273,79 @@ static int ta_mask_census(const ta_args *a, const ta_rows *R, int64_t j0, int64_
     return any_hidden ? (any_visible ? 1 : 2) : 0;
 }
 
-/* Finish the scores of panel p in S: -inf where the band edge or the mask hides them, and with
- * TA_TILE_MODS (softcap, ALiBi or bias present) the whole pipeline from the raw scale * q.k to
- * base-2 logits. Without modifiers S already holds base-2 logits: every tile of a problem computes
- * its logits with the same arithmetic, so the backward pass reproduces the forward's bits whatever
- * the tiling. Folds the column max into cmax (PW values); tanh_out (backward with softcap), when
- * not NULL, receives 1 - tanh^2 of each score. */
-static void ta_score_mods(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, int64_t j0,
-                          int flags, real *cmax, real *tanh_out) {
+/* The score transforms of key j0 + j (column j of panel p): softcap, ALiBi and bias on raw scores. */
+TA_INLINE void ta_score_transform(const ta_args *a, const ta_rows *R, int64_t p, real *srow, int64_t jj,
+                                  real *tanh_row) {
     const real cap = (real)a->softcap, inv_cap = cap > 0 ? (real)(1.0 / a->softcap) : 0;
+    const int64_t base = p * PW;
+    for (int v = 0; v < TA_NV; v++) {
+        vr x = vload(srow + v * VW);
+        if (cap > 0) {
+            vr t = vtanh(x * inv_cap);
+            x = t * cap;
+            if (tanh_row) vstore(tanh_row + v * VW, vset1(1) - t * t);
+        }
+        if (a->alibi) {
+            vr dist = vabs(vload(R->dist0 + base + v * VW) - (real)jj);
+            x = x - vload(R->slope + base + v * VW) * dist;
+        }
+        vstore(srow + v * VW, x);
+    }
+    if (a->bias) {
+        const int64_t bs = a->bias_st[3];
+        for (int64_t l = 0; l < PW && base + l < R->M; l++)
+            srow[l] += (real)ta_load1(ta_at(a->bias, R->bias_row[base + l] + jj * bs, a->bias_dtype), a->bias_dtype);
+    }
+}
+
+/* The masks of key j0 + j and the step to base-2 logits (with TA_TILE_MODS; without, the GEMM's
+ * epilogue scaled already), folding the column max into cmax. `vis`: the user's visibility of the
+ * column (PW lanes), or NULL. */
+TA_INLINE void ta_score_finish(const ta_args *a, const ta_rows *R, int64_t p, real *srow, int64_t jj, int flags,
+                               real *cmax, const uint8_t *vis) {
     const vr log2e = vset1((real)TA_LOG2E), ninf = vset1(-INFINITY);
     const int64_t base = p * PW;
+    if (flags & TA_TILE_MASK) {
+        const uint8_t *mask = (const uint8_t *)a->mask;
+        for (int64_t l = 0; l < PW && base + l < R->M; l++)
+            if (!mask[R->mask_row[base + l] + jj * a->mask_st[3]]) srow[l] = -INFINITY;
+    }
+    if (vis)
+        for (int64_t l = 0; l < PW; l++)
+            if (!vis[l]) srow[l] = -INFINITY;
+    for (int v = 0; v < TA_NV; v++) {
+        vr x = vload(srow + v * VW);
+        if (flags & TA_TILE_MODS) x *= log2e;
+        if (flags & TA_TILE_EDGE) {
+            vs32 jv = (vs32){0} + (int32_t)jj;
+            vs32 lo = *(const vs32_mem *)(R->lo + base + v * VW), hi = *(const vs32_mem *)(R->hi + base + v * VW);
+            x = vselect(vmask32((jv < lo) | (jv > hi)), ninf, x);
+        }
+        vstore(srow + v * VW, x);
+        vstore(cmax + v * VW, vmax_(vload(cmax + v * VW), x));
+    }
+}
+
+/* Finish the scores of panel p in S (keys j0 .. j0 + n - 1): -inf where the band edge, the mask or
+ * the user's mask hides them, and with TA_TILE_MODS (softcap, ALiBi, bias or a score_mod present)
+ * the whole pipeline from the raw scale * q.k to base-2 logits. Without modifiers S already holds
+ * base-2 logits: every tile of a problem computes its logits with the same arithmetic, so the
+ * backward pass reproduces the forward's bits whatever the tiling. Folds the column max into cmax
+ * (PW values); tanh_out (backward with softcap), when not NULL, receives 1 - tanh^2 of each score.
+ * U: the tile's user state (user.h), NULL without user functions; its visibility applies with
+ * TA_TILE_USER, its score_mod with TA_TILE_MODS. */
+static void ta_score_mods(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, int64_t j0, int flags,
+                          real *cmax, real *tanh_out, const ta_user_tile *U) {
+    const uint8_t *vis = U && (flags & TA_TILE_USER) ? U->vis + p * U->vis_panel : NULL;
+    if (U && ta_user_scores(a) && (flags & TA_TILE_MODS)) {
+        for (int64_t j = 0; j < n; j++) ta_score_transform(a, R, p, S + j * PW, j0 + j, tanh_out ? tanh_out + j * PW : NULL);
+        ta_user_score(a, R, p, S, n, U->kv, U->pre);
+        for (int64_t j = 0; j < n; j++) ta_score_finish(a, R, p, S + j * PW, j0 + j, flags, cmax, vis ? vis + j * PW : NULL);
+        return;
+    }
     for (int64_t j = 0; j < n; j++) {
-        real *srow = S + j * PW;
-        int64_t jj = j0 + j;
-        for (int v = 0; v < TA_NV && (flags & TA_TILE_MODS); v++) {
-            vr x = vload(srow + v * VW);
-            if (cap > 0) {
-                vr t = vtanh(x * inv_cap);
-                x = t * cap;
-                if (tanh_out) vstore(tanh_out + j * PW + v * VW, vset1(1) - t * t);
-            }
-            if (a->alibi) {
-                vr dist = vabs(vload(R->dist0 + base + v * VW) - (real)jj);
-                x = x - vload(R->slope + base + v * VW) * dist;
-            }
-            vstore(srow + v * VW, x);
-        }
-        if (a->bias && (flags & TA_TILE_MODS)) {
-            const int64_t bs = a->bias_st[3];
-            for (int64_t l = 0; l < PW && base + l < R->M; l++)
-                srow[l] += (real)ta_load1(ta_at(a->bias, R->bias_row[base + l] + jj * bs, a->bias_dtype),
-                                          a->bias_dtype);
-        }
-        if (flags & TA_TILE_MASK) {
-            const uint8_t *mask = (const uint8_t *)a->mask;
-            for (int64_t l = 0; l < PW && base + l < R->M; l++)
-                if (!mask[R->mask_row[base + l] + jj * a->mask_st[3]]) srow[l] = -INFINITY;
-        }
-        for (int v = 0; v < TA_NV; v++) {
-            vr x = vload(srow + v * VW);
-            if (flags & TA_TILE_MODS) x *= log2e;
-            if (flags & TA_TILE_EDGE) {
-                vs32 jv = (vs32){0} + (int32_t)jj;
-                vs32 lo = *(const vs32_mem *)(R->lo + base + v * VW), hi = *(const vs32_mem *)(R->hi + base + v * VW);
-                x = vselect(vmask32((jv < lo) | (jv > hi)), ninf, x);
-            }
-            vstore(srow + v * VW, x);
-            vstore(cmax + v * VW, vmax_(vload(cmax + v * VW), x));
-        }
+        if (flags & TA_TILE_MODS) ta_score_transform(a, R, p, S + j * PW, j0 + j, tanh_out ? tanh_out + j * PW : NULL);
+        ta_score_finish(a, R, p, S + j * PW, j0 + j, flags, cmax, vis ? vis + j * PW : NULL);
     }
 }
 

@@ -23,8 +23,7 @@ import sys
 
 import torch.nn.attention.flex_attention as torch_flex
 
-from .attention import flex_attention
-from .blocks import create_block_mask
+from .attention import create_block_mask, flex_attention
 
 _HF_MODULE = "transformers.integrations.flex_attention"
 _HF_NAME = "compile_friendly_flex_attention"

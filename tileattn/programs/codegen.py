@@ -1,34 +1,40 @@
-"""Translate a traced score_mod / mask_mod (:mod:`tileattn.flex.trace`) into C tile functions.
+"""Translate a traced score_mod / mask_mod (:mod:`tileattn.programs.trace`) into C tile functions.
 
-The generated functions work on a tile of scores stored key-major, as the native kernels keep them:
-``s[j * ld + r]`` is the score of key column ``j`` for tile row ``r``; row ``r`` has its own batch,
-query head and query index (``b[r]``, ``h[r]``, ``q[r]``), column ``j`` its key index ``kv[j]``. The
-loops run over columns outside and rows inside, so the inner loop is the contiguous one.
+The generated functions work on a tile of scores. Key-major, as the native kernels' transposed tiles
+keep them: ``s[j * ld + r]`` is the score of key column ``j`` for tile row ``r``; row ``r`` has its own
+batch, query head and query index (``b[r]``, ``h[r]``, ``q[r]``), column ``j`` its key index
+``kv[j]``. The loops run over columns outside and rows inside, so the inner loop is the contiguous
+one and vectorises. The ``_rows`` variants take row-major tiles (``s[r * ld + j]``, a decode step's
+few rows against many keys): rows outside, columns inside.
 
 ABI (``real`` is ``float`` for an fp32 working precision, ``double`` for fp64)::
 
-    int ta_flex_score_fwd(int64_t rows, int64_t cols, int64_t ld, real *s,
-                          const int32_t *b, const int32_t *h, const int32_t *q, const int32_t *kv,
-                          const void *const *cap, const int64_t *cap_sizes);
-    int ta_flex_score_bwd(int64_t rows, int64_t cols, int64_t ld, const real *s, real *ds,
-                          const int32_t *b, const int32_t *h, const int32_t *q, const int32_t *kv,
-                          const void *const *cap, const int64_t *cap_sizes, double *const *cap_grad);
-    int ta_flex_mask(int64_t rows, int64_t cols, int64_t ld, uint8_t *out,
-                     const int32_t *b, const int32_t *h, const int32_t *q, const int32_t *kv,
-                     const void *const *cap, const int64_t *cap_sizes);
+    int ta_user_score(int64_t rows, int64_t cols, int64_t ld, real *s, IDX, const double *scalars);
+    int ta_user_score_rows(<the same>);
+    int ta_user_score_bwd(int64_t rows, int64_t cols, int64_t ld, const real *s, real *ds, IDX,
+                          const double *scalars, real *const *cap_grad);
+    int ta_user_mask(int64_t rows, int64_t cols, int64_t ld, uint8_t *out, IDX, const double *scalars);
+    int ta_user_mask_rows(<the same>);
 
-* ``score_fwd`` overwrites each score with ``score_mod(score, b, h, q_idx, kv_idx)``; ``score_bwd``
+    IDX = const int32_t *b, const int32_t *h, const int32_t *q, const int32_t *kv,
+          const void *const *cap, const int64_t *cap_sizes
+
+* ``score`` overwrites each score with ``score_mod(score, b, h, q_idx, kv_idx)``; ``score_bwd``
   takes the raw scores ``s`` and ``ds`` = dL/d(modified score) and overwrites ``ds`` with
-  dL/d(raw score), and adds dL/d(capture) into ``cap_grad[i]`` (a contiguous float64 buffer shaped like
-  capture ``i``, or NULL to skip it; each thread passes its own buffers and the caller sums them);
-  ``mask`` writes ``out[j * ld + r] = mask_mod(...)`` as 0/1.
+  dL/d(raw score), and adds dL/d(capture) into ``cap_grad[i]`` (a contiguous ``real`` buffer shaped
+  like capture ``i``, or NULL to skip it; each thread passes its own buffers and the caller sums
+  them); ``mask`` writes ``mask_mod(...)`` as 0/1.
 * ``cap[i]`` points at capture ``i``'s first element; captures are contiguous, in the order of
   :attr:`Generated.captures`; ``cap_sizes`` holds the sizes of every capture, one after the other.
+* ``scalars[i]`` is run-time scalar ``i`` (:attr:`tileattn.programs.trace.Structure.scalars`), a
+  Python float used as PyTorch uses one: converted to the dtype of each operation it enters.
 * The return value is 0, or ``k + 1`` for the first failed check ``k`` of :attr:`Generated.checks`
   (an index out of range, an integer division by zero); the whole tile is computed either way, with
   out-of-range reads redirected to element 0.
 
-Unsupported graphs raise :class:`~tileattn.flex.trace.Unsupported` naming the op.
+fp32 exp, exp2, log, log2, tanh and sigmoid are the prelude's inline functions (``prelude.h``), so
+the tile loops vectorise; the library is compiled with the native engine's instruction set.
+Unsupported graphs raise :class:`~tileattn.programs.trace.Unsupported` naming the op.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch
 
 from .trace import INDEX_NAMES, Traced, Unsupported
 
-PRELUDE = (Path(__file__).resolve().parent / "cprelude.h").read_text()
+PRELUDE = (Path(__file__).resolve().parent / "prelude.h").read_text()
 
 FLOATS = {torch.float32: "float", torch.float64: "double"}
 INTS = {torch.int8: "int8_t", torch.int16: "int16_t", torch.int32: "int32_t", torch.int64: "int64_t",
@@ -52,6 +58,8 @@ STORAGE = {**FLOATS, **INTS, torch.bool: "uint8_t", torch.bfloat16: "uint16_t", 
 INT_PREFIX = {torch.int8: "ta_i8", torch.int16: "ta_i16", torch.int32: "ta_i32", torch.int64: "ta_i64",
               torch.uint8: "ta_u8"}
 FLOAT_PREFIX = {torch.float32: "ta_f32", torch.float64: "ta_f64"}
+#: fp32 functions of the prelude that vectorise (libm's would keep a loop scalar)
+INLINE_F32 = {"exp": "ta_expf", "exp2": "ta_exp2f", "log": "ta_logf", "log2": "ta_log2f", "tanh": "ta_tanhf"}
 
 #: ops whose value is their first argument
 PASS = {"alias", "detach", "clone", "lift_fresh_copy", "lift_fresh", "view", "reshape", "_unsafe_view",
@@ -102,6 +110,7 @@ class _Scalar:
     dtype: torch.dtype
     node: object = None         #: the graph node (None for literals)
     deps: frozenset = frozenset()   #: what it varies with: "score", "row" (b, h, q_idx), "col" (kv_idx)
+    wrapped: bool = False       #: a run-time scalar: a double that enters each op as a Python float does
 
 
 @dataclass
@@ -151,7 +160,7 @@ def _dtype_of(arg) -> torch.dtype:
 
 def _result_type(*args) -> torch.dtype:
     """PyTorch's type promotion for 0-d tensors and Python numbers."""
-    probes = [torch.empty((), dtype=a.dtype) if isinstance(a, _Scalar) else a for a in args]
+    probes = [(0.5 if a.wrapped else torch.empty((), dtype=a.dtype)) if isinstance(a, _Scalar) else a for a in args]
     out = probes[0] if len(probes) == 1 else torch.result_type(probes[0], probes[1])
     for p in probes[2:]:
         out = torch.result_type(torch.empty((), dtype=out), p)
@@ -242,7 +251,10 @@ class _Emitter:
         for node, name in zip(placeholders, names):
             dtype = node.meta["val"].dtype
             self.values[node] = _Scalar(f"in_{name}", dtype, node, frozenset((origin[name],)))
-        for i, node in enumerate(placeholders[len(names):]):
+        scalars = placeholders[len(names):len(names) + self.traced.scalars]
+        for i, node in enumerate(scalars):
+            self.values[node] = _Scalar(f"sc{i}", torch.float64, node, wrapped=True)
+        for i, node in enumerate(placeholders[len(names) + len(scalars):]):
             self.values[node] = _View(i, tuple(range(self.capture_meta[i][1])), "0")
         output = None
         for node in graph.nodes:
@@ -408,13 +420,15 @@ class _Emitter:
                 return a
             raise Unsupported(f"{where} applies {name} to {out} values")
         elif name == "sigmoid":
-            expr = f"((({FLOATS[out]})1) / (1 + exp{suf}(-{ca})))"
+            expr = f"ta_sigmoidf({ca})" if out == torch.float32 else f"ta_sigmoid({ca})"
         elif name == "rsqrt":
             expr = f"((({FLOATS[out]})1) / sqrt{suf}({ca}))"
         elif name == "reciprocal":
             expr = f"((({FLOATS[out]})1) / {ca})"
         elif name in ROUNDING:
             expr = f"{ROUNDING[name]}{suf}({ca})"
+        elif out == torch.float32 and name in INLINE_F32:
+            expr = f"{INLINE_F32[name]}({ca})"
         else:
             expr = f"{UNARY_FLOAT[name]}{suf}({ca})"
         return self.bind(node, out, expr, name, [a])
@@ -594,12 +608,14 @@ def _backward_lines(em: _Emitter):
 
 # ---- assembly ------------------------------------------------------------------------------------
 _INDEX_ARGS = "const int32_t *restrict b, const int32_t *restrict h, const int32_t *restrict q, " \
-              "const int32_t *restrict kv, const void *const *cap, const int64_t *cap_sizes"
+              "const int32_t *restrict kv, const void *const *cap, const int64_t *cap_sizes, " \
+              "const double *scalars"
 
 
 #: rows whose row-only values are computed ahead into stack arrays (per chunk of the tile's rows)
 ROW_CHUNK = 256
 _AT = "j * ld + r0 + r"   # the element's position in a key-major tile
+_AT_ROWS = "r * ld + j"   # in a row-major tile
 
 
 def _prologue(em: _Emitter):
@@ -611,6 +627,7 @@ def _prologue(em: _Emitter):
             nxt = f"cap{i}_stride{d + 1} * cap{i}_size{d + 1}" if d + 1 < ndim else "1"
             lines.append(f"const int64_t cap{i}_stride{d} = {nxt};")
         base += ndim
+    lines += [f"const double sc{i} = scalars[{i}];" for i in range(em.traced.scalars)]
     lines += [f"int bad{k + 1} = 0;" for k in range(len(em.checks))]
     return "".join(f"    {x}\n" for x in lines + em.sections["const"])
 
@@ -619,37 +636,84 @@ def _mentions(lines, name) -> bool:
     return re.search(rf"\b{name}\b", "\n".join(lines)) is not None
 
 
-def _loop(em: _Emitter, head, tail):
-    """The loop nest. Per chunk of rows: values that vary only with the row (b, h, q_idx) are computed
-    once per row into arrays; per column, values that vary only with kv_idx; then the inner loop over
-    the chunk's rows (contiguous in the tile) computes the rest, ``head`` first and ``tail`` last."""
+def _block(lines, indent):
+    return "".join(" " * indent + x + "\n" for x in lines)
+
+
+def _reads(lines, offset):
+    """The index arguments a block of statements reads, loaded for row ``r``."""
+    return [f"const int32_t in_{n} = {src}[{offset}r];" for n, src in (("b", "b"), ("h", "h"), ("q_idx", "q"))
+            if _mentions(lines, f"in_{n}")]
+
+
+def _loop(em: _Emitter, head, tail, col_open=(), col_close=(), chunk_open=(), chunk_close=(), row_arrays=()):
+    """The key-major loop nest. Per chunk of rows: values that vary only with the row (b, h, q_idx) are
+    computed once per row into arrays; per column, values that vary only with kv_idx; then the inner
+    loop over the chunk's rows (contiguous in the tile) computes the rest, ``head`` first and ``tail``
+    last. ``col_open``/``col_close`` run around each column's inner loop, ``chunk_open``/``chunk_close``
+    around each chunk's columns (the per-column and per-row sums of the backward, which read the
+    ``row_arrays`` of row values after the columns)."""
     elem = head + em.sections["elem"] + tail
-    row_vars = [v for v in em.row_vars if _mentions(elem, v)]
-
-    def reads(lines, offset):
-        return [f"const int32_t in_{n} = {src}[{offset}r];" for n, src in (("b", "b"), ("h", "h"), ("q_idx", "q"))
-                if _mentions(lines, f"in_{n}")]
-
-    row = reads(em.sections["row"], "r0 + ") + em.sections["row"] + [f"row_{v}[r] = {v};" for v in row_vars]
+    row_vars = [v for v in em.row_vars if _mentions(elem + list(col_close), v) or v in row_arrays]
+    row = _reads(em.sections["row"], "r0 + ") + em.sections["row"] + [f"row_{v}[r] = {v};" for v in row_vars]
     col = (["const int32_t in_kv_idx = kv[j];"] if _mentions(em.sections["col"] + elem, "in_kv_idx") else []) \
         + em.sections["col"]
-    inner = reads(elem, "r0 + ") + [f"const {em.ctypes[v]} {v} = row_{v}[r];" for v in row_vars] + elem
-
-    def block(lines, indent):
-        return "".join(" " * indent + x + "\n" for x in lines)
-
+    inner = _reads(elem, "r0 + ") + [f"const {em.ctypes[v]} {v} = row_{v}[r];" for v in row_vars] + elem
     text = (f"    for (int64_t r0 = 0; r0 < rows; r0 += {ROW_CHUNK}) {{\n"
             f"        const int64_t rn = rows - r0 < {ROW_CHUNK} ? rows - r0 : {ROW_CHUNK};\n"
-            + block([f"{em.ctypes[v]} row_{v}[{ROW_CHUNK}];" for v in row_vars], 8))
+            + _block([f"{em.ctypes[v]} row_{v}[{ROW_CHUNK}];" for v in row_vars], 8) + _block(chunk_open, 8))
     if row:
-        text += "        for (int64_t r = 0; r < rn; ++r) {\n" + block(row, 12) + "        }\n"
-    return (text + "        for (int64_t j = 0; j < cols; ++j) {\n" + block(col, 12)
-            + "            for (int64_t r = 0; r < rn; ++r) {\n" + block(inner, 16) + "            }\n"
-            + "        }\n    }\n")
+        text += "        for (int64_t r = 0; r < rn; ++r) {\n" + _block(row, 12) + "        }\n"
+    return (text + "        for (int64_t j = 0; j < cols; ++j) {\n" + _block(col, 12) + _block(col_open, 12)
+            + "            for (int64_t r = 0; r < rn; ++r) {\n" + _block(inner, 16) + "            }\n"
+            + _block(col_close, 12) + "        }\n" + _block(chunk_close, 8) + "    }\n")
 
 
-def _epilogue(em: _Emitter):
-    return "".join(f"    if (bad{k + 1}) return {k + 1};\n" for k in range(len(em.checks))) + "    return 0;\n}\n"
+def _loop_rows(em: _Emitter, head, tail):
+    """The row-major loop nest: per row its row-only values, then the columns (contiguous) inside."""
+    elem = head + em.sections["elem"] + tail
+    row = _reads(em.sections["row"] + em.sections["col"] + elem, "") + em.sections["row"]
+    col = (["const int32_t in_kv_idx = kv[j];"] if _mentions(em.sections["col"] + elem, "in_kv_idx") else []) \
+        + em.sections["col"]
+    return ("    for (int64_t r = 0; r < rows; ++r) {\n" + _block(row, 8)
+            + "        for (int64_t j = 0; j < cols; ++j) {\n" + _block(col + elem, 12) + "        }\n    }\n")
+
+
+def _epilogue(em: _Emitter, lines=()):
+    return (_block(lines, 4) + "".join(f"    if (bad{k + 1}) return {k + 1};\n" for k in range(len(em.checks)))
+            + "    return 0;\n}\n")
+
+
+def _function(name, params, em, body, tail=()):
+    return f"int {name}({params}) {{\n" + _prologue(em) + body + _epilogue(em, tail)
+
+
+def _capture_sums(em: _Emitter, loads, real):
+    """How the backward adds each float load's adjoint into its capture's gradient: summed per row,
+    per column or over the whole tile where its index varies with only those (so the inner loop stays
+    vectorisable), scattered element by element otherwise. Returns the statements of each place."""
+    places = {"inner": [], "col_open": [], "col_close": [], "chunk_open": [], "chunk_close": [], "start": [],
+              "end": [], "row_arrays": []}
+    for k, (out, view) in enumerate(loads):
+        grad, g, off = f"grad{view.capture}", f"g_{out.var}", view.offset
+        section = _section(view.deps)
+        if section == "elem":
+            places["inner"].append(f"if ({grad}) {grad}[{off}] += ({real}){g};")
+        elif section == "row":
+            places["chunk_open"].append(f"{real} racc{k}[{ROW_CHUNK}] = {{0}};")
+            places["inner"].append(f"racc{k}[r] += ({real}){g};")
+            places["chunk_close"].append(f"if ({grad}) for (int64_t r = 0; r < rn; ++r) "
+                                         f"{grad}[row_{off}[r]] += racc{k}[r];")
+            places["row_arrays"].append(off)
+        elif section == "col":
+            places["col_open"].append(f"{real} cacc{k} = 0;")
+            places["inner"].append(f"cacc{k} += ({real}){g};")
+            places["col_close"].append(f"if ({grad}) {grad}[{off}] += cacc{k};")
+        else:
+            places["start"].append(f"{real} kacc{k} = 0;")
+            places["inner"].append(f"kacc{k} += ({real}){g};")
+            places["end"].append(f"if ({grad}) {grad}[{off}] += kacc{k};")
+    return places
 
 
 def generate(traced: Traced, kind: str, capture_meta) -> Generated:
@@ -660,31 +724,37 @@ def generate(traced: Traced, kind: str, capture_meta) -> Generated:
             raise Unsupported(f"captured tensors of dtype {dtype} are not compiled")
     em = _Emitter(traced, kind, capture_meta)
     em.run()
-    prologue = _prologue(em)
     parts = [PRELUDE]
     if kind == "mask":
-        store = [f"out[{_AT}] = (uint8_t){em.output.var};"]
-        parts.append(f"int ta_flex_mask(int64_t rows, int64_t cols, int64_t ld, uint8_t *restrict out, "
-                     f"{_INDEX_ARGS}) {{\n" + prologue + _loop(em, [], store) + _epilogue(em))
+        params = f"int64_t rows, int64_t cols, int64_t ld, uint8_t *restrict out, {_INDEX_ARGS}"
+        parts.append(_function("ta_user_mask", params, em,
+                               _loop(em, [], [f"out[{_AT}] = (uint8_t){em.output.var};"])))
+        parts.append(_function("ta_user_mask_rows", params, em,
+                               _loop_rows(em, [], [f"out[{_AT_ROWS}] = (uint8_t){em.output.var};"])))
         grads = ()
     else:
         real = em.real
-        head = [f"const {real} in_score = s[{_AT}];"]
-        parts.append(f"int ta_flex_score_fwd(int64_t rows, int64_t cols, int64_t ld, {real} *restrict s, "
-                     f"{_INDEX_ARGS}) {{\n" + prologue
-                     + _loop(em, head, [f"s[{_AT}] = ({real}){em.output.var};"]) + _epilogue(em))
+        params = f"int64_t rows, int64_t cols, int64_t ld, {real} *restrict s, {_INDEX_ARGS}"
+        parts.append(_function("ta_user_score", params, em,
+                               _loop(em, [f"const {real} in_score = s[{_AT}];"],
+                                     [f"s[{_AT}] = ({real}){em.output.var};"])))
+        parts.append(_function("ta_user_score_rows", params, em,
+                               _loop_rows(em, [f"const {real} in_score = s[{_AT_ROWS}];"],
+                                          [f"s[{_AT_ROWS}] = ({real}){em.output.var};"])))
         body, needed, loads = _backward_lines(em)
         adjoints = [f"{FLOATS[t]} g_{v} = 0;" for v, t in _adjoint_types(em, needed)]
         seed = [f"g_{em.output.var} += ({FLOATS[em.output.dtype]})ds[{_AT}];"] if em.output.var in needed else []
         result = "g_in_score" if "in_score" in needed else "0"
         grads = tuple(sorted({view.capture for _, view in loads}))
-        scatter = [f"if (grad{view.capture}) grad{view.capture}[{view.offset}] += (double)g_{out.var};"
-                   for out, view in loads]
-        tail = adjoints + seed + body + [f"ds[{_AT}] = ({real}){result};"] + scatter
-        grad_ptrs = "".join(f"    double *restrict grad{i} = cap_grad ? cap_grad[{i}] : 0;\n" for i in grads)
-        parts.append(f"int ta_flex_score_bwd(int64_t rows, int64_t cols, int64_t ld, const {real} *restrict s, "
-                     f"{real} *restrict ds, {_INDEX_ARGS}, double *const *cap_grad) {{\n" + prologue + grad_ptrs
-                     + _loop(em, head, tail) + _epilogue(em))
+        sums = _capture_sums(em, loads, real)
+        tail = adjoints + seed + body + [f"ds[{_AT}] = ({real}){result};"] + sums["inner"]
+        grad_ptrs = [f"{real} *restrict grad{i} = cap_grad ? cap_grad[{i}] : 0;" for i in grads]
+        params = (f"int64_t rows, int64_t cols, int64_t ld, const {real} *restrict s, {real} *restrict ds, "
+                  f"{_INDEX_ARGS}, {real} *const *cap_grad")
+        loop = _loop(em, [f"const {real} in_score = s[{_AT}];"], tail, sums["col_open"], sums["col_close"],
+                     sums["chunk_open"], sums["chunk_close"], sums["row_arrays"])
+        parts.append(_function("ta_user_score_bwd", params, em, _block(grad_ptrs + sums["start"], 4) + loop,
+                               sums["end"]))
     output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
     first = next(n for n in traced.graph.nodes if n.op == "placeholder")
     return Generated(kind=kind, source="\n".join(parts), captures=traced.captures, checks=tuple(em.checks),

@@ -10,8 +10,7 @@ inputs; probabilities rounded to the input dtype before ``@ v``), the "plain mat
 FlashAttention's 2x accuracy rule.
 
 :func:`validate` holds the argument checks (PyTorch's, with its exception types, plus the ones that
-make a call unambiguous); :func:`score_tile` and :func:`mask_tile` evaluate a function on a tile of
-rows (b, h, q_idx) x columns (kv_idx), the PyTorch path of anything the compiler does not cover.
+make a call unambiguous).
 """
 
 from __future__ import annotations
@@ -22,14 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
 
-from ..core.modifiers import fail
-from .trace import INDEX_DTYPE, IndexByTensors
+from ...core.functions import NO_MASK_BLOCK, check_block_mask as check_block_lists
+from ...core.modifiers import fail
+from ...programs.blocks import block_grid, listed_blocks
+from ...programs.eager import mask_tile, score_tile
+from ...programs.trace import INDEX_DTYPE
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: BLOCK_SIZE of PyTorch's "no block mask" placeholder (one block covering everything)
-NO_MASK_BLOCK = 1 << 30
 BACKENDS = ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
-_SLICED_ERROR = "_sliced_mask_mod_error"
 
 
 @dataclass(frozen=True)
@@ -53,50 +52,19 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def block_grid(block_mask) -> tuple:
-    """(query-block rows, key-block columns) of a BlockMask's sequence lengths."""
-    q_len, kv_len = block_mask.seq_lengths
-    bq, bk = block_mask.BLOCK_SIZE
-    return -(-q_len // bq), -(-kv_len // bk)
-
-
 def check_block_mask(block_mask, q_len, kv_len, batch, heads, device):
-    """Refuse a BlockMask that does not fit a call of these sizes (O(blocks) work)."""
-    if getattr(block_mask.mask_mod, "__name__", "") == _SLICED_ERROR:
-        raise RuntimeError("tileattn: argument 'block_mask' is a sliced BlockMask whose mask_mod was reset; set "
-                           "block_mask.mask_mod from the original BlockMask (as PyTorch requires)")
-    if block_mask.kv_num_blocks.device != torch.device(device):
-        raise RuntimeError(f"tileattn: argument 'block_mask' is on {block_mask.kv_num_blocks.device}; expected "
-                           f"{device}, the device of q/k/v.")
-    if (q_len, kv_len) != tuple(block_mask.seq_lengths):
-        fail(ValueError, "block_mask", f"a mask created for q_len={block_mask.seq_lengths[0]}, kv_len="
-             f"{block_mask.seq_lengths[1]} with q_len={q_len} and kv_len={kv_len}", "a mask created for these "
-             "lengths (or one cropped with block_mask._adjust(q_len, kv_len))")
-    if not all(isinstance(n, int) and n > 0 for n in block_mask.BLOCK_SIZE):
-        fail(ValueError, "block_mask", f"BLOCK_SIZE={block_mask.BLOCK_SIZE}", "two positive ints")
-    nb = block_mask.kv_num_blocks
-    if nb.dim() != 3:
-        fail(ValueError, "block_mask", f"kv_num_blocks of shape {tuple(nb.shape)}", "(B, H, query blocks)")
-    bm_b, bm_h, bm_rows = nb.shape
-    if bm_b not in (1, batch) or bm_h not in (1, heads):
-        fail(ValueError, "block_mask", f"B={bm_b}, H={bm_h} for a batch of {batch} with {heads} query heads",
-             "B of 1 or the batch size and H of 1 or the number of query heads")
-    rows, cols = block_grid(block_mask)
-    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices)]
-    if block_mask.full_kv_num_blocks is not None:
-        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
-    for num, idx in lists:
-        if num.shape[-1] < rows or idx.shape[-2] < rows or not num.shape[:2] == idx.shape[:2] == nb.shape[:2]:
-            fail(ValueError, "block_mask", f"block lists of shapes {tuple(num.shape)} / {tuple(idx.shape)}",
-                 f"at least {rows} query-block rows (q_len {q_len} / Q_BLOCK_SIZE {block_mask.BLOCK_SIZE[0]})")
-        valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., :rows, None]
-        used = idx[..., :rows, :][valid]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cols):
-            fail(ValueError, "block_mask", f"key-block indices in [{int(used.min())}, {int(used.max())}]",
-                 f"indices in [0, {cols}) (kv_len {kv_len} / KV_BLOCK_SIZE {block_mask.BLOCK_SIZE[1]})")
-    if len(lists) == 2 and bool((listed_blocks(*lists[0], rows, cols) & listed_blocks(*lists[1], rows, cols)).any()):
-        fail(ValueError, "block_mask", "a block listed both as partial (kv_indices) and as full (full_kv_indices)",
-             "each block in at most one list")
+    """Refuse a BlockMask that does not fit a call of these sizes: PyTorch's rule that its lengths are
+    the call's, then the operator's checks of its block lists (O(blocks) work)."""
+    check_block_lists(block_mask, batch, heads, device)
+    mask_q, mask_kv = block_mask.seq_lengths
+    if (q_len, kv_len) != (mask_q, mask_kv):  # PyTorch's words first: code matches on them
+        advice = ("As the block mask was created for a smaller length than you're using it for, you likely need to "
+                  "create a new block mask." if q_len > mask_q or kv_len > mask_kv else
+                  "As the block mask was created for a larger length than you're using it for, you can either 1. "
+                  "create a new block mask with the correct length, or 2. 'adjust' the existing block mask to the "
+                  "correct length by calling block_mask._adjust(q_len, kv_len).")
+        raise ValueError(f"block_mask was created for block_mask.shape={block_mask.shape} but got q_len={q_len} and "
+                         f"kv_len={kv_len}. {advice} (tileattn: argument 'block_mask': a mask for these lengths.)")
 
 
 def validate(query, key, value, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
@@ -137,7 +105,9 @@ def validate(query, key, value, block_mask=None, scale=None, enable_gqa=False, r
     if scale is not None and not isinstance(scale, (int, float)):
         fail(TypeError, "scale", type(scale).__name__, "a float or None")
     if return_lse and return_aux is not None:
-        fail(ValueError, "return_lse", "True together with return_aux", "return_aux=AuxRequest(lse=True) alone")
+        raise ValueError("Cannot specify both return_lse and return_aux. return_lse is deprecated, please use "
+                         "return_aux=AuxRequest(lse=True) instead. (tileattn: argument 'return_lse': True together "
+                         "with return_aux.)")
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         fail(TypeError, "return_aux", type(return_aux).__name__, "an AuxRequest or None")
     options = dict(kernel_options or {})
@@ -154,21 +124,6 @@ def validate(query, key, value, block_mask=None, scale=None, enable_gqa=False, r
                 want_max=bool(return_aux is not None and return_aux.max_scores), aux=return_aux is not None)
 
 
-def score_tile(score_mod, scores, b, h, q, kv):
-    """``score_mod`` on a tile: ``scores`` (R, C), ``b``, ``h``, ``q`` (R,), ``kv`` (C,) -> (R, C)."""
-    inner = torch.vmap(score_mod, in_dims=(0, None, None, None, 0))
-    with IndexByTensors():
-        return torch.vmap(inner, in_dims=(0, 0, 0, 0, None))(scores, b, h, q, kv)
-
-
-def mask_tile(mask_mod, b, h, q, kv):
-    """``mask_mod`` on a tile of rows ``b``, ``h``, ``q`` (R,) x columns ``kv`` (C,) -> bool (R, C)."""
-    inner = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
-    with IndexByTensors():
-        out = torch.vmap(inner, in_dims=(0, 0, 0, None))(b, h, q, kv)
-    return out.expand(b.numel(), kv.numel())
-
-
 def index_grid(batch, heads, q_len, device):
     """Row indices (b, h, q_idx) of the (batch, heads, q_len) rows, flattened, as int32."""
     def axis(n, i):
@@ -177,15 +132,6 @@ def index_grid(batch, heads, q_len, device):
         return torch.arange(n, dtype=INDEX_DTYPE, device=device).view(shape).expand(batch, heads, q_len).reshape(-1)
 
     return axis(batch, 0), axis(heads, 1), axis(q_len, 2)
-
-
-def listed_blocks(num, indices, rows, cols):
-    """Bool (B, H, rows, cols): the blocks a (num_blocks, indices) pair lists."""
-    indices = indices[..., :rows, :].long()
-    valid = torch.arange(indices.shape[-1], device=indices.device) < num[..., :rows, None]
-    dense = torch.zeros(*indices.shape[:-1], cols + 1, dtype=torch.bool, device=indices.device)
-    dense.scatter_(-1, torch.where(valid, indices, cols), True)
-    return dense[..., :cols]
 
 
 def visibility(block_mask, batch, heads, q_len, kv_len, device):

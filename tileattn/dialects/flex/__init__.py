@@ -1,13 +1,12 @@
-"""Programmable attention: PyTorch's FlexAttention semantics, exact, with the machinery to run
-``score_mod`` / ``mask_mod`` compiled on CPU (issue 24).
+"""PyTorch's FlexAttention as a dialect: ``flex_attention``, ``create_block_mask`` and ``patch_flex``
+on CPU tensors, exact, forward and backward.
 
-Modules: :mod:`.semantics` (the exact reference and the argument checks), :mod:`.blocks` (block
-classification of a BlockMask and packed partial masks), :mod:`.trace` (structure keys, captured
-tensors, tracing), :mod:`.codegen` (C tile functions and their derivatives), :mod:`.compiler`
-(building and caching them), :mod:`.attention` (:func:`flex_attention` on CPU, forward and
-backward, and :func:`explain`), :mod:`.modifiers` (``score_mod=`` / ``mask_mod=`` of
-:func:`tileattn.flash_attention`), :mod:`.patch` (:func:`patch_flex`: PyTorch's flex_attention on CPU
-tensors routed here), :mod:`.examples` (attention-gym's patterns).
+A call is one :func:`tileattn.flash_attention` call (:mod:`.attention`): ``score_mod`` and the block
+mask are user-function modifiers (:mod:`tileattn.core.functions`), compiled into the native kernels'
+tiles by :mod:`tileattn.programs`. Modules: :mod:`.attention` (:func:`flex_attention`,
+:func:`explain`), :mod:`.semantics` (PyTorch's argument checks and the exact reference,
+:func:`~.semantics.flex_reference`), :mod:`.patch` (:func:`patch_flex`: PyTorch's flex_attention on
+CPU tensors routed here), :mod:`.examples` (attention-gym's patterns).
 
 The semantics matched (``torch.nn.attention.flex_attention.flex_attention`` in torch 2.13; where its
 documentation is silent or wrong, what its implementations do, as noted):
@@ -54,15 +53,15 @@ documentation is silent or wrong, what its implementations do, as noted):
   TRITON_DECODE, not with FORCE_USE_FLEX_ATTENTION; the internal OUTPUT_LOGSUMEXP/OUTPUT_MAX refused);
   no key changes the result (they are tuning knobs of PyTorch's kernels), so none is honoured.
 * **Gradients**: of q, k, v and of every floating-point tensor ``score_mod`` captures (a bias table,
-  per-head scales), by the chain rule through ``score_mod``; PyTorch's CPU FlexAttention has none.
+  per-head scales), by the chain rule through ``score_mod``, accumulated in fp32 (fp64 for fp64
+  inputs); PyTorch's CPU FlexAttention has none.
   Where PyTorch's autograd has no derivative (``//`` on floats) the compiled derivative is 0, as for
   ``torch.div(..., rounding_mode="floor")``.
 """
 
-from . import examples, modifiers  # modifiers: registers score_mod= / mask_mod= of tileattn.flash_attention
-from .attention import explain, flex_attention
-from .blocks import classify, create_block_mask
+from . import examples
+from .attention import create_block_mask, explain, flex_attention
 from .patch import install, patch_flex, uninstall
 
-__all__ = ["flex_attention", "explain", "create_block_mask", "classify", "examples", "patch_flex", "install",
-           "uninstall"]
+
+__all__ = ["flex_attention", "explain", "create_block_mask", "examples", "patch_flex", "install", "uninstall"]
