@@ -476,7 +476,8 @@ def _ocr_config(model_type):
     config = type(base)(text_config=text, vision_config=vision)
     for owner in (config, config.text_config):
         for name in dir(owner):
-            if name.endswith("_token_id") and isinstance(getattr(owner, name, None), int) and getattr(owner, name) >= VOCAB:
+            value = getattr(owner, name, None)
+            if name.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
                 setattr(owner, name, 3)
     return config
 

@@ -39,7 +39,8 @@ from ...core.score_math import ScoreBlock
 from ...core.spec import build_spec, sequence_views
 from . import descale as _descale
 from .checks import _as_int, _check_alibi, _check_options, _check_qkv, _check_rank
-from .errors import FlashAttnArgumentError, FlashAttnTypeError, _describe, _fail, core_errors  # noqa: F401  (re-exported)
+from .errors import (FlashAttnArgumentError, FlashAttnTypeError, _describe, _fail,  # noqa: F401  (re-exported)
+                     core_errors)
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (flash-attn's interface module has it too)
 
 
