@@ -442,6 +442,23 @@ def test_flash_attn_errors_are_also_runtime_errors():
         assert "tileattn.compat.flash_attn" in str(info.value)
 
 
+def test_core_errors_under_a_dialect_call_are_runtime_errors(monkeypatch):
+    """What tileattn's core raises under a flash-attn call leaves it as a RuntimeError (flash-attn's
+    class) that is still what tileattn's callers catch: NoBackendError, ValueError."""
+    q = _rand(1, 4, 2, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="flash_attn_varlen_func: tileattn: argument 'max_seqlen_q'") as info:
+        flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 3, 4)
+    assert isinstance(info.value, ValueError)
+    monkeypatch.setenv("TILEATTN_BACKEND", "triton")  # refuses bf16 CPU tensors, interpreter or not
+    qb = q.bfloat16()
+    for call in (lambda: flash_attn.flash_attn_func(qb, qb, qb),
+                 lambda: flash_attn.flash_attn_with_kvcache(qb, qb, qb)):
+        with pytest.raises(RuntimeError, match="tileattn.compat.flash_attn.*backend 'triton'") as info:
+            call()
+        assert isinstance(info.value, tileattn.NoBackendError)
+
+
 # --- return_attn_probs: S_dmask ---
 
 def _reference_probs(q, k, **kwargs):

@@ -230,6 +230,43 @@ def test_quantised_caches_are_forward_only():
         tileattn.attention_backward(dout, q.detach(), k, k, out, torch.zeros(1, 2, 4), layout="BSND", k_scale=s)
 
 
+def test_scales_that_require_grad_are_refused_not_detached():
+    """No gradient reaches a quantised cache's scales: one that requires grad is refused, naming it
+    (under torch.no_grad() it is read as data)."""
+    g = gen(5)
+    q = torch.randn(1, 4, 2, 16, generator=g)
+    k = quantised((1, 9, 2, 16), torch.int8, g)
+    for name in ("k_scale", "v_offset", "q_scale"):
+        t = torch.ones((1, 2) if name == "q_scale" else (1, 1, 2, 1), requires_grad=True)
+        with pytest.raises(ValueError, match=f"argument '{name}'.*requires grad"):
+            tileattn.flash_attention(q, k, k, layout="BSND", **{name: t})
+    with torch.no_grad():
+        out = tileattn.flash_attention(q, k, k, layout="BSND", k_scale=torch.ones(1, 1, 2, 1, requires_grad=True))
+    assert torch.equal(out, tileattn.flash_attention(q, k, k, layout="BSND", k_scale=torch.ones(1, 1, 2, 1)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gran,sq", [("tensor", 1), ("head", 3), ("token", 1), ("token", 5)])
+def test_an_infinite_k_scale_gives_the_references_nan_pattern(backend, gran, sq):
+    """A non-finite K scale dequantises to +-inf channels, which the reference sums into NaN for every
+    row that sees the key (a masked row stays finite); an engine that folds the scale in after q.k
+    (which gives +-inf, and -inf drops the key) must not answer otherwise."""
+    need(backend)
+    g = gen(6)
+    b, sk, hq, hkv, d = 2, 11, 4, 2, 16
+    q = torch.randn(b, sq, hq, d, generator=g)
+    k, v = quantised((b, sk, hkv, d), torch.int8, g), quantised((b, sk, hkv, d), torch.int8, g)
+    ks = torch.rand(GRANULARITY[gran](b, sk, hkv, d), generator=g) * 0.05 + 0.01
+    ks[(0,) * 3 if gran == "tensor" else (0, 0, 1) if gran == "head" else (0, sk - 3, 1)] = float("inf")
+    kw = dict(layout="BSND", causal=True, k_scale=ks, v_scale=torch.full((1, 1, 1, 1), 0.02))
+    out = tileattn.flash_attention(q, k, v, backend=backend, **kw)
+    want = tileattn.reference(q, k, v, compute_dtype=torch.float64, **kw)
+    assert torch.isnan(want).any() and (gran == "tensor" or not torch.isnan(want).all())
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    torch.testing.assert_close(out.double()[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
 def test_a_quantised_cache_without_scales_reads_unit_scales_and_partial_attention_takes_scales():
     need("native")
     g = gen(4)

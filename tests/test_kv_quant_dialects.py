@@ -56,7 +56,7 @@ def test_flash_attn_varlen_func_with_block_table(dtype, page, causal, seqlen_q, 
         k_lens = torch.maximum(k_lens, q_lens)
     cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).int()
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), k_lens.cumsum(0)]).int()
-    q = torch.randn(int(cu_q[-1]), h, d, generator=g).to(dtype)
+    q = torch.randn(int(cu_q[-1]), h, d, generator=g).to(dtype).requires_grad_(True)  # as flash-attn's test
     k, v = (torch.randn(int(cu_k[-1]), hk, d, generator=g).to(dtype) for _ in range(2))
     pool_k, table = paged_copy(k, cu_k, page, g)
     pool_v, _ = paged_copy(v, cu_k, page, gen(0))
@@ -69,8 +69,30 @@ def test_flash_attn_varlen_func_with_block_table(dtype, page, causal, seqlen_q, 
     out = flash_attn.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, int(q_lens.max()), int(k_lens.max()),
                                             causal=causal, block_table=table)
     kw = dict(layout="TND", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal)
+    q = q.detach()
     oracle = tileattn.reference(q.double(), k.double(), v.double(), **kw)
     check(out, oracle, tileattn.reference(q, k, v, **kw), dtype)
+
+
+def test_flash_attn_varlen_block_table_backward_names_block_table():
+    """The paged varlen call is forward only (flash-attn's too): with q, k, v requiring grad the forward
+    runs, and a backward raises a RuntimeError (flash-attn's class) that is a ValueError naming
+    block_table; nothing reaches the inputs' .grad."""
+    g = gen(5)
+    q = torch.randn(5, 2, 8, generator=g).requires_grad_(True)
+    pool_k, pool_v = (torch.randn(4, 4, 2, 8, generator=g).requires_grad_(True) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 6, 9], dtype=torch.int32)
+    table = torch.tensor([[3, 0, -1], [1, 2, -1]], dtype=torch.int32)
+    out = flash_attn.flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 3, 6, causal=True, block_table=table)
+    assert out.requires_grad
+    k = torch.cat([pool_k[[3, 0]].flatten(0, 1)[:6], pool_k[[1, 2]].flatten(0, 1)[:3]]).detach()
+    v = torch.cat([pool_v[[3, 0]].flatten(0, 1)[:6], pool_v[[1, 2]].flatten(0, 1)[:3]]).detach()
+    want = tileattn.reference(q.detach(), k, v, layout="TND", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    torch.testing.assert_close(out.detach(), want)
+    with pytest.raises(RuntimeError, match="argument 'block_table'.*backward.*cu_seqlens_k") as info:
+        out.sum().backward()
+    assert isinstance(info.value, ValueError)
+    assert q.grad is None and pool_k.grad is None and pool_v.grad is None
 
 
 def test_flash_attn_varlen_block_table_errors_name_the_argument():

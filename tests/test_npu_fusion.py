@@ -243,6 +243,17 @@ def test_bf16_causal():
     check_padded("BNSD", q, k, v, 4, npu_keep(2, 16, 16), scale=0.25, sparse_mode=2, atten_mask=TRIU)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_stats_of_every_dtype(dtype, causal):
+    """softmax_max/softmax_sum of 40 query rows (16 or more made bf16's max +-inf and its sum 0 while a
+    probe scaled the scores by 2**40), with and without a causal mask and a pse."""
+    b, n, sq, sk = 1, 2, 40, 48
+    q, k, v = _layout_tensors("BSND", b, n, n, sq, sk, 16, dtype=dtype)
+    kw = dict(atten_mask=TRIU, sparse_mode=3, pse=_rand(b, n, sq, sk, seed=3).to(dtype)) if causal else {}
+    check_padded("BSND", q, k, v, n, npu_keep(3 if causal else -1, sq, sk), scale=0.25, **kw)
+
+
 # ----- varlen (TND) -------------------------------------------------------------------------------
 
 QLENS, KLENS = [3, 5, 0, 4], [6, 5, 2, 3]

@@ -75,7 +75,8 @@ def test_packed_sequences_tnd(mode):
 
 
 def _forward_update(prev, cur):
-    """MindSpeed's forward_update (SBH), written out: merge (out, max, sum) by the statistics."""
+    """MindSpeed's forward_update (SBH), written out: merge (out, max, sum) by the statistics; the
+    output comes back in its own dtype."""
     (o1, m1, s1), (o2, m2, s2) = prev, cur
     m = torch.maximum(m1, m2)
     s1, s2 = s1 * torch.exp(m1 - m), s2 * torch.exp(m2 - m)
@@ -85,74 +86,129 @@ def _forward_update(prev, cur):
     def to_sbh(w):  # (B, N, S, 8) -> (S, B, N * D)
         return w[..., 0].permute(2, 0, 1).repeat_interleave(hidden // heads, dim=-1)
 
-    return o1 * to_sbh(s1 / total) + o2 * to_sbh(s2 / total), m, total
+    return (o1 * to_sbh(s1 / total) + o2 * to_sbh(s2 / total)).to(o1.dtype), m, total
+
+
+class RingAttention(torch.autograd.Function):
+    """MindSpeed's causal ring attention (``AttentionWithCp``) over ``world`` ranks simulated in one
+    process, SBH: the sequence is cut into 2 * world chunks with head-tail load balancing (rank r
+    holds chunks r and 2 * world - 1 - r), each rank attends its queries to the key/value chunks
+    passed around the ring, merges the partial results from softmax_max/softmax_sum (forward_update,
+    or npu_ring_attention_update for the second half of the queries), and its backward calls
+    npu_fusion_attention_grad with the merged statistics, accumulating dq, dk, dv in the inputs'
+    dtype as MindSpeed does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, n, world):
+        c = q.shape[0] // (2 * world)
+        ids = [(r, 2 * world - 1 - r) for r in range(world)]
+        local = [[torch.cat([t[i * c:(i + 1) * c] for i in ids[r]]) for t in (q, k, v)] for r in range(world)]
+        ctx.n, ctx.world, ctx.c, ctx.ids, ctx.local, ctx.scale = n, world, c, ids, local, (q.shape[-1] // n) ** -0.5
+        ctx.stats = []
+        for r in range(world):
+            acc = None
+            for step in range(world):
+                cq, ck, cv, rows, kw = ctx_block(ctx, r, (r - step) % world)
+                o, m, sm = npu_fusion_attention(cq, ck, cv, n, "SBH", scale=ctx.scale, **kw)[:3]
+                if acc is None:
+                    acc = [o, m, sm]
+                elif rows == slice(None):
+                    acc = list(_forward_update(acc, (o, m, sm)))
+                else:  # only the second half of the queries: merge into it
+                    merged = npu_ring_attention_update(acc[0][c:], acc[1][:, :, c:], acc[2][:, :, c:], o, m, sm)
+                    acc[0] = torch.cat([acc[0][:c], merged[0]])
+                    acc[1] = torch.cat([acc[1][:, :, :c], merged[1]], 2)
+                    acc[2] = torch.cat([acc[2][:, :, :c], merged[2]], 2)
+            ctx.stats.append(acc)
+        return unshard(ctx, [acc[0] for acc in ctx.stats])
+
+    @staticmethod
+    def backward(ctx, dout):
+        c = ctx.c
+        douts = [torch.cat([dout[i * c:(i + 1) * c] for i in ids]) for ids in ctx.ids]
+        grads = [[torch.zeros_like(t) for t in ctx.local[r]] for r in range(ctx.world)]
+        for r in range(ctx.world):
+            out_r, m_r, s_r = ctx.stats[r]
+            for j in range(ctx.world):
+                cq, ck, cv, rows, kw = ctx_block(ctx, r, j)
+                dq, dk, dv = npu_fusion_attention_grad(cq, ck, cv, douts[r][rows], ctx.n, "SBH",
+                                                       softmax_max=m_r[:, :, rows], softmax_sum=s_r[:, :, rows],
+                                                       attention_in=out_r[rows], scale_value=ctx.scale, **kw)[:3]
+                grads[r][0][rows] += dq
+                grads[j][1][:ck.shape[0]] += dk
+                grads[j][2][:cv.shape[0]] += dv
+        return (*(unshard(ctx, [g[i] for g in grads]) for i in range(3)), None, None)
+
+
+def ctx_block(ctx, r, j):
+    """The (query rank r, key rank j) block of causal attention, as MindSpeed fetches it:
+    (q, k, v, query rows of rank r it covers, mask keywords)."""
+    c, qr, (kr, vr) = ctx.c, ctx.local[r][0], ctx.local[j][1:]
+    if j == r:
+        return qr, kr, vr, slice(None), dict(atten_mask=TRIU, sparse_mode=3)
+    if j < r:
+        return qr, kr[:c], vr[:c], slice(None), {}
+    return qr[c:], kr, vr, slice(c, None), {}
+
+
+def unshard(ctx, per_rank):
+    """Per-rank (2c, ...) tensors back to the original chunk order."""
+    pieces = {}
+    for r, t in enumerate(per_rank):
+        pieces[ctx.ids[r][0]], pieces[ctx.ids[r][1]] = t[:ctx.c], t[ctx.c:]
+    return torch.cat([pieces[i] for i in range(2 * ctx.world)])
 
 
 def test_causal_ring_attention_over_two_ranks():
     world, c, b, n, d = 2, 6, 2, 2, 8
     s = 2 * world * c
-    scale = d ** -0.5
     q, k, v = (_rand(s, b, n * d, seed=i, dtype=torch.float64) for i in range(3))
     dout = _rand(s, b, n * d, seed=9, dtype=torch.float64)
-    chunk = lambda t, i: t[i * c:(i + 1) * c]  # noqa: E731
-    ids = [(r, 2 * world - 1 - r) for r in range(world)]  # head-tail load balancing
-    local = [[torch.cat([chunk(t, i) for i in ids[r]]) for t in (q, k, v, dout)] for r in range(world)]
 
-    def block(r, j, tensors_q, tensors_kv):
-        """The (query rank r, key rank j) block of causal attention, as MindSpeed fetches it."""
-        qr = tensors_q
-        kr, vr = tensors_kv
-        if j == r:
-            return qr, kr, vr, slice(None), dict(atten_mask=TRIU, sparse_mode=3)
-        if j < r:
-            return qr, kr[:c], vr[:c], slice(None), {}
-        return qr[c:], kr, vr, slice(c, None), {}
-
-    outs, stats = [], []
-    for r in range(world):
-        acc = None
-        for step in range(world):
-            j = (r - step) % world
-            cq, ck, cv, rows, kw = block(r, j, local[r][0], local[j][1:3])
-            o, m, sm = npu_fusion_attention(cq, ck, cv, n, "SBH", scale=scale, **kw)[:3]
-            if acc is None:
-                acc = [o, m, sm]
-            elif rows == slice(None):
-                acc = list(_forward_update(acc, (o, m, sm)))
-            else:  # only the second half of the queries: merge into it (npu_ring_attention_update's SBH)
-                merged = npu_ring_attention_update(acc[0][c:], acc[1][:, :, c:], acc[2][:, :, c:], o, m, sm)
-                acc[0] = torch.cat([acc[0][:c], merged[0]])
-                acc[1] = torch.cat([acc[1][:, :, :c], merged[1]], 2)
-                acc[2] = torch.cat([acc[2][:, :, :c], merged[2]], 2)
-        outs.append(acc[0])
-        stats.append(acc)
-    grads = [[torch.zeros_like(t) for t in local[r][:3]] for r in range(world)]
-    for r in range(world):
-        out_r, m_r, s_r = stats[r]
-        for j in range(world):
-            cq, ck, cv, rows, kw = block(r, j, local[r][0], local[j][1:3])
-            dq, dk, dv = npu_fusion_attention_grad(cq, ck, cv, local[r][3][rows], n, "SBH", softmax_max=m_r[:, :, rows],
-                                                   softmax_sum=s_r[:, :, rows], attention_in=out_r[rows],
-                                                   scale_value=scale, **kw)[:3]
-            grads[r][0][rows] += dq
-            grads[j][1][:ck.shape[0]] += dk
-            grads[j][2][:cv.shape[0]] += dv
-
-    def unshard(per_rank):  # back to the original chunk order
-        pieces = {}
-        for r, t in enumerate(per_rank):
-            pieces[ids[r][0]], pieces[ids[r][1]] = t[:c], t[c:]
-        return torch.cat([pieces[i] for i in range(2 * world)])
-
-    got = [unshard(outs)] + [unshard([g[i] for g in grads]) for i in range(3)]
-
-    def reference(cdt):
+    def run(attention, cdt):
         leaves = [t.detach().to(cdt).requires_grad_(True) for t in (q, k, v)]
-        o = tileattn.reference(*leaves, layout="SBH", num_heads=n, causal=True, scale=scale)
+        o = attention(*leaves)
         return [o, *torch.autograd.grad(o, leaves, dout.to(cdt))]
 
-    ref64, ref32 = reference(torch.float64), reference(torch.float32)
+    got = run(lambda q, k, v: RingAttention.apply(q, k, v, n, world), torch.float64)
+
+    def reference(q, k, v):
+        return tileattn.reference(q, k, v, layout="SBH", num_heads=n, causal=True, scale=d ** -0.5)
+
+    ref64, ref32 = run(reference, torch.float64), run(reference, torch.float32)
     # the statistics travel in fp32 (torch_npu's format): judged as fp32 math
     verdicts = [judge(name, a, b_, c_, torch.float32) for name, a, b_, c_ in
                 zip(("out", "dq", "dk", "dv"), got, ref64, ref32)]
     _assert_ok(verdicts, 4)
+
+
+def test_bf16_ring_attention_training_steps():
+    """A bf16 attention layer trained for a few SGD steps through MindSpeed's ring (chunks of 16 and
+    32 query rows: softmax_max is read off every call). At every step the loss and the weights'
+    gradients are finite and pass FlashAttention's rule against the same layer with the reference
+    attention in fp64 (plain math: the reference in bf16), at the ring run's own weights."""
+    world, c, b, n, d = 2, 16, 1, 2, 16
+    s, hidden = 2 * world * c, n * d
+    x = _rand(s, b, hidden, seed=11, dtype=torch.bfloat16)
+    target = _rand(s, b, hidden, seed=12)
+    weights = [(_rand(hidden, hidden, seed=20 + i) * hidden ** -0.5).to(torch.bfloat16) for i in range(4)]
+
+    def loss_and_grads(attention, cdt):
+        leaves = [w.detach().to(cdt).requires_grad_(True) for w in weights]
+        wq, wk, wv, wo = leaves
+        h = x.to(cdt)
+        y = attention(h @ wq, h @ wk, h @ wv) @ wo
+        loss = (y.float() - target).square().mean()
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    def reference(q, k, v):
+        return tileattn.reference(q, k, v, layout="SBH", num_heads=n, causal=True, scale=d ** -0.5)
+
+    for _ in range(3):
+        got = loss_and_grads(lambda q, k, v: RingAttention.apply(q, k, v, n, world), torch.bfloat16)
+        assert all(torch.isfinite(t).all() for t in got)
+        ref64, plain = loss_and_grads(reference, torch.float64), loss_and_grads(reference, torch.bfloat16)
+        verdicts = [judge(name, a, r, p, torch.bfloat16) for name, a, r, p in
+                    zip(("loss", "dwq", "dwk", "dwv", "dwo"), got, ref64, plain)]
+        _assert_ok(verdicts, 5)
+        weights = [w - 0.5 * g for w, g in zip(weights, got[1:])]

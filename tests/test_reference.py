@@ -16,14 +16,16 @@ import pytest
 import torch
 
 import tileattn
+import tileattn.core.reference as reference_module
 from tileattn.core.modifiers import Dropout
 
 from conftest import make_qkv
 
 
 def naive(q, k, v, *, scale=None, causal=False, window=(None, None), align="bottom_right", mask=None, bias=None,
-          alibi=None, softcap=0.0, sinks=None, dropout=None, seqused_k=None):
-    """Attention of BNSD tensors by loops over scalars; returns (out, lse) as nested lists."""
+          alibi=None, softcap=0.0, sinks=None, dropout=None, seqused_k=None, row_max=False):
+    """Attention of BNSD tensors by loops over scalars; returns (out, lse), or with ``row_max`` the
+    maximum of every row's logits (sinks included; -inf for a row that sees nothing)."""
     b_n, hq, sq, d = q.shape
     hkv, sk_full, dv = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -32,6 +34,7 @@ def naive(q, k, v, *, scale=None, causal=False, window=(None, None), align="bott
         right = 0 if right is None else min(right, 0)
     out = [[[[0.0] * dv for _ in range(sq)] for _ in range(hq)] for _ in range(b_n)]
     lse = [[[0.0] * sq for _ in range(hq)] for _ in range(b_n)]
+    maxima = [[[-math.inf] * sq for _ in range(hq)] for _ in range(b_n)]
     for b in range(b_n):
         sk = sk_full if seqused_k is None else int(seqused_k[b])
         off = {"bottom_right": sk - sq, "top_left": 0}.get(align, align)
@@ -62,7 +65,7 @@ def naive(q, k, v, *, scale=None, causal=False, window=(None, None), align="bott
                 if not terms:
                     lse[b][h][i] = -math.inf
                     continue
-                top = max(terms)
+                top = maxima[b][h][i] = max(terms)
                 total = top + math.log(sum(math.exp(t - top) for t in terms))
                 lse[b][h][i] = total
                 for j, s in logits.items():
@@ -71,6 +74,8 @@ def naive(q, k, v, *, scale=None, causal=False, window=(None, None), align="bott
                         p = p / (1 - dropout.p) if keep_drop[i, j] else 0.0
                     for t in range(dv):
                         out[b][h][i][t] += p * float(v[b, kh, j, t])
+    if row_max:
+        return torch.tensor(maxima, dtype=torch.float64)
     return torch.tensor(out, dtype=torch.float64), torch.tensor(lse, dtype=torch.float64)
 
 
@@ -109,6 +114,22 @@ def test_reference_matches_a_scalar_loop(name):
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     assert out.abs().max() > 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_row_max_matches_a_scalar_loop(name, monkeypatch):
+    """tileattn.core.reference.row_max (torch_npu's softmax_max) in fp64, one query row per block
+    (keys cut to the band's range); cases whose tensors do not fix the shape also run 16 rows by 3
+    keys (rows that see nothing under causal)."""
+    monkeypatch.setattr(reference_module, "_ROW_MAX_BLOCK", 1)
+    kwargs = CASES[name]
+    naive_kwargs = {("alibi" if key == "alibi_slopes" else key): val for key, val in kwargs.items()
+                    if key not in ("dropout_p", "seed")}
+    shaped = any(key in kwargs for key in ("bias", "mask", "seqused_k"))
+    for sq, sk in ((5, 7),) if shaped else ((5, 7), (16, 3)):
+        q, k, v = _inputs(sq=sq, sk=sk)
+        got = reference_module.row_max(q, k, v, compute_dtype=torch.float64, **kwargs)
+        torch.testing.assert_close(got, naive(q, k, v, row_max=True, **naive_kwargs), rtol=1e-12, atol=1e-12)
 
 
 def test_reference_rows_that_see_nothing():

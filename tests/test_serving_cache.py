@@ -68,6 +68,65 @@ def test_store_refuses_bad_arguments_before_writing():
     assert not pool.any() and not scales.any()
 
 
+def test_store_refuses_duplicate_slots_bad_scales_and_caches_before_writing():
+    pool = torch.zeros(2, 4, 2, 8, dtype=torch.int8)
+    scales = torch.zeros(2, 4, 2, 1)
+    new = torch.randn(3, 2, 8, generator=gen(5))
+    with pytest.raises(ValueError, match="argument 'slots'.*slot 5 given 2 times"):
+        store(pool, torch.tensor([5, 1, 5]), new, scale_cache=scales)
+    for bad in (0.0, -0.5, float("nan"), float("inf")):
+        scale = torch.full((1, 1, 2, 8), 0.05)
+        scale[0, 0, 1, 3] = bad
+        with pytest.raises(ValueError, match="argument 'scale'.*finite positive"):
+            store(pool, torch.tensor([0, 1, 2]), new, scale=scale)
+        with pytest.raises(ValueError, match="argument 'scale'.*finite positive"):
+            quantise(new, torch.int8, scale=scale[0])
+    with pytest.raises(ValueError, match="argument 'scale'.*requires grad"):
+        store(pool, torch.tensor([0, 1, 2]), new, scale=torch.full((1, 1, 2, 8), 0.05, requires_grad=True))
+    with pytest.raises(ValueError, match="argument 'scale'.*one scale for every token"):
+        store(pool, torch.tensor([0, 1, 2]), new, scale=torch.full((3, 2, 8), 0.05))
+    for dtype in (torch.int32, torch.bool):
+        cache = torch.zeros(2, 4, 2, 8, dtype=dtype)
+        with pytest.raises(TypeError, match=f"argument 'cache'.*{dtype}"):
+            store(cache, torch.tensor([0, 1, 2]), new)
+        assert not cache.any()
+    for reduce in ((3,), (-4,), (True,)):
+        with pytest.raises(ValueError, match="argument 'reduce'.*\[-3, 2\]"):
+            quantise(new, torch.int8, reduce=reduce)
+    assert not pool.any() and not scales.any()
+
+
+@pytest.mark.parametrize("groups", [8, 4, 1])
+def test_store_takes_the_fixed_scale_flash_attention_reads(groups):
+    """A fixed scale in the form the reader takes, (1, 1, Hkv, G) (per channel, per group of channels,
+    per head): the cache is stored with it and flash_attention with k_scale = that scale gives the
+    attention over the tokens as quantised."""
+    g = gen(6)
+    pool = torch.zeros(3, 4, 2, 8, dtype=torch.int8)
+    k = torch.randn(9, 2, 8, generator=g)
+    scale = torch.rand(1, 1, 2, groups, generator=g) * 0.02 + 0.02
+    store(pool, torch.arange(9), k, scale=scale)
+    spread = scale[0].repeat_interleave(8 // groups, dim=-1)
+    assert torch.equal(pool.view(12, 2, 8)[:9], quantise(k, torch.int8, scale=spread)[0])
+    q = torch.randn(1, 2, 4, 8, generator=g)
+    table, used = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    kw = dict(layout="BSND", block_table=table, seqused_k=used)
+    out = tileattn.flash_attention(q, pool, pool, k_scale=scale, v_scale=scale, **kw)
+    deq = pool.double() * scale.double().repeat_interleave(8 // groups, dim=-1)
+    verdict = judge("out", out, tileattn.reference(q.double(), deq, deq, **kw),
+                    tileattn.reference(q, deq.float(), deq.float(), **kw), torch.float32)
+    assert verdict.ok, str(verdict)
+
+
+def test_store_reads_new_as_data_outside_autograd():
+    """Keys that require grad (a model's activations) are stored as values: no cache joins a graph."""
+    pool, scales = torch.zeros(2, 4, 2, 8, dtype=torch.int8), torch.zeros(2, 4, 2, 1)
+    new = torch.randn(2, 2, 8, generator=gen(7), requires_grad=True)
+    store(pool, torch.tensor([3, 6]), new, scale_cache=scales)
+    assert scales.grad_fn is None and not scales.requires_grad
+    assert torch.equal(scales.view(8, 2, 1)[[3, 6]], quantise(new.detach(), torch.int8)[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_attention_over_a_cache_written_token_by_token(dtype):
     """Prefill chunks and decode steps stored with per-token scales into one shuffled pool, then one

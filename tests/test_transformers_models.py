@@ -2,8 +2,10 @@
 
 gpt-oss (learnable sinks) and DeepSeek-V3.2 (top-k sparse attention) end to end: prefill logits,
 greedy tokens and a training step's gradients. Every row of ``tt.ARCHITECTURES`` is checked: the
-architectures said to use tileattn call it and match eager; the others fail to build or are flagged
-by :func:`check_model` and by the mask builder ``register()`` installs. Models are built from configs
+architectures said to use tileattn call it and match eager; the others are refused by the mask
+builder ``register()`` installs or flagged by :func:`check_model`. A model is judged on the modules
+that read the mask (a multimodal model's language model, the decoder ``generate`` builds a static
+mask for, OCR models' own vision towers beside a routed decoder). Models are built from configs
 (hidden 32-64, 2 layers; nothing is downloaded) with ``initializer_range=0.2`` so that logits are
 O(5) and a dropped sink or index moves them by O(1).
 """
@@ -97,9 +99,9 @@ CONFIGS = {
                                             initializer_range=0.2),
     "gpt_neo": lambda: transformers.GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                                                  attention_types=[[["global", "local"], 1]],
-                                                 max_position_embeddings=64),
+                                                 max_position_embeddings=64, initializer_range=0.2),
     "falcon": lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                                num_attention_heads=4),
+                                                num_attention_heads=4, initializer_range=0.2),
     "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
                                               initializer_range=0.2),
     "xglm": lambda: transformers.XGLMConfig(vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
@@ -236,18 +238,6 @@ def test_architecture_that_computes_attention_itself_is_refused_at_its_first_for
         tt.register()
     with pytest.warns(UserWarning, match="computes attention itself"):
         assert not tt.check_model(ours).ok
-
-
-@pytest.mark.parametrize("row", _rows("fails to build"), ids=lambda r: r.model_type)
-def test_architecture_that_picks_its_attention_class_by_name_fails_to_build(row):
-    tt.register()
-    eager = _build(row.model_type, "eager")
-    with pytest.raises(KeyError) as info:
-        _build(row.model_type, "tileattn")
-    assert info.value.args == ("tileattn",)
-    with pytest.warns(UserWarning, match=f"{type(eager).__name__} computes attention itself"):
-        check = tt.check_model(eager)
-    assert check.routed == () and check.bypassing
 
 
 @pytest.mark.parametrize("row", _rows("unaffected"), ids=lambda r: r.model_type)
@@ -404,6 +394,114 @@ def test_check_model_reports_an_unregistered_name_and_another_implementation():
         check = tt.check_model(model, name="nope")
     assert check.routed == ("LlamaAttention",) and not check.ok
     assert not tt.integration_report(name="nope")["registered"] and tt.integration_report()["registered"]
+
+
+# --- judged on the path the mask is for -----------------------------------------------------------
+
+
+def _pair_of(auto, config):
+    """(eager, tileattn) models of ``auto`` with the same weights, each built from its own copy of ``config``."""
+    tt.register()
+    models = []
+    for implementation in ("eager", "tileattn"):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            models.append(auto.from_config(copy.deepcopy(config), attn_implementation=implementation).eval())
+    models[1].load_state_dict(models[0].state_dict())
+    return models
+
+
+def _same_generation(eager, ours, **inputs):
+    """Greedy tokens with a static cache (whose mask generate builds above the model) equal eager's."""
+    kwargs = dict(inputs, max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with _Counting() as counter, torch.no_grad():
+        tokens = ours.generate(**kwargs)
+    assert counter.calls > 0
+    with torch.no_grad():
+        assert torch.equal(tokens, eager.generate(**kwargs))
+
+
+def test_a_multimodal_model_on_text_is_judged_on_its_language_model():
+    """Gemma 4 with an audio tower, text only: the mask is built for the text config, so only the
+    language model's attention is judged, not the audio tower's own (which reads no such mask)."""
+    text = dict(_decoder(hidden_size=32, head_dim=8, sliding_window=4, layer_types=SLIDING),
+                vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
+    audio = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, subsampling_conv_channels=[8, 8],
+                 output_proj_dims=32)
+    eager, ours = _pair_of(transformers.AutoModelForImageTextToText,
+                           transformers.Gemma4Config(text_config=text, audio_config=audio))
+    assert "Gemma4AudioAttention" in tt.attention_classes(ours)[1]
+    ids, attention_mask = _batch()
+    _assert_logits_close(_logits(ours, ids, attention_mask), _logits(eager, ids, attention_mask), attention_mask)
+    _same_generation(eager, ours, input_ids=ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("model_type", ["longt5", "pegasus_x"])
+def test_encoder_decoder_generate_with_a_static_cache_is_judged_on_its_decoder(model_type):
+    """generate builds the decoder's mask above the encoder and decoder: the encoder's own attention
+    (LongT5's local, PEGASUS-X's global-local; they build their own masks) is not judged."""
+    config = CONFIGS[model_type]()
+    config.decoder_start_token_id = 0
+    eager, ours = _pair(model_type, config)
+    ids, attention_mask = _batch()
+    _same_generation(eager, ours, input_ids=ids, attention_mask=attention_mask)
+
+
+def test_a_decoder_that_computes_attention_itself_is_refused_in_generate_too():
+    eager, ours = _pair("mvp")
+    ids, attention_mask = _batch()
+    with pytest.raises(tt.UnsupportedModelError, match=r"MvpAttention never calls"):
+        ours.generate(input_ids=ids, attention_mask=attention_mask, max_new_tokens=2, cache_implementation="static")
+
+
+def _ocr_config(model_type):
+    """Tiny Unlimited-OCR / PP-FormulaNet: SAM-like vision towers that pick their attention class by
+    implementation name and compute it themselves, and a language model (decoder) that routes."""
+    base = transformers.CONFIG_MAPPING[model_type]()
+    sam = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_dim=64, image_size=64, window_size=2,
+               global_attn_indexes=[1])
+    if model_type == "pp_formulanet":
+        vision = dict(sam, output_channels=32, post_conv_in_channels=32, post_conv_out_channels=64,
+                      post_conv_mid_channels=32, decoder_hidden_size=32)
+        text = dict(vocab_size=VOCAB, max_position_embeddings=64, decoder_layers=2, decoder_ffn_dim=64,
+                    decoder_attention_heads=2, d_model=32, dropout=0.0, init_std=0.2, pad_token_id=1, bos_token_id=0,
+                    eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2)
+        return type(base)(vision_config=vision, text_config=text)
+    text = dict(_decoder(hidden_size=32, num_attention_heads=2, head_dim=16, sliding_window=4), n_routed_experts=2,
+                n_shared_experts=1, num_experts_per_tok=1, moe_intermediate_size=16, mlp_layer_types=["dense"] * 2,
+                layer_types=["reference_sliding_attention"] * 2)
+    vision = dict(sam_config=sam, encoder_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=2))
+    config = type(base)(text_config=text, vision_config=vision)
+    for owner in (config, config.text_config):
+        for name in dir(owner):
+            value = getattr(owner, name, None)
+            if name.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+                setattr(owner, name, 3)
+    return config
+
+
+@pytest.mark.parametrize("model_type", ["unlimited_ocr", "pp_formulanet"])
+def test_ocr_models_with_vision_towers_of_their_own_build_and_run(model_type):
+    """Their SAM vision attention is looked up in a table keyed by implementation name (KeyError('tileattn')
+    before register() gave the name eager's class there); it reads no transformers mask, the language
+    model routes: logits and greedy tokens match eager."""
+    eager, ours = _pair_of(transformers.AutoModelForImageTextToText, _ocr_config(model_type))
+    assert tt.attention_classes(ours)[1]  # the tower computes attention itself
+    ids, attention_mask = _batch()
+    if model_type == "pp_formulanet":  # image to formula: the decoder reads the image's encoding
+        with torch.no_grad():  # logits O(5), as the other tiny models' (its head's init gives O(0.3))
+            eager.get_output_embeddings().weight.mul_(16)
+        ours.load_state_dict(eager.state_dict())
+        inputs = dict(pixel_values=torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(3)))
+        with torch.no_grad():
+            got, expected = (m(**inputs, decoder_input_ids=ids[:, :4]).logits for m in (ours, eager))
+        _assert_logits_close(got, expected)
+    else:
+        inputs = dict(input_ids=ids, attention_mask=attention_mask)
+        _assert_logits_close(_logits(ours, ids, attention_mask), _logits(eager, ids, attention_mask), attention_mask)
+    _same_generation(eager, ours, **inputs)
 
 
 # --- gpt-oss (sinks) and DeepSeek-V3.2 (sparse indices) end to end ------------------------------

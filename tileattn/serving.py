@@ -12,9 +12,17 @@ scale``.
   with the group's absolute maximum mapped to the format's largest finite value.
 * :func:`store`: write new tokens (T, Hkv, D) into a paged pool (num_blocks, block_size, Hkv, D) or a
   contiguous cache (B, S, Hkv, D) at flat slot indices (vLLM's ``slot_mapping``: block * block_size +
-  offset, or b * S + position), in place: quantised per token into per-slot scale (and offset) caches
-  of shape (num_blocks, block_size, Hkv, 1), or with a fixed scale (per channel: (1, 1, Hkv, D), per
-  tensor), or copied into a float cache. Everything is checked before anything is written.
+  offset, or b * S + position; each slot at most once per call), in place: quantised per token into
+  per-slot scale (and offset) caches of shape (num_blocks, block_size, Hkv, 1), or with a fixed
+  scale, the same for every token, in the form ``flash_attention`` reads it (per channel
+  (1, 1, Hkv, D), per group of channels (1, 1, Hkv, G), per head (1, 1, Hkv, 1), per tensor
+  (1, 1, 1, 1)) or any shape broadcastable to (1, Hkv, D), or copied into a float cache.
+  Everything is checked before anything is written. Caches hold data, not a graph: ``new`` is read
+  without autograd (a cache never joins a graph), while a given ``scale`` that requires grad is
+  refused, as ``flash_attention`` refuses one.
+
+Given scales are fp32, finite and positive (``real = stored * scale``: zero, a negative, NaN or inf
+would store what no reader recovers).
 """
 
 from __future__ import annotations
@@ -41,11 +49,10 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, reduce: Sequence[int] = (-1,),
     if not symmetric and dtype is not torch.int8:
         fail(ValueError, "symmetric", False, "True for fp8 (only int8 takes an offset)")
     real = x.float()
-    dims = tuple(sorted({d % x.dim() for d in reduce})) if x.dim() else ()
+    dims = _reduced_dims(reduce, x.dim())
     offset = None
     if scale is not None:
-        if not isinstance(scale, torch.Tensor) or scale.dtype is not torch.float32:
-            fail(TypeError, "scale", getattr(scale, "dtype", type(scale).__name__), "an fp32 tensor")
+        _check_scale(scale)
         if len(scale.shape) > x.dim() or any(n not in (1, f) for n, f in zip(scale.shape[::-1], x.shape[::-1])):
             fail(ValueError, "scale", f"shape {tuple(scale.shape)}", f"a shape broadcastable to x {tuple(x.shape)}")
     elif symmetric:
@@ -62,6 +69,41 @@ def quantise(x: torch.Tensor, dtype: torch.dtype, reduce: Sequence[int] = (-1,),
     else:
         stored = scaled.clamp(-_FP8_MAX[dtype], _FP8_MAX[dtype]).to(dtype)
     return stored, scale, offset
+
+
+def _reduced_dims(reduce, ndim):
+    """``reduce`` as sorted non-negative dims of an ``ndim``-d tensor (torch's rule: a 0-d tensor
+    takes -1 and 0, and has nothing to reduce)."""
+    bound = max(1, ndim)
+    if not isinstance(reduce, (tuple, list)) or \
+            any(isinstance(d, bool) or not isinstance(d, int) or not -bound <= d < bound for d in reduce):
+        fail(ValueError, "reduce", repr(reduce), f"a tuple of dims of x in [-{bound}, {bound - 1}]")
+    return tuple(sorted({d % ndim for d in reduce})) if ndim else ()
+
+
+def _check_scale(scale):
+    """A given scale: an fp32 tensor of finite positive values, not one autograd would have to reach."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype is not torch.float32:
+        fail(TypeError, "scale", getattr(scale, "dtype", type(scale).__name__), "an fp32 tensor")
+    if scale.requires_grad and torch.is_grad_enabled():
+        fail(ValueError, "scale", "a tensor that requires grad",
+             "a tensor without gradients (detach it or use torch.no_grad()): stored values are not differentiable")
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        fail(ValueError, "scale", f"{float(scale[bad].flatten()[0])} at {tuple(bad.nonzero()[0].tolist())}",
+             "finite positive scales (real = stored * scale)")
+
+
+def _fixed_scale(scale, heads, width):
+    """:func:`store`'s fixed scale as a tensor broadcastable to the new tokens (T, Hkv, D)."""
+    _check_scale(scale)
+    shape = tuple(scale.shape)
+    if len(shape) == 4 and shape[:2] == (1, 1) and shape[2] in (1, heads) and shape[3] and width % shape[3] == 0:
+        return scale[0].repeat_interleave(width // shape[3], dim=-1)
+    if len(shape) <= 3 and all(n in (1, f) for n, f in zip(shape[::-1], (width, heads, 1))):
+        return scale
+    fail(ValueError, "scale", f"shape {shape}", f"one scale for every token: (1, 1, {heads} or 1, G) with G dividing "
+         f"{width}, as flash_attention reads the cache, or a shape broadcastable to (1, {heads}, {width})")
 
 
 def _slots_view(name, t, width):
@@ -82,11 +124,14 @@ def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_
     """Write ``new`` (T, Hkv, D) at the flat ``slots`` (T,) of ``cache``, in place (module docstring).
 
     A quantised cache takes either ``scale_cache`` (fp32 (N0, N1, Hkv, 1): per-token scales written at
-    the same slots; with ``offset_cache`` alike, asymmetric int8) or a fixed ``scale`` (fp32,
-    broadcastable to (T, Hkv, D)); a float cache takes neither.
+    the same slots; with ``offset_cache`` alike, asymmetric int8) or a fixed ``scale`` (module
+    docstring); a float cache takes neither.
     """
     if not isinstance(new, torch.Tensor) or new.dim() != 3 or not new.is_floating_point():
         fail(TypeError, "new", getattr(new, "shape", type(new).__name__), "a float tensor (tokens, kv_heads, head_dim)")
+    if not isinstance(cache, torch.Tensor) or not (cache.is_floating_point() or cache.dtype in QUANT_DTYPES):
+        fail(TypeError, "cache", f"dtype {cache.dtype}" if isinstance(cache, torch.Tensor) else type(cache).__name__,
+             "a float cache or a quantised one (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)")
     flat = _slots_view("cache", cache, new.shape[-1])
     if flat.shape[1] != new.shape[1]:
         fail(ValueError, "new", f"{new.shape[1]} kv heads", f"{flat.shape[1]}, the cache's")
@@ -97,29 +142,37 @@ def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= flat.shape[0]):
         fail(ValueError, "slots", f"values in [{int(slots.min())}, {int(slots.max())}]",
              f"slots in [0, {flat.shape[0]}) of the cache")
+    for name, t in (("new", new), ("slots", slots), ("scale_cache", scale_cache), ("offset_cache", offset_cache),
+                    ("scale", scale)):
+        if isinstance(t, torch.Tensor) and t.device != cache.device:
+            fail(ValueError, name, f"device {t.device}", f"the cache's device {cache.device}")
     index = slots.long()
+    if index.numel() > 1:
+        seen, counts = torch.unique(index, return_counts=True)
+        if bool((counts > 1).any()):
+            fail(ValueError, "slots", f"slot {int(seen[counts > 1][0])} given {int(counts[counts > 1][0])} times",
+                 "each slot at most once per call (a slot's value and its scale must come from one token)")
     if cache.dtype not in QUANT_DTYPES:
         for name, t in (("scale_cache", scale_cache), ("offset_cache", offset_cache), ("scale", scale)):
             if t is not None:
                 fail(ValueError, name, "a tensor for a float cache", "None (the cache stores the values as given)")
-        flat[index] = new.to(cache.dtype)
-        return
-    if (scale_cache is None) == (scale is None):
+        writes = [(flat, new.to(cache.dtype))]
+    elif (scale_cache is None) == (scale is None):
         fail(ValueError, "scale_cache/scale", "both" if scale is not None else "neither",
              "per-token scales (scale_cache) or one fixed scale (scale) for a quantised cache")
-    if scale is not None:
+    elif scale is not None:
         if offset_cache is not None:
             fail(ValueError, "offset_cache", "a tensor with a fixed scale", "None")
-        stored, _, _ = quantise(new, cache.dtype, scale=scale)
-        flat[index] = stored
-        return
-    scales = _slots_view("scale_cache", scale_cache, 1)
-    offsets = None if offset_cache is None else _slots_view("offset_cache", offset_cache, 1)
-    for name, t in (("scale_cache", scales), ("offset_cache", offsets)):
-        if t is not None and (t.dtype is not torch.float32 or t.shape[:2] != flat.shape[:2]):
-            fail(ValueError, name, f"shape {tuple(t.shape)} {t.dtype}", f"fp32 slots {tuple(flat.shape[:2])} + (1,)")
-    stored, s, o = quantise(new, cache.dtype, reduce=(-1,), symmetric=offsets is None)
-    flat[index] = stored
-    scales[index] = s
-    if offsets is not None:
-        offsets[index] = o
+        writes = [(flat, quantise(new, cache.dtype, scale=_fixed_scale(scale, flat.shape[1], flat.shape[2]))[0])]
+    else:
+        scales = _slots_view("scale_cache", scale_cache, 1)
+        offsets = None if offset_cache is None else _slots_view("offset_cache", offset_cache, 1)
+        for name, t in (("scale_cache", scales), ("offset_cache", offsets)):
+            if t is not None and (t.dtype is not torch.float32 or t.shape[:2] != flat.shape[:2]):
+                fail(ValueError, name, f"shape {tuple(t.shape)} {t.dtype}",
+                     f"fp32 slots {tuple(flat.shape[:2])} + (1,)")
+        stored, s, o = quantise(new, cache.dtype, reduce=(-1,), symmetric=offsets is None)
+        writes = [(flat, stored), (scales, s)] + ([] if offsets is None else [(offsets, o)])
+    with torch.no_grad():  # every value computed, every tensor checked: no write is left half-done
+        for target, values in writes:
+            target[index] = values

@@ -19,10 +19,13 @@ takes the same, and also a leading batch axis of size B (per-sequence scales, su
 FlashAttention-3's descales of shape (B, Hkv)). ``q_scale``: fp32 (B|1, Hkv|1). Flattened-head
 layouts (BSH, SBH) take no scales.
 
-Forward only (inference): a call that would need gradients is refused. Engines: the native kernels
-read the cache as stored and dequantise inside their tile loop (declared in their capabilities); the
-``cpu`` engine and the exact reference dequantise a copy first (:func:`tileattn.core.spec.dequantised_spec`), the
-reference in its own compute dtype, which makes it the independent check.
+Forward only (inference): a call that would need gradients is refused, and so is a scale or offset
+that requires grad (no gradient would reach it). Engines: the native kernels read the cache as
+stored and dequantise inside their tile loop (declared in their capabilities; a per-tensor or
+per-token K scale that is not finite makes them dequantise the keys first, as the reference does);
+the ``cpu`` engine and the exact reference dequantise a copy first
+(:func:`tileattn.core.spec.dequantised_spec`), the reference in its own compute dtype, which makes it
+the independent check.
 """
 
 from __future__ import annotations
@@ -74,6 +77,12 @@ class KVQuant(Modifier):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             fail(ValueError, self._first_given(), "a quantised or scaled cache with inputs that require grad",
                  "inputs without gradients or torch.no_grad(): quantised K/V are forward only (inference)")
+        for name in _SCALE_NAMES + ("q_scale",):
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+                fail(ValueError, name, "a tensor that requires grad",
+                     "a tensor without gradients (detach it or use torch.no_grad()): quantised K/V are forward "
+                     "only, no gradient reaches the scales")
         leading = spec.is_paged or spec.is_varlen
         for name in _SCALE_NAMES:
             t = getattr(self, name)

@@ -11,6 +11,7 @@ the LSE it is given (a partial result's backward with global statistics).
 ``compute_dtype`` chooses the arithmetic: ``None`` computes in the inputs' own dtype ("plain PyTorch
 math in the same dtype", the yardstick of FlashAttention's error rule), ``torch.float32`` or
 ``torch.float64`` upcast first. The result comes back in ``compute_dtype`` (the input dtype when None).
+:func:`row_max` applies the same hooks to give each row's maximum score (torch_npu's ``softmax_max``).
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ def _scores(spec: AttentionSpec, block: ScoreBlock, q, k, cdtype):
     ``scores_grad`` reads them) and the pairs that take part (None: all). Every modifier is applied
     by its own hooks, in pipeline order."""
     k = k.to(cdtype).repeat_interleave(spec.group_size, dim=0)
-    s = torch.einsum("hid,hjd->hij", q.to(cdtype), k) * spec.scale
-    before = []
+    return _modified(spec, block, torch.einsum("hid,hjd->hij", q.to(cdtype), k) * spec.scale)
+
+
+def _modified(spec: AttentionSpec, block: ScoreBlock, s):
+    """:func:`_scores` from the scaled scores ``s`` (Hq, rows, cols) of ``block``."""
+    dtype, before = s.dtype, []
     for m in spec.modifiers:
         before.append(s)
-        s = m.scores(s, block).to(cdtype)  # a score_mod may promote (bf16 scores times a float32 table)
+        s = m.scores(s, block).to(dtype)  # a score_mod may promote (bf16 scores times a float32 table)
     keep = None
     for m in spec.modifiers:
         visible = m.visible(block)
@@ -132,30 +137,48 @@ def reference_from_spec(spec: AttentionSpec, compute_dtype=None, max_elements=No
     return from_canonical(out_c, spec.layout), lse.to(lse_dtype)
 
 
-#: score elements a step of :func:`row_max` materialises (bounds its memory)
-ROW_MAX_ELEMENTS = 1 << 24
+#: Scores held at once by :func:`row_max` (one block of query rows, every head, every key).
+_ROW_MAX_BLOCK = 1 << 22
 
 
 @torch.no_grad()
-def row_max(spec: AttentionSpec) -> torch.Tensor:
-    """The largest score each query row sees (after every modifier and mask), lse-shaped, in the
-    accumulation dtype; -inf for rows that see nothing. Computed in blocks of rows, never the whole
-    score matrix (FlexAttention's ``AuxRequest(max_scores=True)``)."""
-    cdtype = spec.acc_dtype()
-    out = torch.full(spec.lse_shape(), -math.inf, dtype=cdtype, device=spec.device)
+def row_max(q, k, v, *, compute_dtype=torch.float32, **kwargs):
+    """Row maximum of the masked, scaled scores of a ``flash_attention`` call (same keywords),
+    shaped like its LSE: ``-inf`` for a row that sees no key; an extra logit (a sink) counts as a
+    score. Computed from the scores in ``compute_dtype`` by the modifiers' own hooks, a block of
+    query rows at a time (at most ``2**22`` scores in memory); ``v`` only fixes the call's shape.
+    The softmax statistics some APIs return (torch_npu's ``softmax_max``) are this and the LSE."""
+    kwargs.pop("backend", None)
+    spec = build_spec(q, k, v, **kwargs)
+    if spec.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(spec.device.type):
+        with torch.autocast(spec.device.type, enabled=False):
+            return row_max(q, k, v, compute_dtype=compute_dtype, **kwargs)
+    if quant_of(spec) is not None:
+        spec = dequantised_spec(spec, compute_dtype)
+    maxima = []
     for seq in spec.sequences:
-        q, k, _ = sequence_views(spec, seq)
-        step = max(1, ROW_MAX_ELEMENTS // max(1, spec.heads_q * seq.k_len))
-        for i0 in range(0, seq.q_len, step):
-            i1 = min(seq.q_len, i0 + step)
-            block = ScoreBlock(seq.batch, slice(None), i0, i1, 0, seq.k_len, seq.offset, cdtype, spec.device)
-            s, _, _ = _scores(spec, block, q[:, i0:i1], k, cdtype)
-            top = s.amax(-1) if seq.k_len else s.new_full(s.shape[:-1], -math.inf)
-            if spec.is_varlen:
-                out[:, seq.q_start + i0:seq.q_start + i1] = top
-            else:
-                out[seq.batch, :, i0:i1] = top
-    return out
+        q_s, k_s, _ = sequence_views(spec, seq)
+        k_t = k_s.to(compute_dtype).transpose(1, 2)
+        m = torch.full((spec.heads_q, seq.q_len), -math.inf, dtype=compute_dtype, device=spec.device)
+        rows = max(1, _ROW_MAX_BLOCK // max(1, spec.heads_q * seq.k_len))
+        for i0 in range(0, seq.q_len, rows):
+            i1 = min(seq.q_len, i0 + rows)
+            j0, j1 = (0, seq.k_len) if spec.band is None else spec.band.key_range(i0, i1, seq.k_len, seq.offset)
+            if j0 == j1:
+                continue
+            block = ScoreBlock(seq.batch, slice(None), i0, i1, j0, j1, seq.offset, compute_dtype, spec.device)
+            # query heads grouped by the kv head they share (GQA): one GEMM per kv head, no repeated keys
+            q_g = q_s[:, i0:i1].to(compute_dtype).reshape(spec.heads_kv, -1, q_s.shape[-1])
+            s = torch.matmul(q_g, k_t[..., j0:j1]).view(spec.heads_q, i1 - i0, j1 - j0).mul_(spec.scale)
+            m[:, i0:i1] = _modified(spec, block, s)[0].amax(-1)
+        for mod in spec.modifiers:
+            logits = mod.extra_logits(m, 0)
+            if logits is not None:
+                m = torch.maximum(m, logits)
+        maxima.append(m)
+    if spec.is_varlen:
+        return torch.cat(maxima, 1) if maxima else torch.zeros(spec.lse_shape(), dtype=compute_dtype)
+    return torch.stack(maxima) if maxima else torch.zeros(spec.lse_shape(), dtype=compute_dtype)
 
 
 def from_canonical(out_c: torch.Tensor, layout: str) -> torch.Tensor:

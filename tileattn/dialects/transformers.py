@@ -43,7 +43,8 @@ from ..core.api import attention_partial, flash_attention
 from ..core.merge import merge_weights
 from .sdpa import autocast_dtype, autocast_inputs
 from .transformers_models import (ALLOW_BYPASS_ENV, ARCHITECTURES, HANDLING, Architecture,  # noqa: F401
-                                  UnsupportedModelError, attention_classes, mask_builder)
+                                  UnsupportedModelError, _configs, attention_classes, mask_builder,
+                                  name_attention_tables)
 
 NAME = "tileattn"
 #: The transformers version the keyword audit and the architecture table were made against.
@@ -365,8 +366,11 @@ def register(name: str = NAME, *, model=None, allow_bypass: Optional[bool] = Non
     it runs on its own attention with the mask eager builds (eager's results, tileattn unused). Models
     that call the interface get SDPA's bool mask, or eager's when they do not declare SDPA support.
     With ``model``, also switch that model to ``name`` (``model.set_attn_implementation``) and run
-    :func:`check_model` on it. Architectures that pick their attention class by name when they are
-    built (GPT-Neo, Falcon) raise ``KeyError('tileattn')`` in transformers before any of this runs.
+    :func:`check_model` on it. Architectures that pick their attention class from a table keyed by
+    implementation name when they are built (GPT-Neo, Falcon, GIT, Bark, SAM vision towers) find
+    ``name`` there with eager's class (registering adds it, to every such table transformers imports),
+    and are then judged as above: GPT-Neo and Falcon are refused at their first forward, an OCR model's
+    vision tower runs its own attention beside a language model that calls tileattn.
     """
     try:
         from transformers import AttentionInterface
@@ -384,6 +388,7 @@ def register(name: str = NAME, *, model=None, allow_bypass: Optional[bool] = Non
         pass
     else:
         AttentionMaskInterface.register(name, mask_builder(name, allow_bypass, _compiling))
+    name_attention_tables(name)
     if model is not None:
         model.set_attn_implementation(name)
         check_model(model, name=name)
@@ -402,17 +407,6 @@ class ModelCheck(NamedTuple):
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _configs(config):
-    seen, todo = [], [config]
-    while todo:
-        c = todo.pop()
-        if c is None or any(c is s for s in seen):
-            continue
-        seen.append(c)
-        todo.extend(getattr(c, key, None) for key in getattr(c, "sub_configs", {}) or {})
-    return seen
 
 
 def check_model(model, *, name: str = NAME, warn: bool = True, first_forward: bool = True) -> ModelCheck:

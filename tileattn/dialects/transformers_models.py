@@ -11,7 +11,10 @@ time a model builds a mask, at the model (the module whose forward is building i
 * **refuses** it (:class:`UnsupportedModelError`, at its first forward) when one of its attention
   modules never reaches the interface, naming the architecture and what to use instead; with the
   opt-out (``register(allow_bypass=True)`` or ``TILEATTN_HF_ALLOW_BYPASS=1``) it warns and builds the
-  mask eager builds, so the model computes exactly what it computes with ``attn_implementation="eager"``;
+  mask eager builds, so the model computes exactly what it computes with ``attn_implementation="eager"``.
+  Only the modules that read that mask are judged (:func:`mask_readers`): a multimodal model's
+  language model for a mask built for its text config, not its vision or audio towers; the decoder
+  for the mask ``generate`` builds above an encoder-decoder model, not an encoder that builds its own;
 * gives **eager's mask** (a float bias, never skipped) to a model that calls the interface but does not
   declare SDPA support (``_supports_sdpa``): such models are only tested by transformers on eager's
   masks, and some rely on them (BigBird-Pegasus's and NLLB-MoE's decoders flag no ``is_causal``, so
@@ -25,6 +28,8 @@ can refuse it at its forward: :func:`check_model` reports it.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import inspect
 import os
 import re
@@ -59,13 +64,13 @@ HANDLING = {
     "routed, eager mask": "calls tileattn; declares no SDPA support, so it gets the mask eager builds, as a bias",
     "refused": "computes attention itself and builds its masks through transformers: UnsupportedModelError at its "
                "first forward (opt-out: eager's mask and the model's own attention)",
-    "fails to build": "picks its attention class by implementation name: transformers raises KeyError('tileattn')",
     "unaffected": "computes attention itself and builds no mask through transformers: the result is eager's; "
                   "check_model reports it",
 }
 
-_SEEN_SWAPS = "picks its attention class by implementation name: building it with 'tileattn' raises KeyError"
 _MISREAD = "computes attention itself on transformers' mask; the SDPA-style mask gave wrong logits (rel. error "
+_BY_NAME = ("picks its attention class from a table keyed by implementation name (KeyError('tileattn') before "
+            "register() gave the name eager's class there); that class computes attention itself")
 
 #: Architectures tested with transformers 5.24 (``tests/test_transformers_models.py`` builds a tiny
 #: random model of each from its config and checks the claim of its row: routed ones call tileattn
@@ -84,18 +89,21 @@ ARCHITECTURES = (
     Architecture("Granite SWA", "granite_swa", True, "routed", "learnable sinks (s_aux) applied as an LSE rescale"),
     Architecture("T5", "t5", True, "routed", "relative position_bias; encoder, decoder and cross-attention"),
     Architecture("GPT-2", "gpt2", True, "routed", "absolute positions; Conv1D projections"),
-    Architecture("LongT5", "longt5", True, "routed, eager mask", "position_bias; no _supports_sdpa"),
+    Architecture("LongT5", "longt5", True, "routed, eager mask",
+                 "position_bias; no _supports_sdpa; its encoder's local attention builds its own masks (generate "
+                 "with a static cache is judged on the decoder)"),
     Architecture("BigBird-Pegasus (decoder)", "bigbird_pegasus", True, "routed, eager mask",
                  "its decoder flags no is_causal: on the SDPA mask (causal part left out) it was not causal"),
     Architecture("NLLB-MoE", "nllb-moe", True, "routed, eager mask", "as BigBird-Pegasus (rel. error 0.5 before)"),
     Architecture("PEGASUS-X", "pegasus_x", True, "routed, eager mask",
                  "its decoder calls tileattn (rel. error 0.7-0.8 on the SDPA mask); its encoder's global-local "
-                 "attention is its own, on masks it builds itself (check_model reports it)"),
+                 "attention is its own, on masks it builds itself (check_model reports it; generate with a static "
+                 "cache is judged on the decoder)"),
     Architecture("MiniMax", "minimax", True, "routed",
                  "hybrid: its lightning (linear) attention layers are its own and take no such mask"),
     Architecture("OLMo hybrid", "olmo_hybrid", True, "routed", "hybrid: gated delta (linear) layers of its own"),
-    Architecture("GPT-Neo", "gpt_neo", False, "fails to build", _SEEN_SWAPS),
-    Architecture("Falcon", "falcon", False, "fails to build", _SEEN_SWAPS),
+    Architecture("GPT-Neo", "gpt_neo", False, "refused", _BY_NAME),
+    Architecture("Falcon", "falcon", False, "refused", _BY_NAME),
     Architecture("BLOOM", "bloom", False, "refused", _MISREAD + "1.0-1.2, also without padding); ALiBi"),
     Architecture("XGLM", "xglm", False, "refused", _MISREAD + "0.8-0.9, also without padding)"),
     Architecture("TrOCR (decoder)", "trocr", False, "refused", _MISREAD + "1.0-1.2, also without padding)"),
@@ -165,12 +173,13 @@ def _softmax(cls) -> bool:
 
 
 def attention_classes(model) -> tuple:
-    """(routed, bypassing): names of the attention module classes of ``model`` that look the
-    implementation up in the interface, and of those that compute softmax attention themselves (an
-    ``*Attention*`` module that neither reaches the interface nor holds a module that does, and whose
-    code or a submodule's computes a softmax)."""
+    """(routed, bypassing): names of the attention module classes of ``model`` (a module, or several)
+    that look the implementation up in the interface, and of those that compute softmax attention
+    themselves (an ``*Attention*`` module that neither reaches the interface nor holds a module that
+    does, and whose code or a submodule's computes a softmax)."""
     routed, bypassing = [], []
-    for module in model.modules():
+    roots = model if isinstance(model, (list, tuple)) else [model]
+    for module in dict.fromkeys(m for root in roots for m in root.modules()):
         cls = type(module)
         if routes(cls):
             routed.append(cls.__name__)
@@ -194,6 +203,67 @@ def _bypassing_in_source(module) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------
+# Models that pick their attention class from a table keyed by implementation name.
+
+#: A modeling module of transformers (``transformers.models.falcon.modeling_falcon``).
+_MODELING = re.compile(r"transformers\.models\.\w+\.modeling_\w+")
+
+
+def _add_name(module, names):
+    """Give ``names`` the ``"eager"`` class in the module's ``*ATTENTION_CLASSES`` tables (GPT-Neo,
+    Falcon, GIT, Bark and the SAM vision towers of OCR models look their attention class up there by
+    implementation name, and raise ``KeyError`` for any other): the model builds, and the mask
+    builder then judges it like any model that computes attention itself (a language model that
+    reads transformers' masks is refused at its first forward; a vision tower that reads none runs
+    its own attention, as in eager)."""
+    for key, table in vars(module).items():
+        if key.endswith("ATTENTION_CLASSES") and isinstance(table, dict) and "eager" in table:
+            for name in names:
+                table.setdefault(name, table["eager"])
+
+
+class _NameKeyedTables(importlib.abc.MetaPathFinder):
+    """Adds the registered names to those tables of every modeling module imported from now on
+    (transformers imports them lazily, when a model class is first used), and of those already
+    imported when a name is registered."""
+
+    def __init__(self):
+        self.names = []
+
+    def add(self, name):
+        if name not in self.names:
+            self.names.append(name)
+        for module_name, module in list(sys.modules.items()):
+            if module is not None and _MODELING.fullmatch(module_name):
+                _add_name(module, self.names)
+
+    def find_spec(self, fullname, path, target=None):
+        if not _MODELING.fullmatch(fullname):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        run, names = spec.loader.exec_module, self.names
+
+        def exec_module(module):
+            run(module)
+            _add_name(module, names)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_TABLES = _NameKeyedTables()
+
+
+def name_attention_tables(name: str) -> None:
+    """Make ``name`` a key of the implementation-keyed attention-class tables (see :func:`_add_name`)."""
+    if _TABLES not in sys.meta_path:
+        sys.meta_path.insert(0, _TABLES)
+    _TABLES.add(name)
+
+
+# ---------------------------------------------------------------------------------------------
 # The mask builder: the model that builds a mask is judged the first time.
 
 
@@ -210,17 +280,45 @@ _WARNED = set()
 
 
 def _building_model(config) -> Optional[torch.nn.Module]:
-    """The module whose forward is building a mask for ``config`` (transformers' mask functions are
-    called from it with ``config=self.config``), from the calling frames; None if none is found."""
+    """The module whose forward (or ``generate``) is building a mask for ``config``: transformers'
+    mask functions are called from it with ``config=self.config`` or, in a multimodal model, with the
+    config of its language model (``config.get_text_config()``); from the calling frames, None if
+    none is found."""
     frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if isinstance(owner, torch.nn.Module) and getattr(owner, "config", None) is config:
+        if isinstance(owner, torch.nn.Module) and any(c is config for c in _configs(getattr(owner, "config", None))):
             return owner
         frame = frame.f_back
     return None
+
+
+def _configs(config) -> list:
+    """``config`` and its sub-configs (those of a multimodal model: text, vision, audio...)."""
+    seen, todo = [], [config]
+    while todo:
+        c = todo.pop()
+        if c is None or any(c is s for s in seen):
+            continue
+        seen.append(c)
+        todo.extend(getattr(c, key, None) for key in getattr(c, "sub_configs", {}) or {})
+    return seen
+
+
+def mask_readers(model, config) -> list:
+    """The modules that read a mask ``model`` builds for ``config``: the sub-models that hold
+    ``config`` when it is a sub-config of the model's (a multimodal model's language model; its
+    vision and audio towers take masks of their own); the decoder of an encoder-decoder model (what
+    it builds above its encoder and decoder is generate's decoder mask, the encoder builds its own);
+    else the model. Only their attention classes are judged, so a model is judged on the path the
+    mask is for, not on towers or an encoder that never read it."""
+    if getattr(model, "config", None) is not config:
+        return [m for m in model.modules() if m is not model and getattr(m, "config", None) is config] or [model]
+    decoder = model.get_decoder() if getattr(config, "is_encoder_decoder", False) and \
+        callable(getattr(model, "get_decoder", None)) else None
+    return [decoder] if isinstance(decoder, torch.nn.Module) and decoder is not model else [model]
 
 
 def verdict(config) -> Verdict:
@@ -236,11 +334,12 @@ def verdict(config) -> Verdict:
             _STATIC_VERDICTS[key] = Verdict(type(config).__name__, model_type, _bypassing_in_source(module),
                                             any(c._supports_sdpa for c in models) if models else True)
         return _STATIC_VERDICTS[key]
-    if model not in _VERDICTS:
-        _, bypassing = attention_classes(model)
-        _VERDICTS[model] = Verdict(type(model).__name__, model_type, bypassing,
-                                   bool(getattr(model, "_supports_sdpa", True)))
-    return _VERDICTS[model]
+    known = _VERDICTS.setdefault(model, {})
+    if id(config) not in known:
+        _, bypassing = attention_classes(mask_readers(model, config))
+        known[id(config)] = Verdict(type(model).__name__, model_type, bypassing,
+                                    bool(getattr(model, "_supports_sdpa", True)))
+    return known[id(config)]
 
 
 def bypass_allowed(allow_bypass: Optional[bool]) -> bool:

@@ -1,10 +1,17 @@
 """The flash-attn dialect's errors: flash-attn's checks are ``TORCH_CHECK``s and its arguments go
 through a ``torch.library`` op schema, both of which raise RuntimeError; Python callers catch
-ValueError/TypeError, so every argument error here is both."""
+ValueError/TypeError, so every argument error here is both. What tileattn's core raises under a
+dialect call (its validation, :class:`tileattn.NoBackendError`) leaves it as these classes too
+(:func:`core_errors`): ``except RuntimeError`` catches it as with flash-attn, and tileattn's own
+``except ValueError`` / ``except tileattn.NoBackendError`` still do."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from ...core.dispatch import NoBackendError
 
 
 class FlashAttnArgumentError(ValueError, RuntimeError):
@@ -13,6 +20,27 @@ class FlashAttnArgumentError(ValueError, RuntimeError):
 
 class FlashAttnTypeError(TypeError, RuntimeError):
     """A bad argument type. Also a RuntimeError, which flash-attn's op schema raises."""
+
+
+class FlashAttnNoBackendError(NoBackendError, RuntimeError):
+    """No engine runs the call (:class:`tileattn.NoBackendError`, a ValueError). Also a RuntimeError,
+    which flash-attn raises for a call its kernels do not take."""
+
+
+@contextlib.contextmanager
+def core_errors(fn):
+    """Re-raise what tileattn's core raises as the dialect's class (also a RuntimeError), the message
+    kept and prefixed with the function's name."""
+    try:
+        yield
+    except (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError):
+        raise
+    except NoBackendError as e:
+        raise FlashAttnNoBackendError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
+    except TypeError as e:
+        raise FlashAttnTypeError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
+    except ValueError as e:
+        raise FlashAttnArgumentError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
 
 
 def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):

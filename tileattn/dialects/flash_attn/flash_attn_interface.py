@@ -7,7 +7,9 @@ seed from torch's default generator, so ``torch.manual_seed`` makes it reproduci
 
 Errors: flash-attn's checks are ``TORCH_CHECK``s and its arguments go through a ``torch.library``
 op schema, both of which raise RuntimeError; Python callers catch ValueError/TypeError. Every
-argument error here is both (:class:`FlashAttnArgumentError`, :class:`FlashAttnTypeError`).
+argument error here is both (:class:`FlashAttnArgumentError`, :class:`FlashAttnTypeError`), and so
+is what the core raises under a call (a :class:`tileattn.NoBackendError` becomes
+``FlashAttnNoBackendError``, also a RuntimeError).
 
 Integer arguments (``window_size`` sides, ``max_seqlen*``, ``num_splits``) accept what flash-attn's
 op schema accepts for an int: Python and numpy integers and one-element integer tensors (its own
@@ -37,7 +39,8 @@ from ...core.score_math import ScoreBlock
 from ...core.spec import build_spec, sequence_views
 from . import descale as _descale
 from .checks import _as_int, _check_alibi, _check_options, _check_qkv, _check_rank
-from .errors import FlashAttnArgumentError, FlashAttnTypeError, _describe, _fail  # noqa: F401  (re-exported)
+from .errors import (FlashAttnArgumentError, FlashAttnTypeError, _describe, _fail,  # noqa: F401  (re-exported)
+                     core_errors)
 from .kvcache import flash_attn_with_kvcache  # noqa: F401  (flash-attn's interface module has it too)
 
 
@@ -92,6 +95,25 @@ def _probs_chunk(spec, cdt, seq, h, q_rows, k, lse, r0, out):
     out.copy_(torch.where(weights == 0, p.neg(), p)[0])  # dropped entries negated (flash-attn's convention)
 
 
+class _PagedForward(torch.autograd.Function):
+    """flash-attn's paged varlen call (``block_table``) is forward only, and its own tests build q
+    with ``requires_grad=True``: the forward runs whatever q, k, v require; a backward through it
+    raises, naming ``block_table``."""
+
+    @staticmethod
+    def forward(ctx, fn, run, q, k, v):
+        ctx.fn = fn
+        out, lse = run(q, k, v)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        _fail(ctx.fn, "block_table", "a paged KV cache in a backward pass",
+              "no block_table in a call to differentiate (flash-attn's paged varlen call is forward only): "
+              "pass k/v packed as (total_k, nheads_k, headdim) with cu_seqlens_k")
+
+
 def _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
          deterministic, return_attn_probs, max_seqlens=None, **layout_kwargs):
     window = _check_options(fn, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
@@ -105,7 +127,12 @@ def _run(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
                   **layout_kwargs)
     if max_seqlens is not None:
         kwargs.update(max_seqlen_q=max_seqlens[0], max_seqlen_k=max_seqlens[1])
-    out, lse = flash_attention(q, k, v, seed=seed, return_lse=True, **kwargs)
+    with core_errors(fn):
+        if "block_table" in kwargs:
+            out, lse = _PagedForward.apply(fn, lambda q, k, v: flash_attention(q, k, v, seed=seed, return_lse=True,
+                                                                               **kwargs), q, k, v)
+        else:
+            out, lse = flash_attention(q, k, v, seed=seed, return_lse=True, **kwargs)
     if not return_attn_probs:
         return out
     sq, sk = max_seqlens if max_seqlens is not None else (q.shape[1], k.shape[1])
@@ -137,8 +164,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q, scales = _descale.lower(fn, q, k, v, descales, q.shape[0], k.shape[2], False)
         _check_qkv(fn, q, q.new_empty(()).expand(k.shape), q.new_empty(()).expand(v.shape))  # shapes only
         _check_alibi(fn, alibi_slopes, q.shape[0], q.shape[2], q.device)
-        return flash_attention(q, k, v, layout="BSND", scale=softmax_scale, causal=causal, window=window,
-                               softcap=float(softcap), alibi_slopes=alibi_slopes, **scales)
+        with core_errors(fn):
+            return flash_attention(q, k, v, layout="BSND", scale=softmax_scale, causal=causal, window=window,
+                                   softcap=float(softcap), alibi_slopes=alibi_slopes, **scales)
     return _run("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_attn_probs, layout="BSND")
 

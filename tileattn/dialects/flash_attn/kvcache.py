@@ -38,7 +38,7 @@ import torch
 from ...core.api import flash_attention
 from . import descale as _descale
 from .checks import _as_int, _check_alibi, _check_options, _check_rank
-from .errors import FlashAttnTypeError, _describe, _fail
+from .errors import FlashAttnTypeError, _describe, _fail, core_errors
 
 _FN = "flash_attn_with_kvcache"
 
@@ -369,7 +369,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             queries, scales = _descale.lower(_FN, queries, keys, values, descales, batch, k_cache.shape[2],
                                              "block_table" in extra)
             extra.update(scales)
-        out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
+        with core_errors(_FN):
+            out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
     except BaseException:
         if saved is not None:
             cache.restore(saved)

@@ -67,7 +67,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     keywords = _keywords(call, score_mod)
     out, lse = flash_attention(query, key, value, return_lse=True, **keywords)
     if call.aux:
-        top = row_max(build_spec(query, key, value, **keywords)) if call.want_max else None
+        top = row_max(query, key, value, compute_dtype=lse.dtype, **keywords) if call.want_max else None
         return out, AuxOutput(lse=lse if call.want_lse else None, max_scores=top)
     return (out, lse) if call.want_lse else out
 

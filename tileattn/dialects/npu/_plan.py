@@ -28,10 +28,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ...core.api import attention_backward, flash_attention
-
-#: Scores are multiplied by this to read the row maximum off an LSE (see :func:`row_max`).
-_MAX_SHARPNESS = 2.0 ** 40
-
+from ...core.reference import row_max as reference_row_max
 
 @dataclass(frozen=True)
 class Band:
@@ -129,15 +126,14 @@ class PadIndex:
 @dataclass
 class Piece:
     """One ``flash_attention`` call. ``rows``/``keys``: the packed query/key rows it covers (TND
-    split pieces); ``pad``: it runs on padded copies of packed sequences; ``kv_heads``: needed to
-    cut BSH/SBH values per head; ``bias_fn``: builds the bias from the caller's pse (so that
-    autograd, or the grad op's vector-Jacobian product, reaches pse)."""
+    split pieces); ``pad``: it runs on padded copies of packed sequences; ``bias_fn``: builds the
+    bias from the caller's pse (so that autograd, or the grad op's vector-Jacobian product, reaches
+    pse)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     kwargs: dict
-    kv_heads: int
     rows: Optional[slice] = None
     keys: Optional[slice] = None
     pad: Optional[PadIndex] = None
@@ -148,14 +144,6 @@ class Piece:
         if self.bias_fn is not None:
             kwargs["bias"] = self.bias_fn()
         return kwargs
-
-    def value_probe(self) -> torch.Tensor:
-        """``v`` cut to head dim 1: a view, except BSH/SBH, whose heads share the last dim (a copy
-        of B*S*Hkv elements)."""
-        v = self.v.detach()
-        if self.kwargs.get("layout") in ("BSH", "SBH") and self.kwargs.get("block_table") is None:
-            return v.unflatten(-1, (self.kv_heads, v.shape[-1] // self.kv_heads))[..., :1].flatten(-2)
-        return v[..., :1]
 
 
 @dataclass
@@ -194,31 +182,17 @@ def forward(pieces: List[Piece], geo: Geometry):
     return torch.cat(outs, 0), _gather_lse(pieces, [l for _, l in results], geo, pieces[0].q.device)
 
 
-@torch.no_grad()
 def row_max(pieces: List[Piece], geo: Geometry):
-    """Row maximum of the masked, scaled scores (sinks included), shaped like the LSE.
-
-    Read off the engines' own LSE: ``max_j s_j = lim LSE(t s) / t``, and at ``t = 2**40`` the
-    remainder ``log(#ties) / t`` is below 1e-11, so ``LSE(t s) / t`` is the fp32 row maximum.
-    The probe is the same call (same engine, masks, bands, varlen, paging) with the scale, bias,
-    sinks and ALiBi slopes multiplied by ``t``, no dropout, and ``v`` cut to head dim 1, so no
-    second implementation of masking is needed here. Its cost is one more Q.K^T and exp pass; on
-    CPU, libm's exp is several times slower on the underflowing scaled scores, which makes it about
-    twice a forward (docs/dialects.md has the measurement).
-    """
-    t = _MAX_SHARPNESS
-    lses = []
+    """Row maximum of the masked, scaled scores (sinks included), shaped like the LSE: the core's
+    :func:`tileattn.core.reference.row_max` on each piece's own call (same masks, bands, varlen,
+    bias, ALiBi, sinks), from the scores in fp32 (fp64 for fp64 inputs), a block of rows at a time."""
+    maxima = []
     for piece in pieces:
-        kwargs = piece.call_kwargs()
-        kwargs.update(scale=kwargs["scale"] * t, dropout_p=0.0, seed=None)
-        for name in ("bias", "sinks", "alibi_slopes"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = kwargs[name].detach().float() * t
-        _, lse = flash_attention(piece.q.detach(), piece.k.detach(), piece.value_probe(), return_lse=True, **kwargs)
-        lses.append(lse / t)
+        cdtype = torch.float64 if piece.q.dtype == torch.float64 else torch.float32
+        maxima.append(reference_row_max(piece.q, piece.k, piece.v, compute_dtype=cdtype, **piece.call_kwargs()))
     if _single(pieces):
-        return lses[0]
-    return _gather_lse(pieces, lses, geo, pieces[0].q.device)
+        return maxima[0]
+    return _gather_lse(pieces, maxima, geo, pieces[0].q.device)
 
 
 @torch.no_grad()

@@ -350,7 +350,7 @@ def _build(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, 
                 3: Band("bottom_right", None, 0), 4: Band("bottom_right", _neg(band_side(pre)), band_side(nxt))}[mode]
         kwargs.update(band_call(band, call.sk - call.sq))
     kwargs["mask"] = keep
-    call.pieces.append(Piece(query, key, value, kwargs, call.heads_kv, bias_fn=bias_fn))
+    call.pieces.append(Piece(query, key, value, kwargs, bias_fn=bias_fn))
     return call
 
 
@@ -431,7 +431,7 @@ def _plan_varlen(call, fn, mode, atten_mask, pre, nxt, prefix, actual_seq_qlen, 
             kw["seqused_k"] = i32([max(0, n - trim) for n in lk[b0:b1]])
         kw.update(kwargs)
         whole = rows == slice(0, query.shape[0]) and keys == slice(0, key.shape[0])
-        call.pieces.append(Piece(query[rows], key[keys], value[keys], kw, call.heads_kv,
+        call.pieces.append(Piece(query[rows], key[keys], value[keys], kw,
                                  rows=None if whole else rows, keys=None if whole else keys))
 
     def padded(band=None, keep=None, pfx=None):
@@ -441,7 +441,7 @@ def _plan_varlen(call, fn, mode, atten_mask, pre, nxt, prefix, actual_seq_qlen, 
         if keep is not None:
             mask = mask & keep[: pad.sq, : pad.sk]
         kw = dict(layout="BSND", mask=mask, seed=call.seed, **base)
-        call.pieces.append(Piece(pad.pad_q(query), pad.pad_k(key), pad.pad_k(value), kw, call.heads_kv, pad=pad))
+        call.pieces.append(Piece(pad.pad_q(query), pad.pad_k(key), pad.pad_k(value), kw, pad=pad))
 
     def banded(b0, b1, band, salt):
         """Sequences b0..b1-1 under a bottom-right band: one varlen call, or, for a band above

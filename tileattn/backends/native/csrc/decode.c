@@ -277,6 +277,19 @@ static void dec_factor_init(dec_factor *f, int kind, const ta_args *a, const ta_
     }
 }
 
+/* Whether a per-tensor/head or per-token K scale of keys [j0, j0 + n) is not finite. The direct path
+ * multiplies q.k by that scale after the dot product: +-inf where the reference, which dequantises
+ * the keys first, sums +-inf (or 0 * inf) channel terms into NaN. A task that meets one converts its
+ * rows instead, which is the reference's arithmetic. */
+static int dec_k_scale_nonfinite(const ta_args *a, const ta_seq *s, int kind, int64_t hk, int64_t j0, int64_t n) {
+    if (kind != TA_QS_SCALAR && kind != TA_QS_TOKEN) return 0;
+    for (int64_t j = 0; j < (kind == TA_QS_TOKEN ? n : 1); j++) {
+        float x = ta_qs_at(a->k_scale, a->k_scale_st, s->b, hk, ta_qs_pos(a, s, a->k_scale_st, j0 + j), 0);
+        if (x - x != 0) return 1; /* inf - inf and NaN - NaN are NaN */
+    }
+    return 0;
+}
+
 /* Addresses of keys [j0, j0 + n) of kv head hk in a k-like tensor of element size es: strided within
  * a sequence, one block-table lookup per page for a paged cache. */
 static void dec_row_ptrs(const ta_args *a, const ta_seq *s, const void *base, const int64_t st[3], int64_t seq_off,
@@ -337,8 +350,9 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     if (j1 < j0) j1 = j0;
     const int64_t M = t->nq * G, n = j1 - j0, np = ta_round_up(n, VW), W = Dp > Dvp ? Dp : Dvp;
     const int64_t F = np > W ? np : W; /* a scale factor's space: per key or per channel */
+    const int direct = P->direct && !dec_k_scale_nonfinite(a, &s, P->ks, hk, j0, n);
     size_t nreal = (size_t)(M * (Dp + np + Dvp + 2) + 4 * F + 2 * W + VW);
-    if (!P->direct) nreal += (size_t)(n * (Dp + Dvp));
+    if (!direct) nreal += (size_t)(n * (Dp + Dvp));
     char *mem = (char *)ta_scratch(0, nreal * sizeof(real) + (size_t)(2 * n) * sizeof(void *));
     if (!mem) return TA_ENOMEM;
     real *q = (real *)mem, *S = q + M * Dp, *acc = S + M * np, *rowc = acc + M * Dvp, *fk = rowc + 2 * M;
@@ -369,7 +383,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
     dec_factor ks = {TA_QS_NONE, 1, NULL}, ko = {TA_QS_NONE, 0, NULL}, vs = ks, vo = ko;
     int64_t kd = P->kd;
     real unit_k = 1, unit_v = 1;
-    if (P->direct) {
+    if (direct) {
         const int64_t es = ta_kv_elsize(kd);
         dec_row_ptrs(a, &s, a->k, a->k_st, s.k0, hk, j0, n, es, krows);
         dec_row_ptrs(a, &s, a->v, a->v_st, s.v0, hk, j0, n, es, vrows);
