@@ -37,8 +37,8 @@ def tile_indices(rows, cols, heads, q_len, kv_len, seed):
 
 
 def run_score_tiles(score_mod, dtype, captures_with_grad=(), rows=13, cols=9, heads=4, q_len=40, kv_len=40, seed=0):
-    """Forward (key-major and row-major) and backward of the compiled tile against vmap + autograd;
-    returns the bound program."""
+    """Forward (key-major, row-major and the fused logits sweep) and backward of the compiled tile
+    against vmap + autograd; returns the bound program."""
     bound = compiler.score_program(score_mod, dtype)
     captures = bound.captures
     b, h, q, kv = tile_indices(rows, cols, heads, q_len, kv_len, seed)
@@ -52,6 +52,14 @@ def run_score_tiles(score_mod, dtype, captures_with_grad=(), rows=13, cols=9, he
     expected = score_tile(score_mod, leaf, b, h, q, kv)
     torch.testing.assert_close(tile[:, :rows].t(), expected.detach(), equal_nan=True, **TOL[dtype])
     assert tile[:, rows:].isnan().all()
+    fused = torch.full((cols, ld), float("nan"), dtype=dtype)
+    fused[:, :rows] = scores.t() * 2
+    top = torch.full((ld,), -float("inf"), dtype=dtype)
+    bound.logits(fused, b, h, q, kv, 0.5, top)
+    logits = expected.detach() * 1.4426950408889634
+    torch.testing.assert_close(fused[:, :rows].t(), logits, equal_nan=True, **TOL[dtype])
+    no_nan = logits.masked_fill(logits.isnan(), -float("inf"))  # a NaN score never becomes a row's maximum
+    torch.testing.assert_close(top[:rows], no_nan.max(1).values, equal_nan=True, **TOL[dtype])
     row_major = torch.full((rows, cols + 2), float("nan"), dtype=dtype)
     row_major[:, :cols] = scores
     bound.forward_rows(row_major, b, h, q, kv)
@@ -341,7 +349,7 @@ def test_no_compiler_reports_unavailable(monkeypatch):
 def test_program_addresses_for_native_callers():
     program = compiler.score_program(score_mods(2, 4, 4)["softcap"][0], torch.float64).program
     addresses = {program.address(name) for name in compiler.FUNCTIONS["score"]}
-    assert len(addresses) == 3 and all(isinstance(a, int) and a for a in addresses)
+    assert len(addresses) == 4 and all(isinstance(a, int) and a for a in addresses)
     assert program.dtype == torch.float64 and "double *restrict s" in program.generated.source
 
 

@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from ..programs import blocks, compiler
 from ..programs.eager import mask_tile, score_tile
 from ..programs.trace import INDEX_DTYPE, Unsupported, structure
-from .modifiers import Modifier, ScoreBlock, fail
+from .modifiers import Modifier, ScoreBlock, diagonal_offset, fail
 
 #: BLOCK_SIZE of PyTorch's "no block mask" placeholder (one block covering everything)
 NO_MASK_BLOCK = 1 << 30
@@ -84,14 +84,14 @@ def _leaves_reached(fn, score_dtype) -> tuple:
 
 def _user_function(kind: str, fn, dtype) -> UserFunction:
     try:
-        captures = structure(fn).captures
-    except Unsupported:
-        captures = None
-    try:
-        bound = compiler.score_program(fn, dtype) if kind == "score" else compiler.mask_program(fn)
+        found = structure(fn)
     except Unsupported as exc:
-        return UserFunction(fn, None, f"torch.vmap: {exc.reason}", captures, dtype)
-    return UserFunction(fn, bound, "compiled", captures, dtype)
+        return UserFunction(fn, None, f"torch.vmap: {exc.reason}", None, dtype)
+    try:
+        bound = compiler.score_program(fn, dtype, found) if kind == "score" else compiler.mask_program(fn, found)
+    except Unsupported as exc:
+        return UserFunction(fn, None, f"torch.vmap: {exc.reason}", found.captures, dtype)
+    return UserFunction(fn, bound, "compiled", found.captures, dtype)
 
 
 def _check_callable(name, fn):
@@ -212,6 +212,13 @@ class MaskMod(Modifier):
             object.__setattr__(self, "states", blocks.states_of(self.block_mask))
         if self.user is None:
             object.__setattr__(self, "user", _user_function("mask", self.fn, None))
+        if self.states is None and self.user.bound is not None and not self.user.bound.captures:
+            off = diagonal_offset(spec.align, spec.seqlen_q, spec.seqlen_k)
+            if not (spec.is_varlen or spec.is_paged or spec.seqused_k is not None) and off >= 0:
+                # a pure function of the indices (causal, windows, prefixes): its block map is made once
+                # per size, and the kernels skip the tiles it hides without evaluating them
+                object.__setattr__(self, "states", blocks.function_states(
+                    self.user.bound, spec.batch, spec.heads_q, spec.seqlen_q + off, spec.seqlen_k))
 
     def plan_key(self):
         return None

@@ -21,6 +21,7 @@ where it is), without materialising the (B, H, Q, KV) mask: a row of blocks at a
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ HIDDEN, PARTIAL, VISIBLE = 0, 1, 2
 #: elements of mask evaluated per step of create_block_mask (bounds its temporary memory)
 CHUNK_ELEMENTS = 1 << 22
 _CACHE_ATTR = "_tileattn_block_states"
+#: block maps of capture-free compiled mask_mods, by (program, scalars, sizes); the most recent kept
+FUNCTION_MAPS_KEPT = 64
+_FUNCTION_MAPS: "OrderedDict" = OrderedDict()
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,27 +132,67 @@ def _lists(states, value):
             torch.argsort(chosen, dim=-1, descending=True, stable=True).to(torch.int32))
 
 
+def _compiled_evaluator(bound):
+    """A function (b, h, q rows, kv columns) -> uint8 (len(q), len(kv)) running a compiled mask."""
+    def evaluate(b, h, q, kv):
+        out = torch.empty(q.numel(), kv.numel(), dtype=torch.uint8)
+        rows = [torch.full((q.numel(),), x, dtype=INDEX_DTYPE) for x in (b, h)]
+        bound.mask_rows(out, rows[0], rows[1], q, kv)
+        return out
+    return evaluate
+
+
 def _evaluator(mask_mod, compiled: bool):
-    """A function (b, h, q rows, kv columns) -> uint8 (len(q), len(kv)), and how it runs."""
+    """The mask as such a function: compiled when it compiles (and ``compiled``), else torch.vmap."""
     if compiled:
         try:
-            bound = compiler.mask_program(mask_mod)
+            return _compiled_evaluator(compiler.mask_program(mask_mod))
+        except Unsupported:
+            pass
 
-            def run(b, h, q, kv):
-                out = torch.empty(q.numel(), kv.numel(), dtype=torch.uint8)
-                rows = [torch.full((q.numel(),), x, dtype=INDEX_DTYPE) for x in (b, h)]
-                bound.mask_rows(out, rows[0], rows[1], q, kv)
-                return out
-            return run, "compiled"
-        except Unsupported as exc:
-            how = f"torch.vmap: {exc.reason}"
-    else:
-        how = "torch.vmap (compiled=False)"
-
-    def run_eager(b, h, q, kv):
+    def evaluate_eager(b, h, q, kv):
         rows = [torch.full((q.numel(),), x, dtype=INDEX_DTYPE) for x in (b, h)]
         return eager.mask_tile(mask_mod, rows[0], rows[1], q, kv).to(torch.uint8)
-    return run_eager, how
+    return evaluate_eager
+
+
+def _classify(evaluate, batch, heads, q_len, kv_len, block_q, block_kv) -> torch.Tensor:
+    """uint8 (batch, heads, rows, cols) states of a mask evaluated a row of blocks at a time."""
+    rows, cols = -(-q_len // block_q), -(-kv_len // block_kv)
+    states = torch.empty(batch, heads, rows, cols, dtype=torch.uint8)
+    kv = _clamped(0, cols * block_kv, kv_len)
+    extent_k = _extent(cols, block_kv, kv_len)
+    step = max(1, CHUNK_ELEMENTS // (block_q * cols * block_kv))
+    for b in range(batch):
+        for h in range(heads):
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                tile = evaluate(b, h, _clamped(r0 * block_q, (r1 - r0) * block_q, q_len), kv)
+                tile[:, kv_len:] = 0
+                tile[max(0, q_len - r0 * block_q):] = 0
+                count = tile.view(r1 - r0, block_q, cols, block_kv).sum((1, 3), dtype=torch.int64)
+                full = _extent(rows, block_q, q_len)[r0:r1, None] * extent_k[None, :]
+                states[b, h, r0:r1] = torch.where(count == 0, HIDDEN,
+                                                  torch.where(count == full, VISIBLE, PARTIAL)).to(torch.uint8)
+    return states
+
+
+def function_states(bound, batch: int, heads: int, q_len: int, kv_len: int, block: int = 128) -> BlockStates:
+    """The block map of a compiled mask_mod that captures no tensor, over query positions [0, q_len)
+    and keys [0, kv_len): a pure function of the program, its run-time scalars and these sizes, so
+    it is made once (one evaluation of the whole grid, in C) and kept for the next call of that size.
+    Per sequence / head only where the function reads ``b`` / ``h``."""
+    reads = bound.program.reads
+    batch, heads = (batch if "b" in reads else 1), (heads if "h" in reads else 1)
+    key = (bound.program, bound.scalars, batch, heads, q_len, kv_len, block)
+    found = _FUNCTION_MAPS.get(key)
+    if found is None:
+        states = _classify(_compiled_evaluator(bound), batch, heads, q_len, kv_len, block, block)
+        found = _FUNCTION_MAPS[key] = BlockStates(states, block, block, q_len, kv_len)
+        while len(_FUNCTION_MAPS) > FUNCTION_MAPS_KEPT:
+            _FUNCTION_MAPS.popitem(last=False)
+    _FUNCTION_MAPS.move_to_end(key)
+    return found
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128, *, compiled: bool = True) -> BlockMask:
@@ -156,23 +200,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE=128, *, compiled
     row of blocks at a time in O(blocks) memory, its block map cached on it."""
     block_q, block_kv = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
     batch, heads = B or 1, H or 1
-    rows, cols = -(-Q_LEN // block_q), -(-KV_LEN // block_kv)
-    evaluate, _ = _evaluator(mask_mod, compiled)
-    states = torch.empty(batch, heads, rows, cols, dtype=torch.uint8)
-    kv = _clamped(0, cols * block_kv, KV_LEN)
-    extent_k = _extent(cols, block_kv, KV_LEN)
-    step = max(1, CHUNK_ELEMENTS // (block_q * cols * block_kv))
-    for b in range(batch):
-        for h in range(heads):
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                tile = evaluate(b, h, _clamped(r0 * block_q, (r1 - r0) * block_q, Q_LEN), kv)
-                tile[:, KV_LEN:] = 0
-                tile[max(0, Q_LEN - r0 * block_q):] = 0
-                count = tile.view(r1 - r0, block_q, cols, block_kv).sum((1, 3), dtype=torch.int64)
-                full = _extent(rows, block_q, Q_LEN)[r0:r1, None] * extent_k[None, :]
-                states[b, h, r0:r1] = torch.where(count == 0, HIDDEN,
-                                                  torch.where(count == full, VISIBLE, PARTIAL)).to(torch.uint8)
+    states = _classify(_evaluator(mask_mod, compiled), batch, heads, Q_LEN, KV_LEN, block_q, block_kv)
     (num, idx), (full_num, full_idx) = _lists(states, PARTIAL), _lists(states, VISIBLE)
     block_mask = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv),
                                           mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))

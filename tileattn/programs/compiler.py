@@ -49,7 +49,7 @@ EXTRA_FLAGS = ("-fwrapv", "-fno-math-errno")  # integer arithmetic wraps, as PyT
 #: programs (and refusals) kept in memory, most recently used first
 MEMO_SIZE = 512
 #: the exported tile functions, with their arguments after (rows, cols, ld)
-FUNCTIONS = {"score": ("ta_user_score", "ta_user_score_rows", "ta_user_score_bwd"),
+FUNCTIONS = {"score": ("ta_user_score", "ta_user_score_rows", "ta_user_score_bwd", "ta_user_logits"),
              "mask": ("ta_user_mask", "ta_user_mask_rows")}
 
 #: what happened so far in this process: traces, builds (compiles), libraries found on disk (disk_hits)
@@ -177,6 +177,13 @@ class Bound:
         """``s`` (rows, ld) row-major scores, modified in place."""
         self._call("ta_user_score_rows", [s], b, h, q, kv, row_major=True)
 
+    def logits(self, s, b, h, q, kv, alpha, cmax):
+        """The fused forward sweep (see :mod:`.codegen`) on key-major ``s``; ``cmax`` one entry per row of
+        the program's dtype (folded into)."""
+        if cmax.dtype != self.program.dtype or not cmax.is_contiguous() or cmax.numel() < b.numel():
+            raise ValueError(f"tileattn: cmax must be a contiguous {self.program.dtype} vector of one entry per row")
+        self._call("ta_user_logits", [s], b, h, q, kv, (alpha, cmax.data_ptr()))
+
     def backward(self, s, ds, b, h, q, kv, grads):
         """``ds`` becomes dL/d(raw score); ``grads[i]`` (a tensor of the program's dtype shaped like
         capture ``i``, or None) receives dL/d(capture ``i``) added to what it holds."""
@@ -202,7 +209,10 @@ def _toolchain():
     if found is None:
         try:
             cc, version, isa, flags = toolchain.toolchain()
-            found = (cc, version, isa, tuple(f for f in flags if f != "-fopenmp") + EXTRA_FLAGS)
+            # the tile loops run on whole AVX-512 vectors (GCC tunes Intel's AVX-512 cores for 256-bit
+            # vectors unless told; the kernels' intrinsics are 512-bit already)
+            wide = ("-mprefer-vector-width=512",) if isa == "avx512" else ()
+            found = (cc, version, isa, tuple(f for f in flags if f != "-fopenmp") + EXTRA_FLAGS + wide)
         except toolchain.BuildError as exc:
             found = Unsupported(f"no C compiler for compiled score_mod/mask_mod: {exc}")
         _TOOLCHAINS[key] = found
@@ -237,17 +247,20 @@ def _library(source: str):
     return lib, seconds
 
 
-def _load(path) -> ctypes.CDLL:
+def _load(path, dtype) -> ctypes.CDLL:
+    """The library at ``path`` with its functions' signatures (``dtype``: the scores' working precision)."""
     path = str(path)
     library = _LIBRARIES.get(path)
     if library is None:
         library = ctypes.CDLL(path)
+        real = ctypes.c_double if dtype == torch.float64 else ctypes.c_float
         for name in FUNCTIONS["score"] + FUNCTIONS["mask"]:
             fn = getattr(library, name, None)
             if fn is not None:
                 fn.restype = ctypes.c_int
                 heads = (_P, _P) if name == "ta_user_score_bwd" else (_P,)
-                fn.argtypes = (_I64, _I64, _I64) + heads + _TAIL + ((_P,) if name == "ta_user_score_bwd" else ())
+                tails = {"ta_user_score_bwd": (_P,), "ta_user_logits": (real, _P)}
+                fn.argtypes = (_I64, _I64, _I64) + heads + _TAIL + tails.get(name, ())
         _LIBRARIES[path] = library
     return library
 
@@ -288,8 +301,8 @@ def _memoised(key, make):
     return found
 
 
-def _program(kind: str, fn, dtype) -> Bound:
-    found: Structure = structure(fn)
+def _program(kind: str, fn, dtype, found: Structure = None) -> Bound:
+    found = structure(fn) if found is None else found
     key = (kind, dtype, os.environ.get("CC"), os.environ.get(toolchain.ISA_ENV), found.key)
     program = _memoised(key, lambda: _make(kind, fn, dtype, found, runtime_scalars=True))
     scalars = found.scalars
@@ -318,17 +331,18 @@ def _make(kind, fn, dtype, found: Structure, runtime_scalars: bool):
     path, seconds = _library(generated.source)
     return Program(kind=kind, dtype=dtype, generated=generated,
                    capture_specs=tuple((t.dtype, tuple(t.shape)) for t in used), scalars=traced.scalars,
-                   path=str(path), library=_load(path), trace_seconds=traced_at - start, build_seconds=seconds)
+                   path=str(path), library=_load(path, dtype), trace_seconds=traced_at - start, build_seconds=seconds)
 
 
-def score_program(score_mod, dtype=torch.float32) -> Bound:
+def score_program(score_mod, dtype=torch.float32, found: Structure = None) -> Bound:
     """The compiled ``score_mod`` on scores of working precision ``dtype`` (float32 for fp32/bf16/fp16
-    inputs, float64 for fp64), bound to its captures. Raises :class:`Unsupported` with the reason."""
+    inputs, float64 for fp64), bound to its captures (``found``: its :func:`structure`, when the
+    caller walked it already). Raises :class:`Unsupported` with the reason."""
     if dtype not in codegen.FLOATS:
         raise ValueError(f"tileattn: score programs work on float32 or float64 scores, not {dtype}")
-    return _program("score", score_mod, dtype)
+    return _program("score", score_mod, dtype, found)
 
 
-def mask_program(mask_mod) -> Bound:
+def mask_program(mask_mod, found: Structure = None) -> Bound:
     """The compiled ``mask_mod``, bound to its captures. Raises :class:`Unsupported` with the reason."""
-    return _program("mask", mask_mod, None)
+    return _program("mask", mask_mod, None, found)

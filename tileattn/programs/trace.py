@@ -40,6 +40,7 @@ import torch
 INDEX_DTYPE = torch.int32
 INDEX_NAMES = ("b", "h", "q_idx", "kv_idx")
 _PLAIN = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_NAMED = (types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 #: packages whose modules, classes and functions without a closure are keyed by name (their code is
 #: the library's, not the user's)
 _LIBRARY_PACKAGES = ("torch", "math", "numpy", "operator", "builtins", "functools")
@@ -152,7 +153,7 @@ class _Walker:
             changed = any(v is not pair[1] for v, (_, pair) in zip(obj.values(), items))
             rebuilt = {k[1]: v[1] for k, v in items} if changed else obj
             return ("dict", tuple((k[0], v[0]) for k, v in items)), rebuilt
-        if isinstance(obj, (types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(obj, _NAMED):
             return ("named", getattr(obj, "__module__", None), str(obj)), obj
         if isinstance(obj, (types.ModuleType, type)):
             if _is_library(obj):

@@ -582,13 +582,14 @@ class UserCall:
     def __init__(self, lib, score=None, mask=None, states=None, grads=None):
         self.score, self.mask, self.states, self.grads = score, mask, states, grads
         record, keep = lib.UserArgs(), []
-        for name, bound, functions in (("score", score, ("ta_user_score", "ta_user_score_rows", "ta_user_score_bwd")),
+        for name, bound, functions in (("score", score, ("ta_user_score", "ta_user_score_rows", "ta_user_score_bwd",
+                                                         "ta_user_logits")),
                                        ("mask", mask, ("ta_user_mask", "ta_user_mask_rows"))):
             if bound is None:
                 continue
             pointers, sizes, scalars, tensors = bound.pack()
             keep += [pointers, sizes, scalars, tensors]
-            for field, function in zip(("_fn", "_rows_fn", "_bwd_fn"), functions):
+            for field, function in zip(("_fn", "_rows_fn", "_bwd_fn", "_logits_fn"), functions):
                 setattr(record, name + field, bound.program.address(function))
             setattr(record, name + "_cap", ctypes.addressof(pointers))
             setattr(record, name + "_sizes", ctypes.addressof(sizes))

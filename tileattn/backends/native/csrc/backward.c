@@ -52,6 +52,7 @@ typedef struct {
      * received (its derivative is taken there) */
     int32_t *ukv;
     uint8_t *uvis;
+    int64_t *uvlo, *uvhi;
     real *upre;
 } bwd_bufs;
 
@@ -90,12 +91,15 @@ static int bwd_bufs_get(const ta_args *a, const bwd_plan *P, bwd_bufs *W) {
     W->kbuf = W->T + lanes * bn;
     W->vbuf = W->kbuf + bn * D;
     W->tmp = W->vbuf + bn * Dv;
-    W->ukv = NULL, W->uvis = NULL, W->upre = NULL;
+    W->ukv = NULL, W->uvis = NULL, W->upre = NULL, W->uvlo = W->uvhi = NULL;
     if (a->user) {
-        char *user = (char *)ta_scratch(2, (size_t)(lanes * bn) * sizeof(real) + (size_t)(bn * 4 + bn * lanes));
+        char *user = (char *)ta_scratch(2, (size_t)(lanes * bn) * sizeof(real) + (size_t)(2 * npan * 8 + bn * 4 +
+                                                                                           bn * lanes));
         if (!user) return TA_ENOMEM;
         W->upre = (real *)user;
-        W->ukv = (int32_t *)(user + (size_t)(lanes * bn) * sizeof(real));
+        W->uvlo = (int64_t *)(user + (size_t)(lanes * bn) * sizeof(real));
+        W->uvhi = W->uvlo + npan;
+        W->ukv = (int32_t *)(W->uvhi + npan);
         W->uvis = (uint8_t *)(W->ukv + bn);
     }
     return TA_OK;
@@ -181,7 +185,7 @@ static int bwd_flags(const ta_args *a, const bwd_plan *P, const ta_rows *R, int6
         if (census == 1) flags |= TA_TILE_MASK;
     }
     if (a->user) {
-        int user = ta_user_tile_mask(a, R, j0, j1, W->ukv, W->uvis);
+        int user = ta_user_tile_mask(a, R, j0, j1, W->ukv, W->uvis, W->uvlo, W->uvhi);
         if (user < 0) return -1;
         if (user > 0) flags |= TA_TILE_USER;
     }
@@ -192,7 +196,7 @@ static int bwd_flags(const ta_args *a, const bwd_plan *P, const ta_rows *R, int6
  * the tile buffers). */
 static ta_user_tile bwd_user(const bwd_bufs *W, int64_t p, int64_t tp, int64_t j0, int64_t n, int64_t k0) {
     ta_user_tile U = {W->ukv + (k0 - j0), W->uvis ? W->uvis + (k0 - j0) * PW : NULL, n * PW,
-                      W->upre ? W->upre + p * tp + (k0 - j0) * PW : NULL};
+                      W->upre ? W->upre + p * tp + (k0 - j0) * PW : NULL, 1};
     return U;
 }
 
@@ -250,7 +254,8 @@ static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const
     real *Z = a->dropout_p > 0 ? W->Z : W->S;
     TA_PROF(pt, bwd_mods);
     for (int64_t p = 0; p < npan; p++) {
-        ta_panel_keys(R, p, j0, j1, &pk0[p], &pk1[p]);
+        ta_user_panel_keys(R, p, j0, j1, flags & TA_TILE_USER ? W->uvlo : NULL, flags & TA_TILE_USER ? W->uvhi : NULL,
+                           &pk0[p], &pk1[p]);
         int64_t o = (pk0[p] - j0) * PW, m = pk1[p] - pk0[p];
         if (m == 0) continue;
         ta_gemm(m, 1, D, ta_opa_rows(K + (pk0[p] - j0) * ldk, ldk), W->Qt + p * D * PW, 0, W->S + p * tp + o, 0, 0,

@@ -179,8 +179,9 @@ typedef struct {
     uint16_t *qt2, *k2, *p2, *v2;
     int64_t kbase, kld; /* AMX: k2 and v2 hold the task's keys from kbase on, v2 rows kld keys long */
     real *kconv, *vconv; /* fp32 tiles of fp16/bf16 inputs: the task's K and V rows from kbase on, in fp32 */
-    int32_t *ukv;        /* user functions: the keys' indices of a tile and its visibility (user.h) */
-    uint8_t *uvis;
+    int32_t *ukv;        /* user functions: the keys' indices of a tile, its visibility and the columns */
+    uint8_t *uvis;       /* each panel sees (user.h) */
+    int64_t *uvlo, *uvhi;
     int64_t sp;   /* rows of an S panel: keys per tile rounded up to 32 */
     int64_t accr; /* rows of an accumulator panel: Dv (rounded up to 32 for AMX) */
     int64_t q2;   /* pair rows of a Q^T panel */
@@ -213,12 +214,14 @@ static int fwd_bufs_get(const ta_args *a, const fwd_plan *P, int64_t npan, void 
     W->k2 = W->qt2 + lanes * W->q2 * 2;
     W->p2 = W->k2 + sp * W->q2 * 2;
     W->v2 = W->p2 + lanes * sp;
-    W->ukv = NULL, W->uvis = NULL;
+    W->ukv = NULL, W->uvis = NULL, W->uvlo = W->uvhi = NULL;
     if (a->user) {
-        char *user = (char *)ta_scratch(2, (size_t)(sp * 4 + sp * lanes));
+        char *user = (char *)ta_scratch(2, (size_t)(2 * npan * 8 + sp * 4 + sp * lanes));
         if (!user) return TA_ENOMEM;
-        W->ukv = (int32_t *)user;
-        W->uvis = (uint8_t *)(user + sp * 4);
+        W->uvlo = (int64_t *)user;
+        W->uvhi = W->uvlo + npan;
+        W->ukv = (int32_t *)(W->uvhi + npan);
+        W->uvis = (uint8_t *)(W->ukv + sp);
     }
     return TA_OK;
 }
@@ -241,16 +244,18 @@ static const real *fwd_kv_direct(const ta_args *a, const ta_seq *s, const fwd_bu
 
 #if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
 /* Step 1 for the bf16 engines: S = alpha * K Q^T over the npan panels, and the column max when cmax
- * is not NULL; the AMX engine leaves plain tiles (cmax not NULL) unscaled for fwd_softmax_pairs. */
+ * is not NULL; the AMX engine leaves plain tiles (cmax not NULL) unscaled for fwd_softmax_pairs, and
+ * any tile without `scale_amx`. */
 static void fwd_scores_bf16(const ta_args *a, const fwd_plan *P, const ta_seq *s, int64_t hk, int64_t j0, int64_t n,
-                            int64_t npan, const fwd_bufs *W, real alpha, real *cmax) {
+                            int64_t npan, const fwd_bufs *W, real alpha, real *cmax, int scale_amx) {
 #ifdef TA_HAVE_AMX
     if (P->engine == FWD_AMX) {
         int64_t np = ta_round_up(n, 32), dpad = 2 * W->q2;
         ta_amx_gemm(np, npan, dpad, W->k2 + (j0 - W->kbase) * dpad, dpad, W->qt2, W->q2 * PW * 2, W->S, W->sp * PW, 0);
         /* the matrix unit has no epilogue: a plain tile is left unscaled (the softmax applies alpha
-         * and takes the max in its own sweep); other tiles are scaled here for the score pipeline */
-        if (!cmax)
+         * and takes the max in its own sweep), and so is one of the user's fused sweep (which scales
+         * it); other tiles are scaled here for the score pipeline */
+        if (!cmax && scale_amx)
             for (int64_t p = 0; p < npan; p++)
                 for (int64_t e = 0; e < n * PW; e += VW) vstore(W->S + p * W->sp * PW + e, vload(W->S + p * W->sp * PW + e) * alpha);
         return;
@@ -292,6 +297,7 @@ static void fwd_accumulate_bf16(const ta_args *a, const fwd_plan *P, const ta_se
 static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, const ta_rows *R, const fwd_bufs *W,
                          int64_t hk, int64_t j0, int64_t j1, int64_t next_n, int flags, real alpha,
                          const ta_user_tile *U) {
+    const int user_vis = (flags & TA_TILE_USER) != 0;
     const int64_t D = a->D, Dv = a->Dv, npan = R->npan, tp = W->sp * PW, n = j1 - j0;
     int64_t kld, vld, nkld = 0, nvld = 0;
     const real *K = fwd_kv_direct(a, s, W, 0, hk, j0, &kld), *V = fwd_kv_direct(a, s, W, 1, hk, j0, &vld);
@@ -306,7 +312,7 @@ static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, c
     const int64_t budget = (ta_pfs_lines(&pf) + 2 * npan - 1) / (2 * npan);
     for (int64_t p = 0; p < npan; p++) {
         int64_t k0, k1;
-        ta_panel_keys(R, p, j0, j1, &k0, &k1);
+        ta_user_panel_keys(R, p, j0, j1, user_vis ? W->uvlo : NULL, user_vis ? W->uvhi : NULL, &k0, &k1);
         if (k0 == k1) continue; /* no lane of the panel sees the tile */
         TA_PROF_T(pt);
         real *Sp = W->S + p * tp, *cmax = W->cmax + p * PW, *acc = W->acc + p * W->accr * PW;
@@ -317,7 +323,7 @@ static void fwd_tile_f32(const ta_args *a, const fwd_plan *P, const ta_seq *s, c
                 pflags ? NULL : cmax, &pf, budget);
         TA_PROF(pt, fwd_scores);
         if (pflags) {
-            ta_user_tile Up = {U->kv + (k0 - j0), U->vis ? U->vis + (k0 - j0) * PW : NULL, U->vis_panel, NULL};
+            ta_user_tile Up = {U->kv + (k0 - j0), U->vis ? U->vis + (k0 - j0) * PW : NULL, U->vis_panel, NULL, 1};
             ta_score_mods(a, R, p, Sp, k1 - k0, k0, pflags, cmax, NULL, &Up);
         }
         TA_PROF(pt, fwd_mods);
@@ -347,9 +353,12 @@ static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, con
             if (census == 2) continue; /* every score hidden: the tile changes nothing */
             if (census == 1) flags |= TA_TILE_MASK;
         }
-        ta_user_tile U = {W->ukv, NULL, n * PW, NULL};
+        /* the fused user sweep scales the AMX engine's unscaled scores itself (fp32 and vdpbf16ps GEMMs
+         * scale in their epilogue) */
+        const int fused_amx = P->engine == FWD_AMX && ta_user_fused(a);
+        ta_user_tile U = {W->ukv, NULL, n * PW, NULL, fused_amx ? (real)a->scale : 1};
         if (a->user) {
-            int user = ta_user_tile_mask(a, R, j0, j1, W->ukv, W->uvis);
+            int user = ta_user_tile_mask(a, R, j0, j1, W->ukv, W->uvis, W->uvlo, W->uvhi);
             if (user < 0) continue; /* the block map or the mask_mod hides the whole tile */
             if (user > 0) flags |= TA_TILE_USER, U.vis = W->uvis;
         }
@@ -361,7 +370,7 @@ static int fwd_tiles(const ta_args *a, const fwd_plan *P, const fwd_task *t, con
         }
 #if defined(TA_HAVE_AMX) || defined(TA_HAVE_BF16DOT)
         for (int64_t r = 0; r < lanes; r++) W->cmax[r] = -INFINITY;
-        fwd_scores_bf16(a, P, s, t->hk, j0, n, npan, W, alpha, flags ? NULL : W->cmax);
+        fwd_scores_bf16(a, P, s, t->hk, j0, n, npan, W, alpha, flags ? NULL : W->cmax, !fused_amx);
         TA_PROF(pt, fwd_scores);
         if (flags)
             for (int64_t p = 0; p < npan; p++)

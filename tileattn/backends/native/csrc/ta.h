@@ -84,7 +84,8 @@ typedef struct ta_args {
  * kernels' `real` (the program was compiled for the call's working precision). Indices passed to
  * them: b = sequence, h = query head, q_idx = i + off (the row's position aligned with the keys, as
  * the band counts it), kv_idx = key j of the sequence.
- *  - score_*: the score_mod (forward key-major, forward row-major, backward), its captures (pointer
+ *  - score_*: the score_mod (forward key-major, forward row-major, backward, and the forward's fused
+ *    sweep: score_mod, masks, base-2 logits and row maxima in one pass), its captures (pointer
  *    array, their sizes), run-time scalars, and for the backward score_grad[t * score_ncap + c], the
  *    buffer of thread t for capture c (NULL: no gradient), each `real` and shaped like the capture.
  *  - mask_*: the mask_mod likewise (forward only: a mask has no gradient).
@@ -94,7 +95,8 @@ typedef struct ta_args {
  *  - status: an int32 that receives the first nonzero return of a user function (a failed index
  *    check; the mask_mod's negated), for Python to raise. */
 #define TA_USER_FIELDS(X)                                                                           \
-    X(user, p, score_fn) X(user, p, score_rows_fn) X(user, p, score_bwd_fn) X(user, p, score_cap)   \
+    X(user, p, score_fn) X(user, p, score_rows_fn) X(user, p, score_bwd_fn) X(user, p, score_logits_fn) \
+    X(user, p, score_cap)                                                                           \
     X(user, p, score_sizes) X(user, p, score_scalars) X(user, p, score_grad) X(user, i, score_ncap)  \
     X(user, p, mask_fn) X(user, p, mask_rows_fn) X(user, p, mask_cap) X(user, p, mask_sizes)        \
     X(user, p, mask_scalars) X(user, p, states) X(user, i4, states_st) X(user, i, block_q)           \

@@ -107,6 +107,17 @@ static inline void ta_panel_keys(const ta_rows *R, int64_t p, int64_t j0, int64_
     *k1 = lo < hi ? hi : j0;
 }
 
+/* The keys [*k0, *k1) panel p computes of a tile starting at j0: its band range (ta_panel_keys) cut to
+ * the columns the user's visibility shows it (vlo/vhi of ta_user_census, NULL when no mask work). */
+static inline void ta_user_panel_keys(const ta_rows *R, int64_t p, int64_t j0, int64_t j1, const int64_t *vlo,
+                                      const int64_t *vhi, int64_t *k0, int64_t *k1) {
+    ta_panel_keys(R, p, j0, j1, k0, k1);
+    if (!vlo) return;
+    int64_t lo = j0 + vlo[p] > *k0 ? j0 + vlo[p] : *k0, hi = j0 + vhi[p] < *k1 ? j0 + vhi[p] : *k1;
+    *k0 = lo < hi ? lo : j0;
+    *k1 = lo < hi ? hi : j0;
+}
+
 /* ------------------------------------------------------------------------------------ conversion */
 
 /* n elements of dtype at src -> real. */
@@ -311,8 +322,7 @@ TA_INLINE void ta_score_finish(const ta_args *a, const ta_rows *R, int64_t p, re
             if (!mask[R->mask_row[base + l] + jj * a->mask_st[3]]) srow[l] = -INFINITY;
     }
     if (vis)
-        for (int64_t l = 0; l < PW; l++)
-            if (!vis[l]) srow[l] = -INFINITY;
+        for (int64_t l = 0; l < PW; l++) srow[l] = vis[l] ? srow[l] : -INFINITY;
     for (int v = 0; v < TA_NV; v++) {
         vr x = vload(srow + v * VW);
         if (flags & TA_TILE_MODS) x *= log2e;
@@ -333,12 +343,29 @@ TA_INLINE void ta_score_finish(const ta_args *a, const ta_rows *R, int64_t p, re
  * backward pass reproduces the forward's bits whatever the tiling. Folds the column max into cmax
  * (PW values); tanh_out (backward with softcap), when not NULL, receives 1 - tanh^2 of each score.
  * U: the tile's user state (user.h), NULL without user functions; its visibility applies with
- * TA_TILE_USER, its score_mod with TA_TILE_MODS. */
+ * TA_TILE_USER, its score_mod with TA_TILE_MODS (in one fused sweep with the rest when nothing else
+ * transforms the scores: U->alpha then scales them first). */
 static void ta_score_mods(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, int64_t j0, int flags,
                           real *cmax, real *tanh_out, const ta_user_tile *U) {
     const uint8_t *vis = U && (flags & TA_TILE_USER) ? U->vis + p * U->vis_panel : NULL;
+    if (U && !U->pre && ta_user_fused(a) && (flags & TA_TILE_MODS)) {
+        if (!(flags & (TA_TILE_EDGE | TA_TILE_USER))) {  /* an interior tile: one sweep */
+            ta_user_logits(a, R, p, S, n, U->kv, U->alpha, cmax);
+            return;
+        }
+        /* a tile the band or the user's mask cuts: the sweep, then the masks, then the maxima again
+         * (a hidden score must not raise a row's maximum) */
+        real scratch[PW];
+        for (int l = 0; l < PW; l++) scratch[l] = -INFINITY;
+        ta_user_logits(a, R, p, S, n, U->kv, U->alpha, scratch);
+        for (int64_t j = 0; j < n; j++) ta_score_finish(a, R, p, S + j * PW, j0 + j, flags & ~TA_TILE_MODS, cmax,
+                                                        vis ? vis + j * PW : NULL);
+        return;
+    }
     if (U && ta_user_scores(a) && (flags & TA_TILE_MODS)) {
-        for (int64_t j = 0; j < n; j++) ta_score_transform(a, R, p, S + j * PW, j0 + j, tanh_out ? tanh_out + j * PW : NULL);
+        if (a->softcap > 0 || a->alibi || a->bias)
+            for (int64_t j = 0; j < n; j++)
+                ta_score_transform(a, R, p, S + j * PW, j0 + j, tanh_out ? tanh_out + j * PW : NULL);
         ta_user_score(a, R, p, S, n, U->kv, U->pre);
         for (int64_t j = 0; j < n; j++) ta_score_finish(a, R, p, S + j * PW, j0 + j, flags, cmax, vis ? vis + j * PW : NULL);
         return;

@@ -35,6 +35,9 @@ typedef int (*ta_score_fn)(int64_t rows, int64_t cols, int64_t ld, real *s, cons
 typedef int (*ta_score_bwd_fn)(int64_t rows, int64_t cols, int64_t ld, const real *s, real *ds, const int32_t *b,
                                const int32_t *h, const int32_t *q, const int32_t *kv, const void *const *cap,
                                const int64_t *sizes, const double *scalars, real *const *grads);
+typedef int (*ta_logits_fn)(int64_t rows, int64_t cols, int64_t ld, real *s, const int32_t *b, const int32_t *h,
+                            const int32_t *q, const int32_t *kv, const void *const *cap, const int64_t *sizes,
+                            const double *scalars, real alpha, real *cmax);
 typedef int (*ta_mask_fn)(int64_t rows, int64_t cols, int64_t ld, uint8_t *out, const int32_t *b, const int32_t *h,
                           const int32_t *q, const int32_t *kv, const void *const *cap, const int64_t *sizes,
                           const double *scalars);
@@ -121,27 +124,56 @@ static void ta_user_visibility(const ta_args *a, const ta_rows *R, int64_t p, in
         memset(vis, 1, (size_t)(n * PW));
     for (int64_t j = 0; j < n; j++) memset(vis + j * PW + rows, 0, (size_t)(PW - rows));
     if (!u->states) return;
-    for (int64_t l = 0; l < rows; l++) {
-        const int64_t off = R->pair_off[R->upair[base + l]];
-        for (int64_t j = 0; j < n;) {
-            const int64_t jj = j0 + j, stop = jj < u->map_kv_len ? (jj / u->block_kv + 1) * u->block_kv : j0 + n;
-            const int64_t end = (stop < j0 + n ? stop : j0 + n) - j0;
-            const int st = ta_user_state(u, off, jj);
-            if (st != TA_BLOCK_PARTIAL || !u->mask_fn)
-                for (; j < end; j++) vis[j * PW + l] = st != TA_BLOCK_HIDDEN;
-            j = end;
+    /* block by block of the map: each lane's state there, then the columns, lanes innermost */
+    for (int64_t j = 0; j < n;) {
+        const int64_t jj = j0 + j;
+        const int64_t end = jj < u->map_kv_len ? ((jj / u->block_kv + 1) * u->block_kv < j0 + n ?
+                                                   (jj / u->block_kv + 1) * u->block_kv - j0 : n) : n;
+        uint8_t state[PW], keep[PW];
+        for (int64_t l = 0; l < PW; l++) {
+            state[l] = l < rows ? (uint8_t)ta_user_state(u, R->pair_off[R->upair[base + l]], jj) : TA_BLOCK_HIDDEN;
+            keep[l] = state[l] == TA_BLOCK_PARTIAL && u->mask_fn;  /* the mask_mod's value stands */
         }
+        for (; j < end; j++)
+            for (int64_t l = 0; l < PW; l++) {
+                uint8_t *v = vis + j * PW + l;
+                *v = keep[l] ? *v : state[l] != TA_BLOCK_HIDDEN;
+            }
     }
 }
 
-/* The census of a tile's visibility over R's real lanes: TA_SEEN_HIDDEN / _VISIBLE bits. */
-static int ta_user_census(const ta_rows *R, const uint8_t *vis, int64_t n) {
+/* The census of a tile's visibility over R's real lanes: TA_SEEN_HIDDEN / _VISIBLE bits, and per
+ * panel the first and one past the last key column some lane sees (vlo[p] == vhi[p]: none), so a
+ * panel computes only those keys, as it does inside the band. Eight lanes a step as 64-bit words
+ * (padding lanes are 0, so they are masked out of the "visible" test). */
+static int ta_user_census(const ta_rows *R, const uint8_t *vis, int64_t n, int64_t *vlo, int64_t *vhi) {
     int seen = 0;
-    for (int64_t p = 0; p < R->npan && seen != (TA_SEEN_HIDDEN | TA_SEEN_VISIBLE); p++) {
+    for (int64_t p = 0; p < R->npan; p++) {
         const int64_t rows = R->M - p * PW < PW ? R->M - p * PW : PW;
         const uint8_t *v = vis + p * n * PW;
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t l = 0; l < rows; l++) seen |= v[j * PW + l] ? TA_SEEN_VISIBLE : TA_SEEN_HIDDEN;
+        uint64_t any = 0, all = ~(uint64_t)0, want[PW / 8];
+        for (int64_t w = 0; w < PW / 8; w++) {
+            const int64_t lanes = rows - w * 8 < 0 ? 0 : rows - w * 8 > 8 ? 8 : rows - w * 8;
+            want[w] = lanes == 8 ? 0x0101010101010101ull : (((uint64_t)1 << (8 * lanes)) - 1) & 0x0101010101010101ull;
+        }
+        int64_t lo = n, hi = 0;
+        for (int64_t j = 0; j < n; j++) {
+            uint64_t column = 0;
+            for (int64_t w = 0; w < PW / 8; w++) {
+                uint64_t x;
+                memcpy(&x, v + j * PW + w * 8, 8);
+                column |= x;
+                all &= (x & want[w]) == want[w] ? ~(uint64_t)0 : 0;
+            }
+            if (column) {
+                lo = j < lo ? j : lo;
+                hi = j + 1;
+            }
+            any |= column;
+        }
+        vlo[p] = lo < hi ? lo : 0;
+        vhi[p] = lo < hi ? hi : 0;
+        seen |= (any ? TA_SEEN_VISIBLE : 0) | (all ? 0 : TA_SEEN_HIDDEN);
     }
     return seen;
 }
@@ -154,7 +186,14 @@ typedef struct {
     const uint8_t *vis;
     int64_t vis_panel;
     real *pre;
+    real alpha; /* what the fused sweep multiplies the scores by first (1 when the GEMM scaled them) */
 } ta_user_tile;
+
+/* Whether the forward's score pipeline is the score_mod alone (no softcap, ALiBi, bias or bool mask):
+ * then one fused sweep per panel does it all (ta_user_logits). */
+static inline int ta_user_fused(const ta_args *a) {
+    return ta_user_scores(a) && !(a->softcap > 0 || a->alibi || a->bias || a->mask);
+}
 
 /* Key indices j0 .. j0 + n - 1 into kv. */
 static inline void ta_user_keys(int32_t *kv, int64_t j0, int64_t n) {
@@ -162,8 +201,10 @@ static inline void ta_user_keys(int32_t *kv, int64_t j0, int64_t n) {
 }
 
 /* Steps 1 and 2 for a tile: -1 when its lanes see none of keys [j0, j1) (skip it), 0 when they see all
- * (no mask work), 1 when `vis` (all panels, n x PW each) says which. `kv` receives the keys' indices. */
-static int ta_user_tile_mask(const ta_args *a, const ta_rows *R, int64_t j0, int64_t j1, int32_t *kv, uint8_t *vis) {
+ * (no mask work), 1 when `vis` (all panels, n x PW each) says which and vlo/vhi which columns each
+ * panel sees. `kv` receives the keys' indices. */
+static int ta_user_tile_mask(const ta_args *a, const ta_rows *R, int64_t j0, int64_t j1, int32_t *kv, uint8_t *vis,
+                             int64_t *vlo, int64_t *vhi) {
     const int64_t n = j1 - j0;
     ta_user_keys(kv, j0, n);
     if (!ta_user_masks(a)) return 0;
@@ -171,7 +212,7 @@ static int ta_user_tile_mask(const ta_args *a, const ta_rows *R, int64_t j0, int
     if (seen == TA_SEEN_HIDDEN) return -1;
     if (seen == TA_SEEN_VISIBLE) return 0;
     for (int64_t p = 0; p < R->npan; p++) ta_user_visibility(a, R, p, j0, n, kv, seen, vis + p * n * PW);
-    seen = ta_user_census(R, vis, n);
+    seen = ta_user_census(R, vis, n, vlo, vhi);
     return seen == TA_SEEN_HIDDEN ? -1 : seen == TA_SEEN_VISIBLE ? 0 : 1;
 }
 
@@ -185,6 +226,18 @@ static void ta_user_score(const ta_args *a, const ta_rows *R, int64_t p, real *S
     ta_user_status(a, ((ta_score_fn)u->score_fn)(rows, n, PW, S, R->ub + base, R->uh + base, R->uq + base, kv,
                                                  (const void *const *)u->score_cap, (const int64_t *)u->score_sizes,
                                                  (const double *)u->score_scalars));
+}
+
+/* Step 3 fused with the rest of the forward's pipeline on panel p's n raw scores (times alpha): the
+ * score_mod and base-2 logits in one sweep, the column maxima folded into cmax. */
+static void ta_user_logits(const ta_args *a, const ta_rows *R, int64_t p, real *S, int64_t n, const int32_t *kv,
+                           real alpha, real *cmax) {
+    const ta_user_args *u = ta_user(a);
+    const int64_t base = p * PW, rows = R->M - base < PW ? R->M - base : PW;
+    ta_user_status(a, ((ta_logits_fn)u->score_logits_fn)(rows, n, PW, S, R->ub + base, R->uh + base, R->uq + base, kv,
+                                                          (const void *const *)u->score_cap,
+                                                          (const int64_t *)u->score_sizes,
+                                                          (const double *)u->score_scalars, alpha, cmax));
 }
 
 /* Backward of step 3 on panel p: dS (n x PW, w.r.t. the modified scores) becomes dS w.r.t. the scores
