@@ -6,7 +6,10 @@ call (GQA, causal, window, bias with gradient, softcap, LSE) and checked against
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -92,6 +95,39 @@ def test_compile_fullgraph_forward_and_backward_match_eager(inputs, fresh_regist
     again = run(compiled, q * 0.5, k, v, bias)
     torch.testing.assert_close(again[0], run(attention_block, q * 0.5, k, v, bias)[0], rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+_FRESH_DEFAULT_ENGINE = """
+    import torch
+    import tileattn
+    from tileattn.backends.native import kernels
+    from tileattn.core.dispatch import select
+    from tileattn.core.spec import build_spec
+    from tileattn.core.testing import check_against_reference
+
+    assert not kernels._state, "the library must be loaded (or found unavailable) first while dynamo traces"
+    gen = torch.Generator().manual_seed(38)
+    q, k, v = (torch.randn(1, h, 24, 16, generator=gen) for h in (4, 2, 2))
+    compiled = torch.compile(lambda q, k, v, causal: tileattn.flash_attention(q, k, v, causal=causal),
+                             fullgraph=True)
+    verdicts = check_against_reference(compiled, q, k, v, causal=True)
+    assert [v.name for v in verdicts] == ["out", "dq", "dk", "dv"], verdicts
+    assert all(v.ok for v in verdicts), "\\n".join(map(str, verdicts))
+    print("engine", select(build_spec(q, k, v, causal=True), backward=True).name)
+"""
+
+
+def test_compile_fullgraph_default_engine_in_a_fresh_process():
+    """The default engine (native where it builds) in a new process: its library is built and loaded
+    for the first time while dynamo traces the dispatch, which must not break the graph."""
+    # Asked here first, so the child finds the library built in this session's cache (and only loads it).
+    refused = get_backend("native").not_supported_reasons(build_spec(*make_qkv(sq=4)), backward=True)
+    env = {k: v for k, v in os.environ.items() if k != "TILEATTN_BACKEND"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FRESH_DEFAULT_ENGINE)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["engine", "cpu" if refused else "native"], proc.stdout
 
 
 def test_custom_op_fake_shapes_match_real_ones():

@@ -76,6 +76,13 @@ class Backend:
             self._unavailable_answer = self.unavailable_reason()
         return self._unavailable_answer
 
+    # The first dispatch may come from inside torch.compile, and finding out may load a library
+    # (the native engine builds and loads its kernels under a lock, which dynamo cannot trace):
+    # dynamo runs this method eagerly at trace time and takes its answer as a constant (what
+    # torch.compiler.assume_constant_result sets, without importing torch._dynamo here), guarding
+    # on the engine object. tests/test_compile.py checks a first call in a fresh process.
+    _unavailable._dynamo_marked_constant = True
+
     def extra_reasons(self, spec: AttentionSpec, backward: bool) -> List[str]:
         """Engine-specific refusals beyond the declared capabilities."""
         return []
