@@ -18,6 +18,7 @@ import tileattn
 from tileattn.core import engine, ops
 from tileattn.core.dispatch import get_backend
 from tileattn.core.spec import build_spec
+from tileattn.core.testing import check_against_reference
 from torch._dynamo.utils import counters
 
 from conftest import make_qkv
@@ -128,6 +129,27 @@ def test_compile_fullgraph_default_engine_in_a_fresh_process():
                           text=True, env=env, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.split() == ["engine", "cpu" if refused else "native"], proc.stdout
+
+
+class _ExportedBlock(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        return tileattn.flash_attention(q, k, v, bias=bias, causal=True) * 2.0
+
+
+def test_export_records_the_op_and_the_program_matches_the_reference():
+    """torch.export (default engine) records one tileattn op, and the exported program computes
+    attention for new values as eager does, within the reference's tolerance."""
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=12, sk=12, d=16, seed=41)
+    bias = torch.randn(4, 12, 12, generator=torch.Generator().manual_seed(42))
+    program = torch.export.export(_ExportedBlock(), (q, k, v, bias))
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.tileattn.attention_forward.default) == 1, targets
+    run = program.module()
+    q2 = q.flip(2)
+    torch.testing.assert_close(run(q2, k, v, bias), _ExportedBlock()(q2, k, v, bias), rtol=0, atol=0)
+    verdicts = check_against_reference(lambda q, k, v, bias, causal: run(q, k, v, bias) / 2.0, q2, k, v, grad=False,
+                                       bias=bias, causal=True)
+    assert [v.name for v in verdicts] == ["out"] and all(v.ok for v in verdicts), verdicts
 
 
 def test_custom_op_fake_shapes_match_real_ones():

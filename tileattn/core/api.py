@@ -24,7 +24,7 @@ import torch
 from . import lean, ops
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail, modifiers_from_keywords
-from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of
+from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of, tracing
 
 
 def flash_attention(
@@ -232,7 +232,7 @@ def _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, 
     never shares ``align=1``'s plan.
     Of ``seqused_k`` and ``block_table`` the key holds what validation reads but their values,
     which a served call checks again."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor) or torch.compiler.is_compiling():
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or tracing():
         return None
     if varlen != (None, None, None, None) or layout == "TND":
         return None  # the offsets' values set the geometry
@@ -271,8 +271,16 @@ def run(spec: AttentionSpec, backend="auto", partial: bool = False):
     return _execute(spec, select(spec, backend, backward=_needs_grad(spec)), partial)
 
 
+def _through_op(spec: AttentionSpec) -> bool:
+    """Whether a call runs as the custom op rather than calling its engine directly: when traced (the
+    tracer or dispatch mode sees one op; a FakeTensor gets its fake kernel) or when q, k or v is a
+    tensor subclass (its own dispatch sees the op: a wrapper subclass unwraps its data, a FakeTensor
+    outside its mode answers with the fake kernel, never a real kernel reading no memory)."""
+    return tracing() or not (type(spec.q) is type(spec.k) is type(spec.v) is torch.Tensor)
+
+
 def _execute(spec: AttentionSpec, engine, partial: bool):
-    if torch.compiler.is_compiling() or _needs_grad(spec):
+    if _needs_grad(spec) or _through_op(spec):
         return ops.attention_forward(*ops.pack(spec, engine.name, partial))
     return ops.run_forward(spec, engine, partial)
 
@@ -320,6 +328,11 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **
         dout = dout.contiguous()
     need_dbias = any(m.grad_slot == "bias" and m.grad_tensor().requires_grad for m in spec.modifiers)
     with torch.no_grad():
+        if _through_op(spec):
+            q, k, v, bias, sinks, extras, ints, floats, config = ops.pack(spec, engine.name, False)
+            dq, dk, dv, dbias, dsinks = ops.attention_backward(dout, dlse, out, lse, q, k, v, bias, sinks, extras,
+                                                               ints, floats, config, need_dbias)
+            return AttentionGradients(dq, dk, dv, dbias if need_dbias else None, dsinks if sinks is not None else None)
         grads = ops.run_backward(spec, engine, dout, dlse, out, lse, need_dbias)
     return AttentionGradients(*grads)
 

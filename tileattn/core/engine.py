@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from .spec import AttentionSpec
@@ -59,6 +60,11 @@ class Backend:
     name: str = "?"
     #: Whether forward/backward read :attr:`AttentionSpec.kernel_args` (a plan lowers them once).
     reads_kernel_args: bool = True
+    #: Whether the engine reads its tensors' memory itself (by pointer from C or Triton, or on worker
+    #: threads of its own) rather than only through torch operators, which a tensor subclass or a
+    #: FakeTensor answers: every tensor it reads must then have memory (:func:`storage_problem`),
+    #: which :mod:`tileattn.core.ops` checks before it runs.
+    reads_memory: bool = True
     #: Chosen by "auto" when it supports the call (the reference is not).
     auto: bool = True
     #: Lower runs first under "auto".
@@ -141,6 +147,31 @@ class Backend:
         """A prepared forward call for repeated inference calls of this shape (:mod:`tileattn.core.lean`),
         or None (the default: every call takes the full path through :meth:`forward`)."""
         return None
+
+
+def storage_problem(t: torch.Tensor) -> Optional[str]:
+    """What ``t`` is when it has no memory of its own to read, or None when it has (or is empty).
+
+    A FakeTensor (FakeTensorMode, torch.export), a wrapper subclass (DTensor-like: its
+    ``data_ptr()`` is 0), a meta tensor or a tensor wrapped by a torch.func transform (vmap, grad:
+    no storage at all) would be read at address 0 by a kernel. A FakeTensor is asked first: reading
+    its pointer warns."""
+    if type(t) is not torch.Tensor and isinstance(t, FakeTensor):
+        return "a FakeTensor (shapes without data)"
+    try:
+        if t.data_ptr() or t.numel() == 0:
+            return None
+    except RuntimeError:
+        return "a tensor without storage (wrapped by a torch.func transform such as vmap)"
+    if t.is_meta:
+        return "a meta tensor (shapes without data)"
+    return f"a {type(t).__name__} without storage (its data_ptr() is 0)"
+
+
+#: What would work instead of a tensor without memory, for messages.
+WITH_MEMORY = ("a tensor with memory of its own (for shapes alone, call under FakeTensorMode, torch.compile or "
+               "torch.export, which run the op's fake kernel; unwrap a tensor subclass first, e.g. a DTensor's "
+               ".to_local(); under torch.func.vmap, loop over the batch instead)")
 
 
 @dataclass

@@ -5,8 +5,9 @@ A decode step is a few microseconds of kernel; the full path around it (validati
 :class:`~tileattn.core.spec.AttentionSpec`, engine choice, the op boundary, the kernels' keyword
 wrapper) cost several times that. :func:`tileattn.flash_attention` therefore looks a call up here
 first when it needs no gradient (no input requires grad, or grad mode is off), is not being traced
-by ``torch.compile``, and uses only keywords that bind no per-call tensor (``causal``, ``window``,
-``softcap``, ``scale``, ``align``, ``layout``, ``num_heads``, ``seqused_k``, ``block_table``).
+(:func:`tileattn.core.spec.tracing`: torch.compile, FakeTensorMode, ...), and uses only keywords
+that bind no per-call tensor (``causal``, ``window``, ``softcap``, ``scale``, ``align``, ``layout``,
+``num_heads``, ``seqused_k``, ``block_table``).
 
 The memo is keyed by everything validation and dispatch read of such a call *except K/V's key
 length and strides*: a decode loop whose cache grows by a key every step (a new shape each time)
@@ -31,6 +32,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .engine import registry_version
+from .spec import tracing
 
 #: Lean plans by call key (None: a call shape the engine prepares nothing for). Bounded; the
 #: oldest entry goes first. Holds no tensor.
@@ -45,7 +47,7 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
     when there is none yet (or the engine prepares nothing for the call). Scalars of other types
     than the documented ones take the full path, so that ``causal=1`` (refused there) never shares
     ``causal=True``'s plan, though the two are equal keys."""
-    if _BYPASSED or torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+    if _BYPASSED or not (type(q) is type(k) is type(v) is torch.Tensor) or tracing():
         return None, None
     if not (type(causal) is bool and type(softcap) is float and type(deterministic) is bool
             and (scale is None or type(scale) is float) and (num_heads is None or type(num_heads) is int)
@@ -135,7 +137,8 @@ class LeanPlan:
             return None
         try:
             kg, vg = self.read_k(k), self.read_v(v)
-        except RuntimeError:  # a nested tensor has no strides
+            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        except RuntimeError:  # a nested tensor has no strides, one wrapped by torch.func (vmap) no storage
             return None
         if kg is None or vg is None or kg[0] != vg[0]:
             return None
@@ -150,7 +153,7 @@ class LeanPlan:
             return None
         out = torch.empty(self.out_shape, dtype=self.dtype)
         lse = torch.empty(self.lse_shape, dtype=self.acc) if return_lse else None
-        if not prepared.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        if not prepared.run(q_ptr, k_ptr, v_ptr, out.data_ptr(),
                             None if lse is None else lse.data_ptr(), keys, kg[1], vg[1],
                             0 if seqused_k is None else seqused_k.data_ptr(),
                             0 if block_table is None else block_table.data_ptr()):

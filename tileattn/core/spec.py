@@ -48,6 +48,16 @@ _SHAPE_NAME = {
 }
 _PAGED_SHAPE = "(num_blocks, block_size, kv_heads, head_dim)"
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def tracing() -> bool:
+    """Whether tensors are traced rather than computed: torch.compile or torch.export traces, or a
+    torch dispatch mode is active (FakeTensorMode, make_fx's proxy mode, FlopCounterMode). A call
+    then runs as the custom op, which the mode sees (a FakeTensor gets the op's fake kernel), and
+    the values of its sequence tensors are checked by the op when it runs, not read while tracing."""
+    return torch.compiler.is_compiling() or _dispatch_modes() > 0
+
 
 def to_canonical(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torch.Tensor:
     """Strided (B, H, S, D) view of a padded-layout tensor, or (T, H, D) for TND. Never copies."""
@@ -536,7 +546,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
     )
     for m in found:
         m.check(spec)
-    if torch.compiler.is_compiling():
+    if tracing():
         return spec
     return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)
 
