@@ -28,11 +28,11 @@ from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, 
 
 
 def flash_attention(
-    q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
-    mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
-    return_lse=False, deterministic=False, backend="auto", modifiers=(), k_scale=None, k_offset=None, v_scale=None,
-    v_offset=None, q_scale=None, score_mod=None, mask_mod=None,
+    q, k, v, lean_key=None, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None,
+    align="bottom_right", mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
+    generator=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    seqused_k=None, block_table=None, return_lse=False, deterministic=False, backend="auto", modifiers=(),
+    k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, score_mod=None, mask_mod=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -135,20 +135,6 @@ def flash_attention(
     """
     if type(return_lse) is not bool:
         check_bool("return_lse", return_lse)
-    # A repeated inference call without per-call modifier tensors: the lean path (tileattn.core.lean)
-    # serves it with a prepared kernel call, or returns no plan and the full path below runs.
-    lean_key = None
-    if (mask is None and bias is None and alibi_slopes is None and sinks is None and type(dropout_p) is float
-            and dropout_p == 0.0 and seed is None and generator is None and cu_seqlens_q is None
-            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
-            and type(modifiers) is tuple and not modifiers and score_mod is None and mask_mod is None
-            and k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None):
-        lean_key, lean_plan = lean.lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap,
-                                          seqused_k, block_table, deterministic, backend)
-        if lean_plan is not None:
-            served = lean_plan.run(q, k, v, seqused_k, block_table, return_lse)
-            if served is not None:
-                return served if return_lse else served[0]
     # the arguments, which the modifier types parse (they read their own names only)
     keywords = locals()
     found = modifiers_from_keywords(keywords, modifiers)
@@ -181,10 +167,15 @@ def flash_attention(
             # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
             # step, pays nothing for plans it would never use.
             _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
-    if lean_key is not None and lean_key not in lean.PLANS:
+    if lean_key is not None and lean_key not in lean.PLANS:  # the front looked the call up and found no plan
         lean.remember(lean_key, spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
+
+
+#: What callers call: the lean path (:func:`tileattn.core.lean.front`, which passes this function the
+#: call's lean key) in front of the full path above.
+flash_attention = lean.front(flash_attention)
 
 
 class Plan:

@@ -20,12 +20,17 @@ refuses (a ``seqused_k`` beyond the keys), returns None, and the full path runs 
 validates, raises its usual error before any compute, or computes. Results are bitwise those of
 the full path (the same kernel, the same arguments).
 
+Which calls are looked up is derived, not listed (:func:`front`, :func:`unserved`): a plan keys on
+:func:`lookup`'s arguments, so every other keyword of the call must be at its absent value.
+
 Entries hold no tensor (shapes, flags, the engine, the prepared struct's bytes). Whoever changes an
 engine's declaration or replaces its ``forward`` (a test's spy) is served by the full path again.
 """
 
 from __future__ import annotations
 
+import inspect
+import linecache
 import os
 from typing import Callable, Dict, Optional, Tuple
 
@@ -66,6 +71,63 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
         return key, PLANS.get(key)
     except (TypeError, RuntimeError, AttributeError):  # not tensors, a nested q, an unhashable value
         return None, None
+
+
+def unserved(fn: Callable) -> Tuple[str, ...]:
+    """The keywords of ``fn`` (:func:`tileattn.flash_attention`) a plan cannot serve: all but those
+    :func:`lookup` keys a plan on and ``return_lse`` (which :meth:`LeanPlan.run` takes). These are the
+    variant keywords of the modifiers that bind a tensor or a per-call value (mask, bias, ALiBi,
+    sinks, dropout, the scales of a quantised cache, user functions), the varlen offsets,
+    ``modifiers=``, and any keyword added later: a plan knows nothing of them, so a call that
+    gives one a value takes the full path."""
+    keyed = set(inspect.signature(lookup).parameters) | {"return_lse"}
+    return tuple(p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind is p.KEYWORD_ONLY and p.name not in keyed)
+
+
+def front(full: Callable) -> Callable:
+    """The public function of ``full(q, k, v, lean_key, *, <keywords>)`` (the full path of
+    :func:`tileattn.flash_attention`): a function with ``full``'s keywords, defaults and docstring
+    that serves a call from its lean plan when every keyword of :func:`unserved` is at its absent
+    value (its default, of the same type: ``dropout_p=False`` is refused by the full path, not
+    taken for 0.0) and the plan takes it, and hands any other call, with its lean key, to ``full``.
+
+    Generated once, as dataclasses generate ``__init__``, so that the test of those keywords is the
+    plain ``mask is None and ...`` a hand-written list would be while no list is written by hand:
+    reading them by name through ``locals()`` would cost a decode call about 1 us (a tenth)."""
+    params = inspect.signature(full).parameters
+    if [p.name for p in params.values() if p.kind is not p.KEYWORD_ONLY] != ["q", "k", "v", "lean_key"]:
+        raise TypeError(f"tileattn: lean.front needs {full.__qualname__}(q, k, v, lean_key, *, <keywords>)")
+    names = [name for name, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    namespace = {"lookup": lookup, "full": full}
+    absent = ["type(return_lse) is bool"]
+    for name in unserved(full):
+        default = params[name].default
+        if default is None:
+            absent.append(f"{name} is None")
+        else:
+            namespace[f"_{name}_absent"], namespace[f"_{name}_type"] = default, type(default)
+            absent.append(f"type({name}) is _{name}_type and {name} == _{name}_absent")
+    keyed = ", ".join(list(inspect.signature(lookup).parameters)[3:])
+    source = "\n".join((
+        f"def {full.__name__}(q, k, v, *, {', '.join(names)}):",
+        f"    if {' and '.join(absent)}:",
+        f"        lean_key, plan = lookup(q, k, v, {keyed})",
+        "        if plan is not None:",
+        "            served = plan.run(q, k, v, seqused_k, block_table, return_lse)",
+        "            if served is not None:",
+        "                return served if return_lse else served[0]",
+        "    else:",
+        "        lean_key = None",
+        f"    return full(q, k, v, lean_key, {', '.join(f'{n}={n}' for n in names)})",
+        ""))
+    filename = f"<tileattn.core.lean.front of {full.__module__}.{full.__qualname__}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace[full.__name__]
+    fn.__kwdefaults__ = dict(full.__kwdefaults__)
+    fn.__doc__, fn.__module__, fn.__qualname__ = full.__doc__, full.__module__, full.__qualname__
+    return fn
 
 
 #: ``os.environ``'s own dict (bytes keys on POSIX): reading TILEATTN_BACKEND there costs a tenth of
