@@ -152,6 +152,21 @@ def test_export_records_the_op_and_the_program_matches_the_reference():
     assert [v.name for v in verdicts] == ["out"] and all(v.ok for v in verdicts), verdicts
 
 
+def test_make_fx_records_the_op_not_its_result():
+    """make_fx's proxy mode records one tileattn op, also for a shape with a lean plan: a result
+    computed beside the trace would replay as whatever memory the graph allocates."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=1, sk=9, d=16, seed=43)
+    for _ in range(3):  # the decode shape gets its lean plan
+        tileattn.flash_attention(q, k, v, causal=True)
+    graph = make_fx(lambda q, k, v: tileattn.flash_attention(q, k, v, causal=True))(q, k, v)
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.tileattn.attention_forward.default) == 1, targets
+    q2 = q.flip(-1)
+    torch.testing.assert_close(graph(q2, k, v), tileattn.flash_attention(q2, k, v, causal=True), rtol=0, atol=0)
+
+
 def test_custom_op_fake_shapes_match_real_ones():
     """The fake (meta) implementations predict the real output shapes for every layout, no compile."""
     from torch._subclasses.fake_tensor import FakeTensorMode

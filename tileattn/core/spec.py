@@ -49,14 +49,20 @@ _SHAPE_NAME = {
 _PAGED_SHAPE = "(num_blocks, block_size, kv_heads, head_dim)"
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def tracing() -> bool:
     """Whether tensors are traced rather than computed: torch.compile or torch.export traces, or a
-    torch dispatch mode is active (FakeTensorMode, make_fx's proxy mode, FlopCounterMode). A call
-    then runs as the custom op, which the mode sees (a FakeTensor gets the op's fake kernel), and
-    the values of its sequence tensors are checked by the op when it runs, not read while tracing."""
-    return torch.compiler.is_compiling() or _dispatch_modes() > 0
+    tracing dispatch mode is active (FakeTensorMode, make_fx's proxy mode, functionalization). A call
+    then runs as the custom op, which the mode records or answers (a FakeTensor gets the op's fake
+    kernel), and the values of its sequence tensors are checked by the op when it runs, not read
+    while tracing. A mode that only watches (FlopCounterMode, a logging mode) sees the call run as
+    without it. Costs one C call when no dispatch mode is active."""
+    return torch.compiler.is_compiling() or (
+        _dispatch_modes() > 0 and any(_get_dispatch_mode(key) is not None for key in _TRACING_MODES))
 
 
 def to_canonical(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torch.Tensor:
