@@ -15,7 +15,7 @@ Conventions used everywhere below the public API:
   blocks, canonically ``(num_blocks, Hkv, block_size, D)``; sequence ``b`` reads the blocks listed in
   ``block_table[b]``.
 * Sequence ``b`` has ``q_len`` queries and ``k_len`` keys (``seqused_k[b]`` when given) and a
-  diagonal offset (:func:`tileattn.core.modifiers.diagonal_offset`): see :class:`SequenceSlice`.
+  diagonal offset (:func:`tileattn.core.score_math.diagonal_offset`): see :class:`SequenceSlice`.
 """
 
 from __future__ import annotations

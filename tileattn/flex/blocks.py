@@ -5,7 +5,7 @@ unmasked, or computes with a per-element mask, and that mask, packed.
 ``BlockMask.from_kv_blocks``, or this module's :func:`create_block_mask`) into a :class:`BlockMap` for a
 call with ``batch`` sequences and ``heads`` query heads:
 
-* ``states``: uint8 (Bs, Hs, rows, cols), one :class:`~tileattn.core.modifiers.TileState` per block of
+* ``states``: uint8 (Bs, Hs, rows, cols), one :class:`~tileattn.core.score_math.TileState` per block of
   ``BLOCK_SIZE`` = (block_q, block_kv): EMPTY (skip), PARTIAL (apply the bits), FULL (no mask).
   ``rows = ceil(q_len / block_q)``, ``cols = ceil(kv_len / block_kv)``; the last row and column may
   be cut short by the lengths and are classified on their in-range elements only. ``Bs`` is 1 (the
