@@ -28,7 +28,7 @@ from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, 
 
 
 def flash_attention(
-    q, k, v, lean_key=None, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None,
+    q, k, v, lean_key=None, layout="BNSD", num_heads=None, scale=None, causal=False, window=None,
     align="bottom_right", mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
     generator=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     seqused_k=None, block_table=None, return_lse=False, deterministic=False, backend="auto", modifiers=(),
@@ -133,6 +133,9 @@ def flash_attention(
         ValueError / TypeError before any compute, naming the argument, what was given and what
         would work; :class:`tileattn.NoBackendError` when no engine can run the call.
     """
+    # What callers call is lean.front's function of this one (below): it takes the keywords
+    # keyword-only, serves a call from its lean plan when it can and passes this function the rest
+    # positionally, with the call's lean key.
     if type(return_lse) is not bool:
         check_bool("return_lse", return_lse)
     # the arguments, which the modifier types parse (they read their own names only)
@@ -173,8 +176,7 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
-#: What callers call: the lean path (:func:`tileattn.core.lean.front`, which passes this function the
-#: call's lean key) in front of the full path above.
+#: What callers call: the lean path (:func:`tileattn.core.lean.front`) in front of the full path above.
 flash_attention = lean.front(flash_attention)
 
 

@@ -80,25 +80,28 @@ def unserved(fn: Callable) -> Tuple[str, ...]:
     sinks, dropout, the scales of a quantised cache, user functions), the varlen offsets,
     ``modifiers=``, and any keyword added later: a plan knows nothing of them, so a call that
     gives one a value takes the full path."""
-    keyed = set(inspect.signature(lookup).parameters) | {"return_lse"}
-    return tuple(p.name for p in inspect.signature(fn).parameters.values()
-                 if p.kind is p.KEYWORD_ONLY and p.name not in keyed)
+    keyed = set(inspect.signature(lookup).parameters) | {"return_lse", "lean_key"}
+    return tuple(name for name in inspect.signature(fn).parameters if name not in keyed)
 
 
 def front(full: Callable) -> Callable:
-    """The public function of ``full(q, k, v, lean_key, *, <keywords>)`` (the full path of
-    :func:`tileattn.flash_attention`): a function with ``full``'s keywords, defaults and docstring
-    that serves a call from its lean plan when every keyword of :func:`unserved` is at its absent
-    value (its default, of the same type: ``dropout_p=False`` is refused by the full path, not
-    taken for 0.0) and the plan takes it, and hands any other call, with its lean key, to ``full``.
+    """The public function of ``full(q, k, v, lean_key, <keywords with defaults>)`` (the full path of
+    :func:`tileattn.flash_attention`): a function taking ``full``'s keywords (keyword-only), with
+    its defaults and docstring, that serves a call from its lean plan when every keyword of
+    :func:`unserved` is at its absent value (its default, of the same type: ``dropout_p=False`` is
+    refused by the full path, not taken for 0.0) and the plan takes it, and hands any other call,
+    with its lean key, to ``full`` (positionally: passing 36 keywords by name costs 1.5 us).
 
     Generated once, as dataclasses generate ``__init__``, so that the test of those keywords is the
     plain ``mask is None and ...`` a hand-written list would be while no list is written by hand:
-    reading them by name through ``locals()`` would cost a decode call about 1 us (a tenth)."""
+    reading them by name through ``locals()`` costs a decode call 2 us (a fifth)."""
     params = inspect.signature(full).parameters
-    if [p.name for p in params.values() if p.kind is not p.KEYWORD_ONLY] != ["q", "k", "v", "lean_key"]:
-        raise TypeError(f"tileattn: lean.front needs {full.__qualname__}(q, k, v, lean_key, *, <keywords>)")
-    names = [name for name, p in params.items() if p.kind is p.KEYWORD_ONLY]
+    names = list(params)[4:]
+    if list(params)[:4] != ["q", "k", "v", "lean_key"] or \
+            any(params[n].kind is not params[n].POSITIONAL_OR_KEYWORD or params[n].default is params[n].empty
+                for n in names):
+        raise TypeError(f"tileattn: lean.front needs {full.__qualname__}(q, k, v, lean_key, <keywords with "
+                        f"defaults>)")
     namespace = {"lookup": lookup, "full": full}
     absent = ["type(return_lse) is bool"]
     for name in unserved(full):
@@ -119,13 +122,13 @@ def front(full: Callable) -> Callable:
         "                return served if return_lse else served[0]",
         "    else:",
         "        lean_key = None",
-        f"    return full(q, k, v, lean_key, {', '.join(f'{n}={n}' for n in names)})",
+        f"    return full(q, k, v, lean_key, {', '.join(names)})",
         ""))
     filename = f"<tileattn.core.lean.front of {full.__module__}.{full.__qualname__}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
     exec(compile(source, filename, "exec"), namespace)
     fn = namespace[full.__name__]
-    fn.__kwdefaults__ = dict(full.__kwdefaults__)
+    fn.__kwdefaults__ = {name: params[name].default for name in names}
     fn.__doc__, fn.__module__, fn.__qualname__ = full.__doc__, full.__module__, full.__qualname__
     return fn
 

@@ -2,10 +2,11 @@
 
 ``tileattn::attention_forward`` and ``tileattn::attention_backward`` are opaque to ``torch.compile``
 and ``torch.export`` (fake implementations give their output shapes, and FakeTensorMode's), so a
-compiled graph calls each as one node with no graph break. Autograd is registered on the forward op: it saves only q, k, v, the modifier tensors,
-out and the LSE (a dropout mask is regenerated from its seed, never stored) and calls the backward
-op, whose own autograd raises a clear error (no double backward). Both outputs are differentiable:
-a gradient reaching the LSE enters the backward as ``delta = rowsum(dout * out) - dlse``.
+compiled graph calls each as one node with no graph break. Autograd is registered on the forward
+op: it saves only q, k, v, the modifier tensors, out and the LSE (a dropout mask is regenerated
+from its seed, never stored) and calls the backward op, whose own autograd raises a clear error
+(no double backward). Both outputs are differentiable: a gradient reaching the LSE enters the
+backward as ``delta = rowsum(dout * out) - dlse``.
 
 A spec crosses the op boundary through one pair of functions, :func:`pack` and :func:`unpack`;
 nothing else counts argument slots. ``unpack`` does not validate again: the spec was validated once,
