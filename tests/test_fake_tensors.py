@@ -1,6 +1,7 @@
 """Tensors without memory: FakeTensorMode gets fake outputs from the ops' fake kernels; a tensor whose
 memory cannot be read (a wrapper subclass whose data_ptr() is 0, a FakeTensor handed to an engine,
-a tensor wrapped by torch.func.vmap) is refused by name before any kernel reads a pointer.
+a tensor wrapped by torch.func.vmap, one given to FlexAttention's compiled C) is refused by name
+before any kernel reads a pointer.
 
 Each of these once segfaulted the process, so the cases run in one child process that reports each
 result on a line of its own as it goes: a crash fails this test (naming the case it reached)
@@ -134,6 +135,20 @@ def _():
 @case("vmap")
 def _():
     return torch.func.vmap(lambda x: tileattn.flash_attention(x, k, v))(q[None].expand(3, -1, -1, -1, -1))
+
+
+@case("hollow q k v with a score_mod")
+def _():
+    return tileattn.flash_attention(Hollow(q), Hollow(k), Hollow(v), score_mod=lambda s, b, h, i, j: s + 0.1 * j)
+
+
+@case("hollow tensor captured by a compiled score_mod")
+def _():
+    captured = [torch.zeros(8)]
+    score_mod = lambda s, b, h, i, j: s + captured[0][j]  # noqa: E731
+    tileattn.flash_attention(q, k, v, score_mod=score_mod)  # compiles the program for an fp32 (8,) capture
+    captured[0] = Hollow(torch.zeros(8))
+    return tileattn.flash_attention(q, k, v, score_mod=score_mod)
 '''
 
 _EXPECTED = {
@@ -148,6 +163,9 @@ _EXPECTED = {
     "hollow bias kernels.forward": "TypeError: tileattn native: argument 'bias': got a Hollow without storage",
     "fake q to an engine": "TypeError: tileattn: argument 'q': got a FakeTensor",
     "vmap": "TypeError: tileattn: argument 'q': got a tensor without storage",
+    "hollow q k v with a score_mod": "TypeError: tileattn: argument 'query': got a Hollow without storage",
+    "hollow tensor captured by a compiled score_mod":
+        "TypeError: tileattn: argument 'score_mod': got a captured tensor that is a Hollow without storage",
 }
 
 

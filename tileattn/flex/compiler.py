@@ -34,7 +34,10 @@ from pathlib import Path
 import torch
 
 from ..backends.native import build
+from ..core.engine import storage_problem
+from ..core.modifiers import fail
 from . import codegen
+from .semantics import WITH_MEMORY
 from .trace import INDEX_DTYPE, Unsupported, structure, trace
 
 LIB_NAME = "libtileattn_flex.so"
@@ -78,6 +81,9 @@ class Program:
         """(pointer array, sizes array, contiguous tensors to keep alive) for the C functions."""
         tensors = []
         for t, (dtype, shape) in zip(captures, self.capture_specs):
+            problem = storage_problem(t)
+            if problem is not None:
+                fail(TypeError, f"{self.kind}_mod", f"a captured tensor that is {problem}", WITH_MEMORY)
             if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"tileattn.flex: a captured tensor is {t.dtype} {tuple(t.shape)} on {t.device}; "
                                  f"this program was built for {dtype} {shape} on cpu")
