@@ -146,9 +146,10 @@ def check_memory(spec: AttentionSpec, engine: Backend, *named: Tuple[str, Option
         if t is not None and (transformed or type(t) is not Tensor):
             _require_memory(_READ_TENSORS[i], t, engine)
     args = spec.kernel_args
-    for name, t in (*((n, getattr(args, n)) for n in args.per_call), *named) if args.per_call or named else ():
-        if isinstance(t, Tensor) and (transformed or type(t) is not Tensor):  # per_call names the seed, an int
-            _require_memory(name, t, engine)
+    if args.per_call or named:
+        for name, t in tuple((n, getattr(args, n)) for n in args.per_call) + named:
+            if isinstance(t, Tensor) and (transformed or type(t) is not Tensor):  # per_call names the seed, an int
+                _require_memory(name, t, engine)
 
 
 def _require_memory(name: str, t: Tensor, engine: Backend) -> None:

@@ -18,8 +18,9 @@ import triton.language as tl
 # log2(e): the kernels work in base 2 (exp2 is one hardware instruction, exp is exp2 plus a multiply).
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# The counter-based dropout hash of tileattn/core/score_math.py (dropout_keep), in uint32 arithmetic. The multipliers are
-# below 2**31, which is what lets the torch reference emulate these exact products in int64.
+# The counter-based dropout hash of tileattn/core/score_math.py (dropout_keep), in uint32 arithmetic.
+# The multipliers are below 2**31, which is what lets the torch reference emulate these exact
+# products in int64.
 MUL_A = tl.constexpr(0x7FEB352D)
 MUL_B = tl.constexpr(0x5BD1E995)
 GOLDEN = tl.constexpr(0x1E3779B9)
