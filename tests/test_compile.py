@@ -6,7 +6,10 @@ call (GQA, causal, window, bias with gradient, softcap, LSE) and checked against
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import tileattn
 from tileattn.core import engine, ops
 from tileattn.core.dispatch import get_backend
 from tileattn.core.spec import build_spec
+from tileattn.core.testing import check_against_reference
 from torch._dynamo.utils import counters
 
 from conftest import make_qkv
@@ -92,6 +96,75 @@ def test_compile_fullgraph_forward_and_backward_match_eager(inputs, fresh_regist
     again = run(compiled, q * 0.5, k, v, bias)
     torch.testing.assert_close(again[0], run(attention_block, q * 0.5, k, v, bias)[0], rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+_FRESH_DEFAULT_ENGINE = """
+    import torch
+    import tileattn
+    from tileattn.backends.native import kernels
+    from tileattn.core.dispatch import select
+    from tileattn.core.spec import build_spec
+    from tileattn.core.testing import check_against_reference
+
+    assert not kernels._state, "the library must be loaded (or found unavailable) first while dynamo traces"
+    gen = torch.Generator().manual_seed(38)
+    q, k, v = (torch.randn(1, h, 24, 16, generator=gen) for h in (4, 2, 2))
+    compiled = torch.compile(lambda q, k, v, causal: tileattn.flash_attention(q, k, v, causal=causal),
+                             fullgraph=True)
+    verdicts = check_against_reference(compiled, q, k, v, causal=True)
+    assert [v.name for v in verdicts] == ["out", "dq", "dk", "dv"], verdicts
+    assert all(v.ok for v in verdicts), "\\n".join(map(str, verdicts))
+    print("engine", select(build_spec(q, k, v, causal=True), backward=True).name)
+"""
+
+
+def test_compile_fullgraph_default_engine_in_a_fresh_process():
+    """The default engine (native where it builds) in a new process: its library is built and loaded
+    for the first time while dynamo traces the dispatch, which must not break the graph."""
+    # Asked here first, so the child finds the library built in this session's cache (and only loads it).
+    refused = get_backend("native").not_supported_reasons(build_spec(*make_qkv(sq=4)), backward=True)
+    env = {k: v for k, v in os.environ.items() if k != "TILEATTN_BACKEND"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FRESH_DEFAULT_ENGINE)], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["engine", "cpu" if refused else "native"], proc.stdout
+
+
+class _ExportedBlock(torch.nn.Module):
+    def forward(self, q, k, v, bias):
+        return tileattn.flash_attention(q, k, v, bias=bias, causal=True) * 2.0
+
+
+def test_export_records_the_op_and_the_program_matches_the_reference():
+    """torch.export (default engine) records one tileattn op, and the exported program computes
+    attention for new values as eager does, within the reference's tolerance."""
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=12, sk=12, d=16, seed=41)
+    bias = torch.randn(4, 12, 12, generator=torch.Generator().manual_seed(42))
+    program = torch.export.export(_ExportedBlock(), (q, k, v, bias))
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.tileattn.attention_forward.default) == 1, targets
+    run = program.module()
+    q2 = q.flip(2)
+    torch.testing.assert_close(run(q2, k, v, bias), _ExportedBlock()(q2, k, v, bias), rtol=0, atol=0)
+    verdicts = check_against_reference(lambda q, k, v, bias, causal: run(q, k, v, bias) / 2.0, q2, k, v, grad=False,
+                                       bias=bias, causal=True)
+    assert [v.name for v in verdicts] == ["out"] and all(v.ok for v in verdicts), verdicts
+
+
+def test_make_fx_records_the_op_not_its_result():
+    """make_fx's proxy mode records one tileattn op, also for a shape with a lean plan: a result
+    computed beside the trace would replay as whatever memory the graph allocates."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = make_qkv(b=1, hq=4, hkv=2, sq=1, sk=9, d=16, seed=43)
+    for _ in range(3):  # the decode shape gets its lean plan
+        tileattn.flash_attention(q, k, v, causal=True)
+    graph = make_fx(lambda q, k, v: tileattn.flash_attention(q, k, v, causal=True))(q, k, v)
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.tileattn.attention_forward.default) == 1, targets
+    q2 = q.flip(-1)
+    torch.testing.assert_close(graph(q2, k, v), tileattn.flash_attention(q2, k, v, causal=True), rtol=0, atol=0)
 
 
 def test_custom_op_fake_shapes_match_real_ones():

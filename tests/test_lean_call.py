@@ -4,12 +4,15 @@ cover, and raises the full path's errors, before any compute."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 import tileattn
 from tileattn.core import lean
 from tileattn.core.dispatch import get_backend
+from tileattn.core.modifiers import Alibi, variant_keywords
 from tileattn.core.testing import judge
 
 native = get_backend("native")
@@ -240,29 +243,90 @@ def test_the_dialects_decode_calls_take_the_lean_path(served):
     assert served[0] == 4
 
 
-@pytest.mark.parametrize("extra", ["k_scale", "q_scale", "score_mod", "mask_mod"])
-def test_a_call_with_scales_or_user_functions_after_a_plan_is_not_served_lean(served, extra):
-    """A decode shape that has a lean plan, called again with a per-call scale or a user function:
-    the full path runs it (the lean plan knows nothing of them), and the result is the fp64
-    reference's for that call."""
+#: A value other than the absent one of every keyword a lean plan cannot serve, for the decode call
+#: of the test below (8 query heads, 2 kv heads, 96 keys of dim 64, BNSD). A keyword added to
+#: flash_attention that a plan does not key on joins lean.unserved, and the test fails until it has
+#: a value here.
+_UNSERVED_VALUES = {
+    "mask": lambda: torch.arange(96) % 3 != 0,
+    "bias": lambda: 0.01 * torch.arange(96.0),
+    "alibi_slopes": lambda: torch.full((8,), 0.05),
+    "dropout_p": lambda: 0.25,
+    "seed": lambda: 5,
+    "generator": lambda: torch.Generator().manual_seed(6),
+    "sinks": lambda: torch.linspace(-1.0, 1.0, 8),
+    "cu_seqlens_q": lambda: torch.tensor([0, 1], dtype=torch.int32),
+    "cu_seqlens_k": lambda: torch.tensor([0, 96], dtype=torch.int32),
+    "max_seqlen_q": lambda: 1,
+    "max_seqlen_k": lambda: 96,
+    "modifiers": lambda: (Alibi(torch.full((8,), 0.05)),),
+    "k_scale": lambda: torch.full((1, 2, 1, 1), 0.5),
+    "k_offset": lambda: torch.full((1, 2, 1, 1), 0.25),
+    "v_scale": lambda: torch.full((1, 2, 1, 1), 2.0),
+    "v_offset": lambda: torch.full((1, 2, 1, 1), -0.5),
+    "q_scale": lambda: torch.full((1, 2), 2.0),
+    "score_mod": lambda: lambda score, b, h, qi, ki: score + 0.01 * ki,
+    "mask_mod": lambda: lambda b, h, qi, ki: ki % 3 != 0,
+    "block_mask": lambda: tileattn.flex.create_block_mask(lambda b, h, qi, ki: ki % 3 != 0, None, None, 96, 96,
+                                                         BLOCK_SIZE=32),
+}
+
+
+def test_the_keywords_a_plan_cannot_serve_are_derived_from_the_modifiers():
+    """Every variant keyword a modifier type declares is either in the plan's key (lookup's
+    arguments) or one the lean path refuses; so are the varlen offsets and modifiers=."""
+    keyed = set(inspect.signature(lean.lookup).parameters)
+    unserved = set(lean.unserved(tileattn.flash_attention))
+    for name in variant_keywords():
+        assert (name in keyed) != (name in unserved), name
+    assert {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "modifiers"} <= unserved
+    assert unserved == set(_UNSERVED_VALUES), "give each keyword a plan cannot serve a value in _UNSERVED_VALUES"
+
+
+@pytest.mark.parametrize("name", lean.unserved(tileattn.flash_attention))
+def test_a_keyword_a_plan_cannot_serve_takes_the_full_path(served, name):
+    """A decode shape with a lean plan, called again with one such keyword given: the full path runs
+    it (the plan knows nothing of it), with the reference's result or the reference's error."""
     q, k, v = _rand(1, 8, 1, 64, seed=1), _rand(1, 2, 96, 64, seed=2), _rand(1, 2, 96, 64, seed=3)
     tileattn.flash_attention(q, k, v)
     tileattn.flash_attention(q, k, v)
     assert served[0] == 1
-    kw, ref_k, ref_q, bias = {}, k.double(), q.double(), None
-    if extra == "k_scale":
-        kw["k_scale"] = torch.full((1, 2, 1, 1), 0.5)
-        ref_k = ref_k * 0.5
-    elif extra == "q_scale":
-        kw["q_scale"] = torch.full((1, 2), 2.0)
-        ref_q = ref_q * 2.0
-    elif extra == "score_mod":
-        kw["score_mod"] = lambda score, b, h, qi, ki: score + 0.01 * ki
-        bias = 0.01 * torch.arange(96, dtype=torch.float64).view(1, 1, 1, 96)
-    else:
-        kw["mask_mod"] = lambda b, h, qi, ki: ki % 3 != 0
-        bias = torch.where(torch.arange(96) % 3 != 0, 0.0, float("-inf")).double().view(1, 1, 1, 96)
-    out = tileattn.flash_attention(q, k, v, **kw)
+    kw = {name: _UNSERVED_VALUES[name]()}
+
+    def run(fn, **extra):
+        torch.manual_seed(7)  # dropout without a seed draws one: the same for both
+        try:
+            return fn(q, k, v, **kw, **extra)
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    out = run(tileattn.flash_attention)
     assert served[0] == 1
-    ref = tileattn.reference(ref_q, ref_k, v.double(), bias=bias)
-    assert (out.double() - ref).abs().max() < 1e-4
+    exact = run(tileattn.reference, compute_dtype=torch.float64)
+    if isinstance(exact, str):
+        assert out == exact
+    else:
+        verdict = judge("out", out, exact, run(tileattn.reference), q.dtype)
+        assert verdict.ok, str(verdict)
+
+
+@pytest.mark.parametrize("value", [False, 0], ids=repr)
+def test_an_absent_value_of_another_type_takes_the_full_path(served, value):
+    """``dropout_p`` equal to its absent 0.0 but not a float: the full path refuses it (False) or
+    parses it (0), as it would without a plan."""
+    q, k, v = _rand(1, 8, 1, 64, seed=1), _rand(1, 2, 96, 64, seed=2), _rand(1, 2, 96, 64, seed=3)
+    tileattn.flash_attention(q, k, v)
+    tileattn.flash_attention(q, k, v)
+    assert served[0] == 1
+
+    def outcome():
+        try:
+            return tileattn.flash_attention(q, k, v, dropout_p=value)
+        except TypeError as exc:
+            return str(exc)
+
+    got = outcome()
+    assert served[0] == 1
+    with lean.bypassed():
+        expected = outcome()
+    assert got == expected if isinstance(expected, str) else torch.equal(got, expected)

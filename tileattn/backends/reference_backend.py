@@ -27,6 +27,8 @@ class ReferenceBackend(Backend):
     name = "reference"
     #: It applies the modifiers through their own reference hooks, not kernel arguments.
     reads_kernel_args = False
+    #: Torch operators only: a tensor subclass or a meta tensor answers them itself.
+    reads_memory = False
     auto = False
     priority = 1000
     capabilities = Capabilities(devices=frozenset(("cpu", "cuda", "meta")), dtypes=ALL_DTYPES,

@@ -24,15 +24,16 @@ import torch
 from . import lean, ops
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail, modifiers_from_keywords
-from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of
+from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of, tracing
 
 
 def flash_attention(
-    q, k, v, *, layout="BNSD", num_heads=None, scale=None, causal=False, window=None, align="bottom_right",
-    mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None, sinks=None,
-    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, block_table=None,
-    return_lse=False, deterministic=False, backend="auto", modifiers=(), k_scale=None, k_offset=None, v_scale=None,
-    v_offset=None, q_scale=None, score_mod=None, mask_mod=None, block_mask=None,
+    q, k, v, lean_key=None, layout="BNSD", num_heads=None, scale=None, causal=False, window=None,
+    align="bottom_right", mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
+    generator=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+    seqused_k=None, block_table=None, return_lse=False, deterministic=False, backend="auto", modifiers=(),
+    k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, score_mod=None, mask_mod=None,
+    block_mask=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -117,10 +118,14 @@ def flash_attention(
         deterministic: bitwise-reproducible gradients.
         score_mod, mask_mod: FlexAttention's functions ``score_mod(score, b, h, q_idx, kv_idx)`` (applied
             after softcap, ALiBi and bias) and ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = take
-            part, with causal/window and mask); b, h (query head), q_idx, kv_idx are int32 0-d tensors.
-            ``backend="auto"`` runs the call through :func:`tileattn.flex_attention` (gradients reach
-            the tensors they capture); the kernel engines do not declare them and refuse them by name.
-            Padded layouts only; not with dropout or sinks (see :mod:`tileattn.flex.modifiers`).
+            part, with causal/window and mask); b (the sequence), h (the query head), q_idx (the row's
+            position on the keys' axis: ``i + off`` as ``align`` places it) and kv_idx are int32 0-d
+            tensors. Compiled into the native kernels' tiles (forward, backward, decode; gradients
+            reach the tensors a score_mod captures); a function the compiler refuses runs on the
+            ``eager`` engine (:mod:`tileattn.core.functions`, :func:`tileattn.explain` says why).
+        block_mask: a PyTorch ``BlockMask`` instead of ``mask_mod``: blocks it lists as full are
+            visible, blocks it lists as partial apply its ``mask_mod``, the others are hidden and
+            never computed; its lengths may exceed the call's (a decode step reads its row of blocks).
         modifiers: further :class:`tileattn.core.modifiers.Modifier` objects (a modifier type of your own
             runs on the reference and on every engine that declares it; the others refuse it).
         backend: "auto" (default; ``$TILEATTN_BACKEND`` overrides it) or an engine name.
@@ -133,22 +138,11 @@ def flash_attention(
         ValueError / TypeError before any compute, naming the argument, what was given and what
         would work; :class:`tileattn.NoBackendError` when no engine can run the call.
     """
+    # What callers call is lean.front's function of this one (below): it takes the keywords
+    # keyword-only, serves a call from its lean plan when it can and passes this function the rest
+    # positionally, with the call's lean key.
     if type(return_lse) is not bool:
         check_bool("return_lse", return_lse)
-    # A repeated inference call without per-call modifier tensors: the lean path (tileattn.core.lean)
-    # serves it with a prepared kernel call, or returns no plan and the full path below runs.
-    lean_key = None
-    if (mask is None and bias is None and alibi_slopes is None and sinks is None and type(dropout_p) is float
-            and dropout_p == 0.0 and seed is None and generator is None and cu_seqlens_q is None
-            and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
-            and type(modifiers) is tuple and not modifiers and score_mod is None and mask_mod is None and block_mask is None
-            and k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None):
-        lean_key, lean_plan = lean.lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap,
-                                          seqused_k, block_table, deterministic, backend)
-        if lean_plan is not None:
-            served = lean_plan.run(q, k, v, seqused_k, block_table, return_lse)
-            if served is not None:
-                return served if return_lse else served[0]
     # the arguments, which the modifier types parse (they read their own names only)
     keywords = locals()
     found = modifiers_from_keywords(keywords, modifiers)
@@ -174,10 +168,14 @@ def flash_attention(
             # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
             # step, pays nothing for plans it would never use.
             _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
-    if lean_key is not None and lean_key not in lean.PLANS:
+    if lean_key is not None and lean_key not in lean.PLANS:  # the front looked the call up and found no plan
         lean.remember(lean_key, spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
+
+
+#: What callers call: the lean path (:func:`tileattn.core.lean.front`) in front of the full path above.
+flash_attention = lean.front(flash_attention)
 
 
 class Plan:
@@ -225,7 +223,7 @@ def _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, 
     never shares ``align=1``'s plan.
     Of ``seqused_k`` and ``block_table`` the key holds what validation reads but their values,
     which a served call checks again."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor) or torch.compiler.is_compiling():
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or tracing():
         return None
     if varlen != (None, None, None, None) or layout == "TND":
         return None  # the offsets' values set the geometry
@@ -264,6 +262,14 @@ def run(spec: AttentionSpec, backend="auto", partial: bool = False):
     return _execute(spec, select(spec, backend, backward=_needs_grad(spec)), partial)
 
 
+def _through_op(spec: AttentionSpec) -> bool:
+    """Whether a call runs as the custom op rather than calling its engine directly: when traced (the
+    tracer or dispatch mode sees one op; a FakeTensor gets its fake kernel) or when q, k or v is a
+    tensor subclass (its own dispatch sees the op: a wrapper subclass unwraps its data, a FakeTensor
+    outside its mode answers with the fake kernel, never a real kernel reading no memory)."""
+    return tracing() or not (type(spec.q) is type(spec.k) is type(spec.v) is torch.Tensor)
+
+
 def _execute(spec: AttentionSpec, engine, partial: bool):
     if any(m.user_function for m in spec.modifiers):
         if not _needs_grad(spec):
@@ -271,7 +277,7 @@ def _execute(spec: AttentionSpec, engine, partial: bool):
         own = {m.grad_slot: m.grad_tensor() for m in spec.modifiers if m.grad_slot is not None}
         return ops.UserFunctionAttention.apply(spec, engine, partial, spec.q, spec.k, spec.v, own.get("bias"),
                                                own.get("sinks"), *ops.grad_captures(spec))
-    if torch.compiler.is_compiling() or _needs_grad(spec):
+    if _needs_grad(spec) or _through_op(spec):
         return ops.attention_forward(*ops.pack(spec, engine.name, partial))
     return ops.run_forward(spec, engine, partial)
 
@@ -319,6 +325,11 @@ def attention_backward(dout, q, k, v, out, lse, *, dlse=None, backend="auto", **
         dout = dout.contiguous()
     need_dbias = any(m.grad_slot == "bias" and m.grad_tensor().requires_grad for m in spec.modifiers)
     with torch.no_grad():
+        if _through_op(spec):
+            q, k, v, bias, sinks, extras, ints, floats, config = ops.pack(spec, engine.name, False)
+            dq, dk, dv, dbias, dsinks = ops.attention_backward(dout, dlse, out, lse, q, k, v, bias, sinks, extras,
+                                                               ints, floats, config, need_dbias)
+            return AttentionGradients(dq, dk, dv, dbias if need_dbias else None, dsinks if sinks is not None else None)
         grads = ops.run_backward(spec, engine, dout, dlse, out, lse, need_dbias)[:5]
     return AttentionGradients(*grads)
 

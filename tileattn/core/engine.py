@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from .spec import AttentionSpec
@@ -63,6 +64,11 @@ class Backend:
     name: str = "?"
     #: Whether forward/backward read :attr:`AttentionSpec.kernel_args` (a plan lowers them once).
     reads_kernel_args: bool = True
+    #: Whether the engine reads its tensors' memory itself (by pointer from C or Triton, or on worker
+    #: threads of its own) rather than only through torch operators, which a tensor subclass or a
+    #: FakeTensor answers: every tensor it reads must then have memory (:func:`storage_problem`),
+    #: which :mod:`tileattn.core.ops` checks before it runs.
+    reads_memory: bool = True
     #: Chosen by "auto" when it supports the call (the reference is not).
     auto: bool = True
     #: Lower runs first under "auto".
@@ -79,6 +85,13 @@ class Backend:
         if "_unavailable_answer" not in self.__dict__:
             self._unavailable_answer = self.unavailable_reason()
         return self._unavailable_answer
+
+    # The first dispatch may come from inside torch.compile, and finding out may load a library
+    # (the native engine builds and loads its kernels under a lock, which dynamo cannot trace):
+    # dynamo runs this method eagerly at trace time and takes its answer as a constant (what
+    # torch.compiler.assume_constant_result sets, without importing torch._dynamo here), guarding
+    # on the engine object. tests/test_compile.py checks a first call in a fresh process.
+    _unavailable._dynamo_marked_constant = True
 
     def extra_reasons(self, spec: AttentionSpec, backward: bool) -> List[str]:
         """Engine-specific refusals beyond the declared capabilities."""
@@ -141,6 +154,31 @@ class Backend:
         """A prepared forward call for repeated inference calls of this shape (:mod:`tileattn.core.lean`),
         or None (the default: every call takes the full path through :meth:`forward`)."""
         return None
+
+
+def storage_problem(t: torch.Tensor) -> Optional[str]:
+    """What ``t`` is when it has no memory of its own to read, or None when it has (or is empty).
+
+    A FakeTensor (FakeTensorMode, torch.export), a wrapper subclass (DTensor-like: its
+    ``data_ptr()`` is 0), a meta tensor or a tensor wrapped by a torch.func transform (vmap, grad:
+    no storage at all) would be read at address 0 by a kernel. A FakeTensor is asked first: reading
+    its pointer warns."""
+    if type(t) is not torch.Tensor and isinstance(t, FakeTensor):
+        return "a FakeTensor (shapes without data)"
+    try:
+        if t.data_ptr() or t.numel() == 0:
+            return None
+    except RuntimeError:
+        return "a tensor without storage (wrapped by a torch.func transform such as vmap)"
+    if t.is_meta:
+        return "a meta tensor (shapes without data)"
+    return f"a {type(t).__name__} without storage (its data_ptr() is 0)"
+
+
+#: What would work instead of a tensor without memory, for messages.
+WITH_MEMORY = ("a tensor with memory of its own (for shapes alone, call under FakeTensorMode, torch.compile or "
+               "torch.export, which run the op's fake kernel; unwrap a tensor subclass first, e.g. a DTensor's "
+               ".to_local(); under torch.func.vmap, loop over the batch instead)")
 
 
 @dataclass

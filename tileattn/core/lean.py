@@ -5,8 +5,9 @@ A decode step is a few microseconds of kernel; the full path around it (validati
 :class:`~tileattn.core.spec.AttentionSpec`, engine choice, the op boundary, the kernels' keyword
 wrapper) cost several times that. :func:`tileattn.flash_attention` therefore looks a call up here
 first when it needs no gradient (no input requires grad, or grad mode is off), is not being traced
-by ``torch.compile``, and uses only keywords that bind no per-call tensor (``causal``, ``window``,
-``softcap``, ``scale``, ``align``, ``layout``, ``num_heads``, ``seqused_k``, ``block_table``).
+(:func:`tileattn.core.spec.tracing`: torch.compile, FakeTensorMode, ...), and uses only keywords
+that bind no per-call tensor (``causal``, ``window``, ``softcap``, ``scale``, ``align``, ``layout``,
+``num_heads``, ``seqused_k``, ``block_table``).
 
 The memo is keyed by everything validation and dispatch read of such a call *except K/V's key
 length and strides*: a decode loop whose cache grows by a key every step (a new shape each time)
@@ -19,18 +20,24 @@ refuses (a ``seqused_k`` beyond the keys), returns None, and the full path runs 
 validates, raises its usual error before any compute, or computes. Results are bitwise those of
 the full path (the same kernel, the same arguments).
 
+Which calls are looked up is derived, not listed (:func:`front`, :func:`unserved`): a plan keys on
+:func:`lookup`'s arguments, so every other keyword of the call must be at its absent value.
+
 Entries hold no tensor (shapes, flags, the engine, the prepared struct's bytes). Whoever changes an
 engine's declaration or replaces its ``forward`` (a test's spy) is served by the full path again.
 """
 
 from __future__ import annotations
 
+import inspect
+import linecache
 import os
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .engine import registry_version
+from .spec import tracing
 
 #: Lean plans by call key (None: a call shape the engine prepares nothing for). Bounded; the
 #: oldest entry goes first. Holds no tensor.
@@ -45,7 +52,7 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
     when there is none yet (or the engine prepares nothing for the call). Scalars of other types
     than the documented ones take the full path, so that ``causal=1`` (refused there) never shares
     ``causal=True``'s plan, though the two are equal keys."""
-    if _BYPASSED or torch.compiler.is_compiling() or not (type(q) is type(k) is type(v) is torch.Tensor):
+    if _BYPASSED or not (type(q) is type(k) is type(v) is torch.Tensor) or tracing():
         return None, None
     if not (type(causal) is bool and type(softcap) is float and type(deterministic) is bool
             and (scale is None or type(scale) is float) and (num_heads is None or type(num_heads) is int)
@@ -64,6 +71,66 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
         return key, PLANS.get(key)
     except (TypeError, RuntimeError, AttributeError):  # not tensors, a nested q, an unhashable value
         return None, None
+
+
+def unserved(fn: Callable) -> Tuple[str, ...]:
+    """The keywords of ``fn`` (:func:`tileattn.flash_attention`) a plan cannot serve: all but those
+    :func:`lookup` keys a plan on and ``return_lse`` (which :meth:`LeanPlan.run` takes). These are the
+    variant keywords of the modifiers that bind a tensor or a per-call value (mask, bias, ALiBi,
+    sinks, dropout, the scales of a quantised cache, user functions), the varlen offsets,
+    ``modifiers=``, and any keyword added later: a plan knows nothing of them, so a call that
+    gives one a value takes the full path."""
+    keyed = set(inspect.signature(lookup).parameters) | {"return_lse", "lean_key"}
+    return tuple(name for name in inspect.signature(fn).parameters if name not in keyed)
+
+
+def front(full: Callable) -> Callable:
+    """The public function of ``full(q, k, v, lean_key, <keywords with defaults>)`` (the full path of
+    :func:`tileattn.flash_attention`): a function taking ``full``'s keywords (keyword-only), with
+    its defaults and docstring, that serves a call from its lean plan when every keyword of
+    :func:`unserved` is at its absent value (its default, of the same type: ``dropout_p=False`` is
+    refused by the full path, not taken for 0.0) and the plan takes it, and hands any other call,
+    with its lean key, to ``full`` (positionally: passing every keyword by name costs 1.5 us).
+
+    Generated once, as dataclasses generate ``__init__``, so that the test of those keywords is the
+    plain ``mask is None and ...`` a hand-written list would be while no list is written by hand:
+    reading them by name through ``locals()`` costs a decode call 2 us (a fifth)."""
+    params = inspect.signature(full).parameters
+    names = list(params)[4:]
+    if list(params)[:4] != ["q", "k", "v", "lean_key"] or \
+            any(params[n].kind is not params[n].POSITIONAL_OR_KEYWORD or params[n].default is params[n].empty
+                for n in names):
+        raise TypeError(f"tileattn: lean.front needs {full.__qualname__}(q, k, v, lean_key, <keywords with "
+                        f"defaults>)")
+    namespace = {"lookup": lookup, "full": full}
+    absent = ["type(return_lse) is bool"]
+    for name in unserved(full):
+        default = params[name].default
+        if default is None:
+            absent.append(f"{name} is None")
+        else:
+            namespace[f"_{name}_absent"], namespace[f"_{name}_type"] = default, type(default)
+            absent.append(f"type({name}) is _{name}_type and {name} == _{name}_absent")
+    keyed = ", ".join(list(inspect.signature(lookup).parameters)[3:])
+    source = "\n".join((
+        f"def {full.__name__}(q, k, v, *, {', '.join(names)}):",
+        f"    if {' and '.join(absent)}:",
+        f"        lean_key, plan = lookup(q, k, v, {keyed})",
+        "        if plan is not None:",
+        "            served = plan.run(q, k, v, seqused_k, block_table, return_lse)",
+        "            if served is not None:",
+        "                return served if return_lse else served[0]",
+        "    else:",
+        "        lean_key = None",
+        f"    return full(q, k, v, lean_key, {', '.join(names)})",
+        ""))
+    filename = f"<tileattn.core.lean.front of {full.__module__}.{full.__qualname__}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show it
+    exec(compile(source, filename, "exec"), namespace)
+    fn = namespace[full.__name__]
+    fn.__kwdefaults__ = {name: params[name].default for name in names}
+    fn.__doc__, fn.__module__, fn.__qualname__ = full.__doc__, full.__module__, full.__qualname__
+    return fn
 
 
 #: ``os.environ``'s own dict (bytes keys on POSIX): reading TILEATTN_BACKEND there costs a tenth of
@@ -135,7 +202,8 @@ class LeanPlan:
             return None
         try:
             kg, vg = self.read_k(k), self.read_v(v)
-        except RuntimeError:  # a nested tensor has no strides
+            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        except RuntimeError:  # a nested tensor has no strides, one wrapped by torch.func (vmap) no storage
             return None
         if kg is None or vg is None or kg[0] != vg[0]:
             return None
@@ -150,7 +218,7 @@ class LeanPlan:
             return None
         out = torch.empty(self.out_shape, dtype=self.dtype)
         lse = torch.empty(self.lse_shape, dtype=self.acc) if return_lse else None
-        if not prepared.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        if not prepared.run(q_ptr, k_ptr, v_ptr, out.data_ptr(),
                             None if lse is None else lse.data_ptr(), keys, kg[1], vg[1],
                             0 if seqused_k is None else seqused_k.data_ptr(),
                             0 if block_table is None else block_table.data_ptr()):

@@ -1,11 +1,12 @@
 """The attention operator as ``torch.library`` custom ops, with autograd.
 
 ``tileattn::attention_forward`` and ``tileattn::attention_backward`` are opaque to ``torch.compile``
-(fake implementations give their output shapes), so a compiled graph calls each as one node with no
-graph break. Autograd is registered on the forward op: it saves only q, k, v, the modifier tensors,
-out and the LSE (a dropout mask is regenerated from its seed, never stored) and calls the backward
-op, whose own autograd raises a clear error (no double backward). Both outputs are differentiable:
-a gradient reaching the LSE enters the backward as ``delta = rowsum(dout * out) - dlse``.
+and ``torch.export`` (fake implementations give their output shapes, and FakeTensorMode's), so a
+compiled graph calls each as one node with no graph break. Autograd is registered on the forward
+op: it saves only q, k, v, the modifier tensors, out and the LSE (a dropout mask is regenerated
+from its seed, never stored) and calls the backward op, whose own autograd raises a clear error
+(no double backward). Both outputs are differentiable: a gradient reaching the LSE enters the
+backward as ``delta = rowsum(dout * out) - dlse``.
 
 A spec crosses the op boundary through one pair of functions, :func:`pack` and :func:`unpack`;
 nothing else counts argument slots. ``unpack`` does not validate again: the spec was validated once,
@@ -14,7 +15,8 @@ passed directly; every other tensor travels in one list.
 
 Above the engines, here and once for all of them: the output is allocated in the user's layout
 (fp32 for partial results), sinks are merged into (out, LSE), the bias gradient is reduced to the
-bias's shape, ``delta`` is computed, and ``dsinks`` follows from it.
+bias's shape, ``delta`` is computed, ``dsinks`` follows from it, and an engine reading memory is
+given only tensors that have some (:func:`check_memory`).
 
 A call with user functions (``score_mod``, ``mask_mod``, :mod:`tileattn.core.functions`) cannot
 cross a ``torch.library`` boundary (an op takes no Python function): it runs as
@@ -33,10 +35,11 @@ import torch
 from torch import Tensor
 
 from .dispatch import Backend, Gradients, get_backend
+from .engine import WITH_MEMORY, storage_problem
 from .merge import merge_weights
-from .modifiers import flatten, modifier_type, unflatten
+from .modifiers import fail, flatten, modifier_type, unflatten
 from .score_math import reduce_to_shape
-from .spec import AttentionSpec, check_sequence_values, empty_in_layout, to_canonical
+from .spec import AttentionSpec, check_sequence_values, empty_in_layout, to_canonical, tracing
 
 #: The op arguments of a modifier's one differentiable tensor (autograd only sees tensors passed
 #: directly): :attr:`tileattn.core.modifiers.Modifier.grad_slot`.
@@ -60,8 +63,8 @@ def pack(spec: AttentionSpec, backend: str, partial: bool) -> tuple:
         ints += mi
         floats += mf
     align_name = spec.align if isinstance(spec.align, str) else "offset"
-    # A spec built while torch.compile traces has unchecked sequence data: the op checks it.
-    traced = "traced" if torch.compiler.is_compiling() and _has_sequence_data(spec) else "checked"
+    # A spec built while tracing has unchecked sequence data: the op checks it.
+    traced = "traced" if tracing() and _has_sequence_data(spec) else "checked"
     config = "|".join((spec.layout, align_name, ",".join(spec.kinds), backend, "partial" if partial else "full",
                        traced))
     return (spec.q, spec.k, spec.v, own["bias"], own["sinks"], extras, ints, floats, config)
@@ -125,8 +128,44 @@ def _autocast_off(device: torch.device):
     return contextlib.nullcontext()
 
 
+#: The tensors of a spec an engine reads (besides the modifiers' kernel arguments), by argument name.
+_READ_TENSORS = ("q", "k", "v") + _SEQUENCE_TENSORS
+_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
+
+
+def check_memory(spec: AttentionSpec, engine: Backend, *named: Tuple[str, Optional[Tensor]]) -> None:
+    """Every tensor ``engine`` reads has memory, or a TypeError naming it before any pointer is read
+    (:attr:`Backend.reads_memory`): q, k, v, the sequence tensors, the modifiers' kernel arguments
+    and ``named`` (a backward pass's). A traced call never gets here with such tensors (the op's
+    fake kernel answers it); this is for those that reach a real engine anyway (a wrapper subclass
+    whose dispatch hands itself on, a FakeTensor given to an engine directly, a vmap's tensor).
+
+    Outside torch.func's transforms a plain tensor has memory (a meta one never reaches such an
+    engine: dispatch refuses its device), so the common call costs a type check per tensor; inside
+    them, and for any subclass, :func:`tileattn.core.engine.storage_problem` asks."""
+    if not engine.reads_memory:
+        return
+    transformed = _functorch_interpreter() is not None
+    for i, t in enumerate((spec.q, spec.k, spec.v, spec.cu_seqlens_q, spec.cu_seqlens_k, spec.seqused_k,
+                           spec.block_table)):
+        if t is not None and (transformed or type(t) is not Tensor):
+            _require_memory(_READ_TENSORS[i], t, engine)
+    args = spec.kernel_args
+    if args.per_call or named:
+        for name, t in tuple((n, getattr(args, n)) for n in args.per_call) + named:
+            if isinstance(t, Tensor) and (transformed or type(t) is not Tensor):  # per_call names the seed, an int
+                _require_memory(name, t, engine)
+
+
+def _require_memory(name: str, t: Tensor, engine: Backend) -> None:
+    problem = storage_problem(t)
+    if problem is not None:
+        fail(TypeError, name, problem, f"{WITH_MEMORY}, for the {engine.name!r} engine")
+
+
 def run_forward(spec: AttentionSpec, engine: Backend, partial: bool) -> Tuple[Tensor, Tensor]:
     """(out in the user's layout, LSE): the engine's result with the sinks merged in."""
+    check_memory(spec, engine)
     merged_above = [m for m in spec.modifiers if m.applied_by_op] if spec.modifiers else ()
     acc = spec.acc_dtype()
     out_dtype = acc if (partial or merged_above) else spec.dtype
@@ -160,6 +199,7 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     """(dq, dk, dv, dbias or None, dsinks or None, [gradient of each of ``captures``]) for the output
     gradient ``dout`` (and ``dlse``); ``captures``: the score_mod's captured tensors that need one
     (:attr:`tileattn.core.functions.UserFunction.grad_captures`)."""
+    check_memory(spec, engine, ("dout", dout), ("out", out), ("lse", lse), ("dlse", dlse))
     acc = spec.acc_dtype()
     out_c = to_canonical(out, spec.layout, spec.heads_q)
     dout_c = to_canonical(dout, spec.layout, spec.heads_q)

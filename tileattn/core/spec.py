@@ -15,7 +15,7 @@ Conventions used everywhere below the public API:
   blocks, canonically ``(num_blocks, Hkv, block_size, D)``; sequence ``b`` reads the blocks listed in
   ``block_table[b]``.
 * Sequence ``b`` has ``q_len`` queries and ``k_len`` keys (``seqused_k[b]`` when given) and a
-  diagonal offset (:func:`tileattn.core.modifiers.diagonal_offset`): see :class:`SequenceSlice`.
+  diagonal offset (:func:`tileattn.core.score_math.diagonal_offset`): see :class:`SequenceSlice`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ _SHAPE_NAME = {
     "TND": "(total_tokens, heads, head_dim)",
 }
 _PAGED_SHAPE = "(num_blocks, block_size, kv_heads, head_dim)"
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_get_dispatch_mode = torch._C._get_dispatch_mode
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def tracing() -> bool:
+    """Whether tensors are traced rather than computed: torch.compile or torch.export traces, or a
+    tracing dispatch mode is active (FakeTensorMode, make_fx's proxy mode, functionalization). A call
+    then runs as the custom op, which the mode records or answers (a FakeTensor gets the op's fake
+    kernel), and the values of its sequence tensors are checked by the op when it runs, not read
+    while tracing. A mode that only watches (FlopCounterMode, a logging mode) sees the call run as
+    without it. Costs one C call when no dispatch mode is active."""
+    return torch.compiler.is_compiling() or (
+        _dispatch_modes() > 0 and any(_get_dispatch_mode(key) is not None for key in _TRACING_MODES))
 
 
 def to_canonical(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torch.Tensor:
@@ -537,7 +553,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
     )
     for m in found:
         m.check(spec)
-    if torch.compiler.is_compiling():
+    if tracing():
         return spec
     return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)
 

@@ -101,6 +101,6 @@ def run_local(fn: Callable, world_size: int, *args, backend: str = "gloo", timeo
         return outcomes
     failed = [o for o in outcomes if not o.ok]
     if failed:
-        raise RuntimeError("tileattn.distributed.run_local: " + " | ".join(
+        raise RuntimeError("tileattn.distributed.launch.run_local: " + " | ".join(
             f"rank {o.rank}: {o.error}\n{o.traceback}" for o in failed))
     return [o.value for o in outcomes]

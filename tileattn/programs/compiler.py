@@ -108,8 +108,9 @@ class Program:
                 raise IndexError(f"tileattn: the {self.kind}_mod indexes captured tensor #{i} of shape "
                                  f"{tuple(t.shape)}, which is empty: index 0 is out of bounds")
             if t.layout is not torch.strided or t.is_nested or not _has_storage(t):
-                raise TypeError(f"tileattn: captured tensor #{i} of the {self.kind}_mod is a {type(t).__name__} "
-                                f"({t.layout}) without plain storage; capture a dense CPU tensor")
+                raise TypeError(f"tileattn: argument '{self.kind}_mod': got a captured tensor that is a "
+                                f"{type(t).__name__} without storage; expected a dense CPU tensor with memory of its "
+                                "own (unwrap a tensor subclass first, e.g. a DTensor's .to_local())")
 
     def raise_check(self, code: int, captures):
         """Raise the error of failed check ``code`` (a tile function's nonzero return)."""

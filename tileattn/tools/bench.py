@@ -273,11 +273,6 @@ def describe_error(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:limit]
 
 
-_INITIALISED = set()
-#: Providers whose first call at each new shape compiles (``torch.compile(dynamic=False)``).
-COMPILES_PER_SHAPE = {"flex"}
-
-
 def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: bool = True,
              baseline: Optional[str] = None, on_step: Optional[Callable[[str], None]] = None,
              seed: int = 0) -> List[Result]:
@@ -318,15 +313,14 @@ def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: b
         step.prepare()
         return step.run()
 
-    # A provider's first call in this process pays one-time costs (kernel loading, compilation,
-    # thread pools) that belong in neither the memory figure nor the timings. Compiled providers
-    # pay them again for every new shape.
+    # Every provider first makes this very call once, untimed: what a call pays once per process, per
+    # mode or per shape (kernel loading, a compilation per shape, thread pools, the first backward's
+    # buffers: 75 MiB of first-use growth on the first fwd+bwd row after fwd rows) belongs in neither
+    # the memory figure nor the timings, which describe a call in steady state.
     for name in list(steps):
-        key = (name, case) if name in COMPILES_PER_SHAPE else name
-        if key not in _INITIALISED:
-            untimed(name, lambda: call(steps[name]))
-            if name in steps:
-                _INITIALISED.add(key)
+        untimed(name, lambda: call(steps[name]))
+        tick(name)
+
     # One untimed call per provider measures memory; the warm-up rounds after it absorb the page
     # faults of memory the measurement returned to the kernel.
     def peak_bytes(step):
@@ -353,8 +347,9 @@ def run_case(case: Case, providers: List[str], reps: int, warmup: int, memory: b
 
 
 def calls_per_case(n_providers: int, reps: int, warmup: int) -> int:
-    """Progress-bar ticks :func:`run_case` makes per case when every provider runs."""
-    return n_providers * (reps + warmup + 1)
+    """Progress-bar ticks :func:`run_case` makes per case when every provider runs: the first call,
+    the memory measurement's turn, the warm-up rounds and the timed repetitions."""
+    return n_providers * (reps + warmup + 2)
 
 
 class Progress:

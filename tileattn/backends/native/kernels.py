@@ -93,6 +93,7 @@ from pathlib import Path
 
 import torch
 
+from ...core.engine import WITH_MEMORY, storage_problem
 from . import build as _build
 from . import record as _record
 
@@ -355,6 +356,16 @@ def _check(name, t, dim, dtype=None, dtype2=None):
     return shape
 
 
+def _check_memory(**tensors):
+    """Each tensor argument has memory the kernels can read (a FakeTensor, a wrapper subclass whose
+    data_ptr() is 0, a meta tensor would be read at address 0): checked first, by name."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            problem = storage_problem(t)
+            if problem is not None:
+                _fail(name, problem, WITH_MEMORY, TypeError)
+
+
 def _same(name, shape, expected):
     if shape != expected:  # torch.Size is a tuple
         _fail(name, f"shape {tuple(shape)}", f"shape {tuple(expected)}")
@@ -404,6 +415,8 @@ def _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
               bias, dropout_p, cancel, backward, kv_dtype=None):
     """Every check of the forward-shaped arguments of a direct call (see the comment above).
     ``kv_dtype``: the dtype of k and v when it is not q's (a quantised cache)."""
+    _check_memory(q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  seqused_k=seqused_k, block_table=block_table, alibi_slopes=alibi_slopes, mask=mask, bias=bias)
     dtype = q.dtype if isinstance(q, torch.Tensor) else None
     if dtype not in _DTYPES:
         _fail("q", f"dtype {dtype}", "float32, float64, bfloat16 or float16", TypeError)
@@ -493,6 +506,7 @@ def _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
 
 def _validate_backward(q, k, v, dout, lse, delta, dq, dk, dv, bias, dbias, full, varlen):
     """The checks a direct backward call adds to :func:`_validate` (which took dout for out)."""
+    _check_memory(delta=delta, dq=dq, dk=dk, dv=dv, dbias=dbias)
     dtype = q.dtype
     ds = _check("delta", delta, lse.dim(), accumulation_dtype(dtype))
     _same("delta", ds, lse.shape)
@@ -641,6 +655,7 @@ def _scale_strides(name, t, k, width, batch, leading):
     ``leading`` ("paged" or "varlen": k has no batch axis; per-sequence scales such as
     FlashAttention-3's descales need one)."""
     kshape = k.shape
+    _check_memory(**{name: t})
     if isinstance(t, torch.Tensor) and t.dtype is _F32 and t.is_cpu:
         shape, st = t.shape, t.stride()
         nd, kd = len(shape), len(kshape)
@@ -680,6 +695,7 @@ def _fill_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset,
     vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, v.shape[-1], batch, leading)
     q_st, q_ptr = (0, 0, 0), 0
     if q_scale is not None:
+        _check_memory(q_scale=q_scale)
         hkv = k.shape[2] if leading == "paged" else k.shape[1]
         if not isinstance(q_scale, torch.Tensor) or q_scale.dtype is not _F32 or not q_scale.is_cpu or \
                 q_scale.dim() != 2 or any(n != f and n != 1 for n, f in zip(q_scale.shape, (batch, hkv))):

@@ -18,8 +18,9 @@ import triton.language as tl
 # log2(e): the kernels work in base 2 (exp2 is one hardware instruction, exp is exp2 plus a multiply).
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# The counter-based dropout hash of tileattn/core/modifiers.py (Dropout), in uint32 arithmetic. The multipliers are
-# below 2**31, which is what lets the torch reference emulate these exact products in int64.
+# The counter-based dropout hash of tileattn/core/score_math.py (dropout_keep), in uint32 arithmetic.
+# The multipliers are below 2**31, which is what lets the torch reference emulate these exact
+# products in int64.
 MUL_A = tl.constexpr(0x7FEB352D)
 MUL_B = tl.constexpr(0x5BD1E995)
 GOLDEN = tl.constexpr(0x1E3779B9)
@@ -27,7 +28,7 @@ GOLDEN = tl.constexpr(0x1E3779B9)
 
 @triton.jit
 def mix32(x):
-    """The 32-bit finaliser of modifiers._mix32 (x is uint32; products wrap modulo 2**32)."""
+    """The 32-bit finaliser of score_math._mix32 (x is uint32; products wrap modulo 2**32)."""
     x = x ^ (x >> 16)
     x = x * MUL_A
     x = x ^ (x >> 15)
@@ -46,7 +47,7 @@ def dropout_head_key(seed_lo, seed_hi, batch, head):
 
 @triton.jit
 def dropout_keep(head_key, rows, cols, threshold):
-    """True where the probability at (row, col) survives dropout; same bits as modifiers.Dropout.keep."""
+    """True where the probability at (row, col) survives dropout; same bits as score_math.dropout_keep."""
     row_key = mix32(head_key ^ rows.to(tl.uint32))
     x = mix32(row_key ^ (cols.to(tl.uint32) * GOLDEN))
     return (x >> 8) >= threshold
@@ -187,7 +188,7 @@ def _split_blocks(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def diagonal_offset(q_len, k_len, align_shift, BOTTOM_RIGHT: tl.constexpr):
-    """Query row i is aligned with key column i + offset (tileattn.core.modifiers.diagonal_offset):
+    """Query row i is aligned with key column i + offset (tileattn.core.score_math.diagonal_offset):
     ``k_len - q_len`` bottom-right (FlashAttention-2), 0 top-left (SDPA), plus a fixed shift."""
     if BOTTOM_RIGHT:
         return align_shift + k_len - q_len

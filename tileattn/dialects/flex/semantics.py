@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
 
+from ...core.engine import storage_problem
 from ...core.functions import NO_MASK_BLOCK, check_block_mask as check_block_lists
 from ...core.modifiers import fail
 from ...programs.blocks import block_grid, listed_blocks
@@ -28,6 +29,9 @@ from ...programs.eager import mask_tile, score_tile
 from ...programs.trace import INDEX_DTYPE
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: What would work instead of a tensor without memory (the CPU path's compiled C reads its tiles by pointer).
+WITH_MEMORY = ("a tensor with memory of its own (FlexAttention on CPU computes by pointer and has no fake kernel; "
+               "unwrap a tensor subclass first, e.g. a DTensor's .to_local())")
 BACKENDS = ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
 
 
@@ -77,6 +81,10 @@ def validate(query, key, value, block_mask=None, scale=None, enable_gqa=False, r
             fail(NotImplementedError, name, f"a {t.dim()}-D tensor", "a 4-D (B, H, S, E) tensor")
         if t.dtype not in FLOAT_DTYPES:
             fail(ValueError, name, t.dtype, "float16, bfloat16, float32 or float64")
+        # The CPU path hands its tiles to compiled C by pointer (torch.compile traces no real tensor).
+        problem = None if torch.compiler.is_compiling() else storage_problem(t)
+        if problem is not None:
+            fail(TypeError, name, problem, WITH_MEMORY)
     if not (query.dtype == key.dtype == value.dtype):
         fail(ValueError, "key/value", f"{key.dtype}/{value.dtype} with query {query.dtype}", "one dtype for all three")
     if not (query.device == key.device == value.device):

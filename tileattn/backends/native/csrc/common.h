@@ -1,5 +1,5 @@
 /* What every kernel shares: the geometry of one sequence (lengths, band offset, row addresses),
- * element conversions, the dropout hash of tileattn/scores.py, per-thread scratch and cancellation.
+ * element conversions, the dropout hash of tileattn/core/score_math.py, per-thread scratch and cancellation.
  */
 #ifndef TA_COMMON_H
 #define TA_COMMON_H
@@ -155,7 +155,7 @@ static inline double ta_load1(const void *p, int64_t dtype) {
 
 /* ------------------------------------------------------------------------------- dropout hash */
 
-/* The counter-based hash of tileattn/scores.py (and the Triton kernels), bit for bit: the decision
+/* The counter-based hash of tileattn/core/score_math.py (and the Triton kernels), bit for bit: the decision
  * for (seed, batch, head, row, col) is a pure function of those numbers, so the backward pass
  * regenerates the forward's mask and any tiling gives the same mask. */
 #define TA_MUL_A 0x7FEB352Du
