@@ -290,3 +290,31 @@ def test_bad_input_is_named():
                                      BLOCK_SIZE=64, mask_mod=examples.causal, seq_lengths=(37, 45))
     with pytest.raises(ValueError, match="'block_mask'.*B=3"):
         tileattn.flash_attention(q, k, v, block_mask=wrong)
+
+
+def test_a_mask_mod_that_is_a_band_runs_as_the_band():
+    """A capture-free mask_mod that is exactly a band on the call's grid (causal, a sliding window)
+    lowers into the kernels' own band arguments, so it runs the keyword's code; one that is not a
+    band there (a hole, a strict inequality, a prefix) keeps the compiled function. All exact."""
+    from tileattn.core.spec import build_spec
+
+    q, k, v = qkv(shape=(1, 2, 2, 50, 64, 16))
+    cases = {
+        "causal": (examples.causal, (-1, 0)),
+        "window": (examples.sliding_window(9), (9, 0)),
+        "ahead": (lambda b, h, qi, ki: (ki - qi <= 5) & (ki >= qi), (0, 5)),
+        "strict": (lambda b, h, qi, ki: qi > ki, None),
+        "dilated": (examples.dilated_window(12, 2), None),
+        "prefix": (examples.prefix_lm(7), None),
+    }
+    for name, (mask_mod, band) in cases.items():
+        args = build_spec(q, k, v, mask_mod=mask_mod).kernel_args
+        if band is None:
+            assert args.mask_mod is not None and (args.left, args.right) == (-1, -1), name
+        else:
+            assert args.mask_mod is None and args.block_states is None and (args.left, args.right) == band, name
+        out = tileattn.flash_attention(q, k, v, mask_mod=mask_mod)
+        ref = tileattn.reference(q.double(), k.double(), v.double(), mask_mod=mask_mod)
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0, msg=name)
+    both = build_spec(q, k, v, mask_mod=examples.sliding_window(9), causal=True).kernel_args
+    assert both.mask_mod is not None  # a band of the call's own: the function is applied beside it

@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from ..programs import blocks, compiler
 from ..programs.eager import mask_tile, score_tile
 from ..programs.trace import INDEX_DTYPE, Unsupported, structure
-from .modifiers import Modifier, ScoreBlock, diagonal_offset, fail
+from .modifiers import Band, Modifier, ScoreBlock, diagonal_offset, fail
 
 #: BLOCK_SIZE of PyTorch's "no block mask" placeholder (one block covering everything)
 NO_MASK_BLOCK = 1 << 30
@@ -186,6 +186,9 @@ class MaskMod(Modifier):
     heads_q: int = field(default=0, metadata={"op": "int"})
     user: Optional[UserFunction] = field(default=None, metadata={"op": "callable"})
     states: Optional[blocks.BlockStates] = field(default=None, metadata={"op": "callable"})
+    #: set by check(): the (left, right) band the function is on this call's grid, lowered as the
+    #: kernels' own band arguments (no function call in the tiles), or None
+    band: Optional[tuple] = field(default=None, metadata={"op": "callable"})
 
     @classmethod
     def from_args(cls, mask_mod=None, block_mask=None):
@@ -216,17 +219,26 @@ class MaskMod(Modifier):
             off = diagonal_offset(spec.align, spec.seqlen_q, spec.seqlen_k)
             if not (spec.is_varlen or spec.is_paged or spec.seqused_k is not None) and off >= 0:
                 # a pure function of the indices (causal, windows, prefixes): its block map is made once
-                # per size, and the kernels skip the tiles it hides without evaluating them
-                object.__setattr__(self, "states", blocks.function_states(
-                    self.user.bound, spec.batch, spec.heads_q, spec.seqlen_q + off, spec.seqlen_k))
+                # per size, and the kernels skip the tiles it hides without evaluating them; one that is
+                # exactly a band there (and the call has no band of its own) runs as the band itself
+                states = blocks.function_states(self.user.bound, spec.batch, spec.heads_q, spec.seqlen_q + off,
+                                                spec.seqlen_k)
+                object.__setattr__(self, "states", states)
+                if states.band is not None and not any(isinstance(m, Band) for m in spec.modifiers):
+                    object.__setattr__(self, "band", states.band)
 
     def plan_key(self):
         return None
 
     def lower(self):
-        return {}
+        if self.band is None:
+            return {}
+        left, right = self.band
+        return {"left": -1 if left is None else left, "right": -1 if right is None else right}
 
     def bind(self):
+        if self.band is not None:
+            return {}
         return {"mask_mod": self.user, "block_states": self.states}
 
     def visible(self, block):
