@@ -68,6 +68,9 @@ class BuildInfo:
     build_seconds: float     #: time this process spent compiling (0.0 when the cache had it)
     cached: bool             #: True when the library was already in the cache
     features: tuple          #: instruction-set macros the compiler enabled
+    source: str              #: "compiled" (here, on first use) or "prebuilt" (shipped in the wheel: .prebuilt)
+    state_dir: str           #: where the library's per-machine probe results are kept (probe.json)
+    reason: str = ""         #: why this library was chosen (.prebuilt.resolve)
 
 
 def cache_dir() -> Path:
@@ -125,4 +128,4 @@ def build(isa=None, profile=None) -> BuildInfo:
     cached, seconds = toolchain.cached_library(lib, lambda workdir: _compile(cc, flags, isa, workdir))
     if not cached:
         (folder / "build.json").write_text(json.dumps(dict(info, build_seconds=seconds), indent=1))
-    return BuildInfo(build_seconds=seconds, cached=cached, **info)
+    return BuildInfo(build_seconds=seconds, cached=cached, source="compiled", state_dir=str(folder), **info)
