@@ -9,7 +9,7 @@ For each variant this CPU runs (avx512, avx2, generic), the prebuilt library (ex
 ``--prebuilt`` names a folder of them) and the variant compiled here as the compile-on-first-use path
 does (``-march=native``, ``-mno-avx512f`` below avx512) are loaded side by side in this process and
 timed interleaved (one round calls every library once, the starting library rotating), forward only,
-on a small grid: B=1, H=4, S 1024/4096, D 64/128, fp32 and bf16, not causal. One thread and thread
+on a small grid: B=1, H=4, S 1024/4096, D 64/128, fp32, bf16 and bf16 without AMX, not causal. One thread and thread
 CPU time by default (other jobs on a shared machine barely move it); the minimum and the median of
 the repetitions are kept. The load average before and after goes into the JSON; the CSV has one row
 per case and variant with ``prebuilt_ms``, ``native_ms`` and ``native_speedup`` (prebuilt time over
@@ -35,7 +35,9 @@ from tileattn.backends.native import build, kernels as nk, prebuilt
 from tileattn.programs import toolchain
 from tileattn.tools.measure import time_interleaved
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: bf16-noamx: bf16 with the AMX tiles off (options NO_AMX), as on a Sapphire Rapids whose kernel or
+#: hypervisor does not grant AMX; avx512 only (the other variants have no AMX path)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-noamx": torch.bfloat16}
 
 
 def libraries(prebuilt_dir: Path) -> dict:
@@ -62,12 +64,16 @@ def run_case(libs: dict, s: int, d: int, dtype: str, threads: int, reps: int, cl
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, s, d, generator=gen).to(DTYPES[dtype]) for _ in range(3))
     out, lse = torch.empty_like(q), torch.empty(1, 4, s)
+    if dtype == "bf16-noamx":
+        libs = {isa: pair for isa, pair in libs.items() if isa == "avx512"}
+    options = nk.NO_AMX if dtype == "bf16-noamx" else 0
     contenders = {}
     for isa, pair in libs.items():
         for source, lib in pair.items():
             def call(lib=lib):
                 nk._state["lib"] = lib
-                nk.forward(q, k, v, out, lse, scale=d ** -0.5, num_threads=threads, validate=False)
+                nk.forward(q, k, v, out, lse, scale=d ** -0.5, num_threads=threads, options=options,
+                           validate=False)
             contenders[(isa, source)] = call
     times = time_interleaved(contenders, reps, warmup=1, clock=clock)
     rows = []
@@ -79,7 +85,7 @@ def run_case(libs: dict, s: int, d: int, dtype: str, threads: int, reps: int, cl
                          native_median_ms=round(statistics.median(nat) * 1e3, 3),
                          native_speedup=round(min(pre) / min(nat), 3)))
         r = rows[-1]
-        print(f"{isa:8} S={s:5} D={d:3} {dtype}  prebuilt {r['prebuilt_ms']:9.2f} ms  native {r['native_ms']:9.2f} ms"
+        print(f"{isa:8} S={s:5} D={d:3} {dtype:10}  prebuilt {r['prebuilt_ms']:9.2f} ms  native {r['native_ms']:9.2f} ms"
               f"  native/prebuilt speed {r['native_speedup']:.3f}", flush=True)
     return rows
 
@@ -90,8 +96,12 @@ def main(argv=None) -> int:
     p.add_argument("--prebuilt", default=None, help="folder of prebuilt variants (default: compile them now)")
     p.add_argument("--threads", type=int, default=1, help="threads per call (default 1: thread CPU time)")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--dtypes", default=",".join(DTYPES), help=f"some of {', '.join(DTYPES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="S=256, D=64, 2 repetitions")
     args = p.parse_args(argv)
+    unknown = [t for t in args.dtypes.split(",") if t not in DTYPES]
+    if unknown:
+        p.error(f"argument --dtypes: got {', '.join(unknown)}; expected some of {', '.join(DTYPES)}")
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     load_before = os.getloadavg()
@@ -103,7 +113,7 @@ def main(argv=None) -> int:
             print(f"prebuilt variants compiled in {time.perf_counter() - start:.1f} s", flush=True)
         libs = libraries(folder)
         grid = [(256, 64, "fp32")] if args.quick else \
-            [(s, d, t) for t in DTYPES for s in (1024, 4096) for d in (64, 128)]
+            [(s, d, t) for t in args.dtypes.split(",") for s in (1024, 4096) for d in (64, 128)]
         rows = [r for s, d, t in grid for r in run_case(libs, s, d, t, args.threads, 2 if args.quick else args.reps,
                                                         clock)]
         flags = prebuilt.cpu_flags()
