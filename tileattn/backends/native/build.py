@@ -1,4 +1,5 @@
-"""Compile the native kernels on first use, for this machine's CPU, into a per-user cache.
+"""Compile the native kernels on first use, for this machine's CPU, into a per-user cache (where the
+wheel's prebuilt library does not serve: :mod:`.prebuilt` decides).
 
 The C sources in ``csrc/`` are compiled by the machine's C compiler (the toolchain shared with the
 compiled user functions, :mod:`tileattn.programs.toolchain`: ``$CC`` if set, else the first of ``cc``,

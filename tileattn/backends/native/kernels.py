@@ -123,7 +123,8 @@ CAPABILITIES = {
 }
 
 class Unavailable(RuntimeError):
-    """The native library cannot be used here (no compiler, failed build); the message says why."""
+    """The native library cannot be used here (no prebuilt one and no compiler, failed build); the message
+    says why."""
 
 
 class Cancelled(RuntimeError):
