@@ -158,7 +158,7 @@ def verified(folder: Path) -> Tuple[Optional[BuildInfo], str]:
 def best_prebuilt(flags: frozenset, only: Optional[str] = None) -> Found:
     """The best prebuilt variant a CPU with these flags runs (only ``only`` when given)."""
     if not PREBUILT_DIR.is_dir():
-        return Found(None, "this install carries no prebuilt library (a source install)")
+        return Found(None, "this install carries no prebuilt library (a source install or a checkout)")
     passed = []
     for level in LEVELS:
         if only and level.isa != only:
