@@ -54,17 +54,15 @@ def _plan():
     if wanted == "0":
         return None
     prebuilt = _prebuilt_module()
-    toolchain = sys.modules["tileattn.programs.toolchain"]
+    find_compiler, BuildError = prebuilt.build.find_compiler, prebuilt.BuildError
     why = None
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+    if sys.platform != "linux" or platform.machine() != "x86_64":
         why = f"prebuilt libraries are for Linux x86-64, not {sys.platform} {platform.machine()}"
     else:
         try:
-            cc = tuple(toolchain.find_compiler())
-            rejected = [lv.isa for lv in prebuilt.LEVELS if toolchain.macros(cc, lv.flags + ("-fopenmp",)) is None]
-            if rejected:
-                why = f"compiler {' '.join(cc)!r} rejects the flags of {', '.join(rejected)}"
-        except toolchain.BuildError as exc:
+            cc = tuple(find_compiler())
+            why = prebuilt.unbuildable(cc)
+        except BuildError as exc:
             why = str(exc)
     if why is None:
         return cc

@@ -105,16 +105,27 @@ def cpu_variant(flags: frozenset, isa: Optional[str] = None) -> str:
 # ------------------------------------------------------------------------------ building (setup.py)
 
 
+def unbuildable(cc: tuple) -> Optional[str]:
+    """Why the compiler ``cc`` cannot build every level (its flags, or OpenMP), or None."""
+    for level in LEVELS:
+        flags = level.flags + ("-fopenmp",)
+        macros = toolchain.macros(cc, flags)
+        if macros is None or "_OPENMP" not in macros:
+            return f"compiler {' '.join(cc)!r} rejects {' '.join(flags)} (prebuilt {level.isa})"
+    return None
+
+
 def compile_all(dest: Path, cc: tuple) -> list:
     """Compile every level into ``dest/<variant>/`` with its records; the variants built. Runs at wheel
     build time (setup.py), with explicit flags only."""
+    why = unbuildable(cc)
+    if why:
+        raise BuildError(why)
     version = toolchain.compiler_version(cc)
     built = []
     for level in LEVELS:
         flags = level.flags + ("-fopenmp",)
         macros = toolchain.macros(cc, flags)
-        if macros is None or "_OPENMP" not in macros:
-            raise BuildError(f"compiler {' '.join(cc)!r} rejects {' '.join(flags)} (prebuilt {level.isa})")
         folder = dest / level.isa
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
