@@ -357,6 +357,29 @@ def test_contest_decode_track_from_the_command_line(tmp_path, capsys, monkeypatc
         contest.score_submission(contest.DECODE_BASELINE, track="prefil")
 
 
+def test_contest_records_in_the_users_data_folder_unless_told_never_the_working_folder(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """From an installed wheel, ``tileattn contest score my.py`` with no --leaderboard writes into
+    $TILEATTN_LEADERBOARD_DIR, else $XDG_DATA_HOME/tileattn/contest (made when missing), not the cwd."""
+    from tileattn.tools.cli import main
+
+    shapes = [{"shape": "s", "tokens": 8, "submission": 0.5, "baseline": 1.0, "tileattn": 0.5}]
+    monkeypatch.setattr(contest, "score_submission", lambda *a, **k: contest.Outcome("accepted", "", 7, shapes))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv(contest.LEADERBOARD_ENV, raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--name", "me"]) == 0
+    board = tmp_path / "data" / "tileattn" / "contest"
+    assert f"recorded in {board / 'leaderboard.csv'}" in capsys.readouterr().out
+    assert [r["name"] for r in contest.read_rows(board)] == ["me"] and list(work.iterdir()) == []
+    assert main(["contest", "leaderboard"]) == 0 and "| 1 | me | 2.000 |" in capsys.readouterr().out
+    monkeypatch.setenv(contest.LEADERBOARD_ENV, str(tmp_path / "mine"))
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--track", "decode"]) == 0
+    assert (tmp_path / "mine" / "leaderboard_decode.csv").is_file() and list(work.iterdir()) == []
+
+
 def test_reference_gradient_of_an_infinite_sink_is_zero():
     """A sink of +inf takes all the mass: out = 0 and dsink = -sum p_sink * (dO . O) = 0. The engine
     agrees; the oracle the tests and the hub judge against returns NaN."""

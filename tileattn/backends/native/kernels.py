@@ -95,6 +95,7 @@ import torch
 
 from ...core.engine import WITH_MEMORY, storage_problem
 from . import build as _build
+from . import prebuilt as _prebuilt
 from . import record as _record
 
 _F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
@@ -123,7 +124,8 @@ CAPABILITIES = {
 }
 
 class Unavailable(RuntimeError):
-    """The native library cannot be used here (no compiler, failed build); the message says why."""
+    """The native library cannot be used here (no prebuilt one and no compiler, failed build); the message
+    says why."""
 
 
 class Cancelled(RuntimeError):
@@ -212,7 +214,7 @@ class _Library:
     def _probe(self) -> float:
         """vdpbf16ps vs fp32 FMA throughput, measured once per machine and kept beside the library
         (so every process makes the same choice, and so computes the same bits)."""
-        path = Path(self.info.path).parent / "probe.json"
+        path = Path(self.info.state_dir) / "probe.json"
         try:
             return float(json.loads(path.read_text())["bf16dot_speedup"])
         except (OSError, ValueError, KeyError):
@@ -220,6 +222,7 @@ class _Library:
         speedup = self.lib.ta_probe_bf16dot()
         tmp = path.with_name(f"probe.{os.getpid()}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"bf16dot_speedup": speedup}))
             os.replace(tmp, path)
         except OSError:
@@ -249,7 +252,7 @@ def _library() -> _Library:
             if "error" in _state:
                 raise Unavailable(_state["error"])
             try:
-                _state["lib"] = _Library(_build.build())
+                _state["lib"] = _Library(_prebuilt.resolve())
             except (_build.BuildError, OSError) as exc:
                 _state["error"] = f"native kernels unavailable: {exc}"
                 raise Unavailable(_state["error"]) from exc
@@ -257,10 +260,12 @@ def _library() -> _Library:
 
 
 def load():
-    """Build (first use) and load the library; returns its :class:`~.build.BuildInfo`.
+    """Load the library (the wheel's prebuilt one, or one compiled on first use: :func:`.prebuilt.resolve`);
+    returns its :class:`~.build.BuildInfo`.
 
-    Raises :class:`Unavailable` with the reason when there is no compiler or the build fails; the
-    reason is remembered, so later calls fail fast without retrying the build.
+    Raises :class:`Unavailable` with the reason when there is no library (no prebuilt one for this CPU
+    and no compiler, a failed build); the reason is remembered, so later calls fail fast without
+    retrying the build.
     """
     return _library().info
 
@@ -280,7 +285,8 @@ def build_info() -> dict:
     fields = dict(item.split("=", 1) for item in lib.build_info.split(";"))
     info = lib.info
     return dict(compiler=info.compiler, compiler_version=info.compiler_version, isa=info.isa,
-                flags=" ".join(info.flags), path=info.path, build_seconds=info.build_seconds, cached=info.cached,
+                flags=" ".join(info.flags), path=info.path, source=info.source, reason=info.reason,
+                build_seconds=info.build_seconds, cached=info.cached,
                 openmp=fields.get("openmp") == "1", amx=lib.amx_available(),
                 bf16dot=fields.get("bf16dot") == "1",
                 bf16dot_speedup=round(lib.bf16dot_speedup, 2), bf16dot_default=bool(lib.default_options & BF16DOT))
