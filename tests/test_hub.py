@@ -141,9 +141,9 @@ def runs(request, tmp_path_factory):
         board = root / f"board_{name}"
         board.mkdir()
         limit = SLOW_LIMIT_S if name.endswith("too_slow") else SCRIPT_TIMEOUT_S
-        if name.endswith("baseline"):  # through the `tileattn` command, end to end, into its working directory
+        if name.endswith("baseline"):  # through the `tileattn` command, end to end
             cmd = [sys.executable, "-m", "tileattn", "contest", "score", str(path), "--small", "--name", name,
-                   "--time-limit", str(limit), "--track", _track(name)]
+                   "--time-limit", str(limit), "--track", _track(name), "--leaderboard", str(board)]
             jobs[f"contest:{name}"] = (_run, cmd, str(board), SCRIPT_TIMEOUT_S + 30)
         else:  # the scorer in this process (its worker is still a subprocess): one interpreter start less
             jobs[f"contest:{name}"] = (_score, path, name, board, limit)
