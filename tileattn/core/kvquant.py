@@ -39,6 +39,9 @@ from .modifiers import OP_TENSOR, Modifier, fail
 
 #: The stored formats of a quantised cache (besides q's own dtype with descales).
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+#: The name of the int4 format (:func:`tileattn.serving.quantise`'s ``dtype``) and the dtype that stores
+#: it: two values a byte, ``head_dim / 2`` bytes a row.
+INT4, INT4_STORAGE = "int4", torch.uint8
 _SCALE_NAMES = ("k_scale", "k_offset", "v_scale", "v_offset")
 
 
