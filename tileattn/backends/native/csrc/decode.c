@@ -183,7 +183,7 @@ TA_INLINE void dec_pv_kd(const int kd, real *acc, int64_t Dvp, const real *P, in
 
 /* One instance of steps 1 and 3 per format (kd is a constant inside each). */
 #if TA_REAL_BITS == 32
-#define DEC_FORMATS(X) X(TA_BF16) X(TA_F16) X(TA_I8) X(TA_F8E4M3) X(TA_F8E4M3_FINITE) X(TA_F8E5M2)
+#define DEC_FORMATS(X) X(TA_BF16) X(TA_F16) X(TA_I8) X(TA_F8E4M3) X(TA_F8E4M3_FINITE) X(TA_F8E5M2) X(TA_I4)
 #define DEC_NATIVE TA_F32
 #else
 #define DEC_FORMATS(X)
