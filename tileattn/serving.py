@@ -17,7 +17,8 @@ scale``.
   :mod:`tileattn.core.kvquant`).
 * :func:`store`: write new tokens (T, Hkv, D) into a paged pool (num_blocks, block_size, Hkv, D) or a
   contiguous cache (B, S, Hkv, D) at flat slot indices (vLLM's ``slot_mapping``: block * block_size +
-  offset, or b * S + position; each slot at most once per call), in place: quantised per token (or
+  offset, or b * S + position; each slot at most once per call), in place, whatever the cache's
+  strides (a pool stored head-major within each page is a transposed view): quantised per token (or
   per group of channels of each token) into per-slot scale (and offset) caches of shape
   (num_blocks, block_size, Hkv, G), G = 1 or a divisor of D, or with a fixed scale, the same for every
   token, in the form ``flash_attention`` reads it (per channel (1, 1, Hkv, D), per group of channels
@@ -134,32 +135,27 @@ def _fixed_scale(scale, heads, width):
          f"{width}, as flash_attention reads the cache, or a shape broadcastable to (1, {heads}, {width})")
 
 
-def _slots_view(name, t, width, packed=False):
-    """A cache (N0, N1, Hkv, W) as (N0 * N1, Hkv, W) slots, a view (no copy: writes land in place).
-    ``packed``: an int4 cache, W = width / 2 bytes."""
+def _check_cache(name, t, width, packed=False):
+    """A cache (N0, N1, Hkv, W) of any strides (slot s is [s // N1, s % N1]). ``packed``: an int4
+    cache, W = width / 2 bytes."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         fail(TypeError, name, getattr(t, "shape", type(t).__name__),
              "a 4-d cache (num_blocks, block_size, kv_heads, head_dim) or (batch, seqlen, kv_heads, head_dim)")
     if head_width(t) != width:
         fail(ValueError, name, f"last dim {t.shape[-1]}" + (" (int4: two values a byte)" if packed else ""),
              f"{width // 2 if packed else width}" + (f" bytes for head dim {width}" if packed else ""))
-    try:
-        return t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
-    except RuntimeError:
-        fail(ValueError, name, f"strides {t.stride()}", "a cache whose first two dims merge into one (a view)")
 
 
-def _groups_view(name, t, slots, width):
-    """A per-slot scale (or offset) cache (N0, N1, Hkv, G) as (slots, Hkv, G): fp32, G dividing the head dim."""
+def _check_groups(name, t, cache, width):
+    """A per-slot scale (or offset) cache (N0, N1, Hkv, G): fp32, the cache's slots and heads, G dividing
+    the head dim."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype is not torch.float32 or \
             t.shape[-1] < 1 or width % t.shape[-1]:
         fail(ValueError, name, f"shape {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t).__name__)}",
              f"fp32 (N0, N1, Hkv, G) slots, G dividing the head dim {width} (1: per token)")
-    flat = _slots_view(name, t, t.shape[-1])
-    if flat.shape[:2] != slots.shape[:2]:
+    if t.shape[:3] != cache.shape[:3]:
         fail(ValueError, name, f"shape {tuple(t.shape)}",
-             f"the cache's slots and heads {tuple(slots.shape[:2])} + (G,)")
-    return flat
+             f"the cache's slots and heads {tuple(cache.shape[:3])} + (G,)")
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_cache: Optional[torch.Tensor] = None,
@@ -178,16 +174,17 @@ def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_
              f"a float cache or a quantised one ({QUANT_NAMES})")
     packed = cache.dtype is INT4_STORAGE
     width = new.shape[-1]
-    flat = _slots_view("cache", cache, width, packed)
-    if flat.shape[1] != new.shape[1]:
-        fail(ValueError, "new", f"{new.shape[1]} kv heads", f"{flat.shape[1]}, the cache's")
+    _check_cache("cache", cache, width, packed)
+    slot_count, heads = cache.shape[0] * cache.shape[1], cache.shape[2]
+    if heads != new.shape[1]:
+        fail(ValueError, "new", f"{new.shape[1]} kv heads", f"{heads}, the cache's")
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
             tuple(slots.shape) != (new.shape[0],):
         fail(TypeError, "slots", getattr(slots, "shape", type(slots).__name__),
              f"an int64 tensor ({new.shape[0]},): the flat slot of each new token")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= flat.shape[0]):
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= slot_count):
         fail(ValueError, "slots", f"values in [{int(slots.min())}, {int(slots.max())}]",
-             f"slots in [0, {flat.shape[0]}) of the cache")
+             f"slots in [0, {slot_count}) of the cache")
     for name, t in (("new", new), ("slots", slots), ("scale_cache", scale_cache), ("offset_cache", offset_cache),
                     ("scale", scale)):
         if isinstance(t, torch.Tensor) and t.device != cache.device:
@@ -203,25 +200,29 @@ def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_
         for name, t in (("scale_cache", scale_cache), ("offset_cache", offset_cache), ("scale", scale)):
             if t is not None:
                 fail(ValueError, name, "a tensor for a float cache", "None (the cache stores the values as given)")
-        writes = [(flat, new.to(cache.dtype))]
+        writes = [(cache, new.to(cache.dtype))]
     elif (scale_cache is None) == (scale is None):
         fail(ValueError, "scale_cache/scale", "both" if scale is not None else "neither",
              "per-token scales (scale_cache) or one fixed scale (scale) for a quantised cache")
     elif scale is not None:
         if offset_cache is not None:
             fail(ValueError, "offset_cache", "a tensor with a fixed scale", "None")
-        writes = [(flat, quantise(new, fmt, scale=_fixed_scale(scale, flat.shape[1], width))[0])]
+        writes = [(cache, quantise(new, fmt, scale=_fixed_scale(scale, heads, width))[0])]
     else:
-        scales = _groups_view("scale_cache", scale_cache, flat, width)
-        offsets = None if offset_cache is None else _groups_view("offset_cache", offset_cache, flat, width)
-        if offsets is not None and offsets.shape[-1] != scales.shape[-1]:
-            fail(ValueError, "offset_cache", f"{offsets.shape[-1]} groups", f"{scales.shape[-1]}, the scale cache's")
-        if offsets is not None and fmt not in (torch.int8, INT4):
-            fail(ValueError, "offset_cache", f"a tensor for a {fmt} cache", "None (only int8 and int4 take offsets)")
-        groups = scales.shape[-1]
-        stored, s, o = quantise(new, fmt, reduce=(-1,), symmetric=offsets is None,
+        _check_groups("scale_cache", scale_cache, cache, width)
+        if offset_cache is not None:
+            _check_groups("offset_cache", offset_cache, cache, width)
+            if offset_cache.shape[-1] != scale_cache.shape[-1]:
+                fail(ValueError, "offset_cache", f"{offset_cache.shape[-1]} groups",
+                     f"{scale_cache.shape[-1]}, the scale cache's")
+            if fmt not in (torch.int8, INT4):
+                fail(ValueError, "offset_cache", f"a tensor for a {fmt} cache",
+                     "None (only int8 and int4 take offsets)")
+        groups = scale_cache.shape[-1]
+        stored, s, o = quantise(new, fmt, reduce=(-1,), symmetric=offset_cache is None,
                                 group_size=None if groups == 1 else width // groups)
-        writes = [(flat, stored), (scales, s)] + ([] if offsets is None else [(offsets, o)])
+        writes = [(cache, stored), (scale_cache, s)] + ([] if offset_cache is None else [(offset_cache, o)])
+    page, slot = index // cache.shape[1], index % cache.shape[1]
     with torch.no_grad():  # every value computed, every tensor checked: no write is left half-done
         for target, values in writes:
-            target[index] = values
+            target[page, slot] = values

@@ -9,7 +9,8 @@ the ``"tileattn"`` attention implementation reads as stored.
 
 Storage, per layer: K and V pools ``(num_pages, page_size, kv_heads, head_dim)`` in the cache's dtype
 (``head_dim / 2`` bytes for int4, two values a byte), and for a quantised dtype fp32 scale pools
-``(num_pages, page_size, kv_heads, G)``: per token (G = 1) for int8 and fp8, per group of
+``(num_pages, page_size, kv_heads, G)``, each stored head-major within a page (a transposed view of
+``(num_pages, kv_heads, page_size, ...)``: one head's tokens of a page lie together): per token (G = 1) for int8 and fp8, per group of
 ``INT4_GROUP`` channels for int4. :func:`tileattn.serving.store` quantises each new token into its
 slot. A block table (``max_batch_size``, pages per sequence) and the sequences' lengths are shared by
 the layers; pages are taken from one free list as sequences grow and given back when they leave.
@@ -84,15 +85,18 @@ class PagedLayer(CacheLayerMixin):
         stored = cache.storage_dtype(key_states.dtype)
         cache.check_states(key_states, value_states)
         width = cache.head_dim // 2 if cache.dtype == INT4 else cache.head_dim
-        shape = (cache.num_pages, cache.page_size, cache.heads_kv, width)
         device = key_states.device
-        self.keys = torch.zeros(shape, dtype=stored, device=device)
-        self.values = torch.zeros(shape, dtype=stored, device=device)
+
+        def pool(last, dtype):
+            # stored head-major within a page (a head's keys of a page are contiguous, which the decode
+            # kernel streams), seen as the (pages, page_size, kv heads, last) pool flash_attention reads
+            return torch.zeros(cache.num_pages, cache.heads_kv, cache.page_size, last, dtype=dtype,
+                               device=device).transpose(1, 2)
+
+        self.keys, self.values = pool(width, stored), pool(width, stored)
         if cache.dtype in _QUANTISED:
             groups = cache.head_dim // INT4_GROUP if cache.dtype == INT4 else 1
-            scales = (cache.num_pages, cache.page_size, cache.heads_kv, groups)
-            self.k_scale = torch.ones(scales, dtype=torch.float32, device=device)
-            self.v_scale = torch.ones(scales, dtype=torch.float32, device=device)
+            self.k_scale, self.v_scale = pool(groups, torch.float32), pool(groups, torch.float32)
         cache.place(device)
         self.is_initialized = True
 
