@@ -37,6 +37,7 @@
 
 typedef struct {
     int64_t b, hk, i0, nq, j0, j1, slot; /* query rows [i0, i0 + nq), keys [j0, j1), partials at slot */
+    int64_t alone;                       /* the only task of its rows: it writes out and lse itself */
 } dec_task;
 
 typedef struct {
@@ -334,6 +335,20 @@ static void dec_convert_rows(const ta_args *a, const ta_seq *s, const void *base
     }
 }
 
+/* Row i, query head h of sequence s: out (normalised) and lse = (m + log2(l)) ln 2 (-inf when the row
+ * saw no key). */
+static void dec_write_row(const ta_args *a, const ta_seq *s, int64_t i, int64_t h, const real *row, double m,
+                          double l) {
+    double lse = l == 0 ? -INFINITY : (m + log2(l)) * TA_LN2;
+    ta_store_row((char *)a->out + (s->o0 + h * a->o_st[1] + i * a->o_st[2]) * ta_elsize(a->out_dtype), row, a->Dv,
+                 a->out_dtype);
+    int64_t lo = s->l0 + h * a->lse_st[1] + i * a->lse_st[2];
+    if (TA_REAL_BITS == 64)
+        ((double *)a->lse)[lo] = lse;
+    else
+        ((float *)a->lse)[lo] = (float)lse;
+}
+
 /* -------------------------------------------------------------------------------------- one task */
 
 static int dec_block(const ta_args *a, const void *plan, const void *task) {
@@ -480,15 +495,31 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
         rowc[2 * r] = (real)off;
     }
     dec_pv_rows(kd, acc, Dvp, S, np, vrows, M, n);
+    /* the V offset and a per-channel or scalar V scale (kinds read once: pr may alias nothing here,
+     * but the compiler cannot know it) */
+    const int vok = vo.kind, vsk = vs.kind;
+    const real *vov = vo.v, *vsv = vs.v, vos = vo.scalar, vss = vs.scalar;
     for (int64_t r = 0; r < M; r++) {
-        const real *ar = acc + r * Dvp;
-        real *pr = part + r * (Dv + 2), off = rowc[2 * r];
-        for (int64_t c = 0; c < Dv; c++) {
-            real x = ar[c] * unit_v;
-            if (vo.kind != TA_QS_NONE)
-                x += vo.kind == TA_QS_TOKEN ? off : off * (vo.kind == TA_QS_CHANNEL ? vo.v[c] : vo.scalar);
-            if (vs.kind != TA_QS_NONE && vs.kind != TA_QS_TOKEN) x *= vs.kind == TA_QS_CHANNEL ? vs.v[c] : vs.scalar;
-            pr[c] = x;
+        real *ar = acc + r * Dvp, off = rowc[2 * r];
+        if (vok == TA_QS_NONE && (vsk == TA_QS_NONE || vsk == TA_QS_TOKEN)) {
+            if (unit_v != 1)
+                for (int64_t c = 0; c < Dv; c++) ar[c] *= unit_v;
+        } else {
+            for (int64_t c = 0; c < Dv; c++) {
+                real x = ar[c] * unit_v;
+                if (vok != TA_QS_NONE) x += vok == TA_QS_TOKEN ? off : off * (vok == TA_QS_CHANNEL ? vov[c] : vos);
+                if (vsk != TA_QS_NONE && vsk != TA_QS_TOKEN) x *= vsk == TA_QS_CHANNEL ? vsv[c] : vss;
+                ar[c] = x;
+            }
+        }
+        if (t->alone) { /* no other chunk: normalise and write the row (dec_merge's arithmetic for one chunk) */
+            const real *pr = part + r * (Dv + 2);
+            double l = pr[Dv + 1];
+            real inv = l == 0 ? 0 : (real)((1.0 / (1.0 - a->dropout_p)) / l);
+            for (int64_t c = 0; c < Dv; c++) ar[c] *= inv;
+            dec_write_row(a, &s, t->i0 + r / G, hk * G + r % G, ar, l == 0 ? -INFINITY : pr[Dv], l);
+        } else {
+            memcpy(part + r * (Dv + 2), ar, (size_t)Dv * sizeof(real));
         }
     }
     return TA_OK;
@@ -522,17 +553,9 @@ static int dec_merge(const ta_args *a, const void *plan, const void *task) {
             l += (double)w * pr[Dv + 1];
             for (int64_t c = 0; c < Dv; c++) tmp[c] += w * pr[c];
         }
-        double lse = l == 0 ? -INFINITY : (m + log2(l)) * TA_LN2;
         real inv = l == 0 ? 0 : (real)(keep_scale / l);
         for (int64_t c = 0; c < Dv; c++) tmp[c] *= inv;
-        int64_t i = first->i0 + r / G, h = first->hk * G + r % G;
-        ta_store_row((char *)a->out + (s.o0 + h * a->o_st[1] + i * a->o_st[2]) * ta_elsize(a->out_dtype), tmp, Dv,
-                     a->out_dtype);
-        int64_t lo = s.l0 + h * a->lse_st[1] + i * a->lse_st[2];
-        if (TA_REAL_BITS == 64)
-            ((double *)a->lse)[lo] = lse;
-        else
-            ((float *)a->lse)[lo] = (float)lse;
+        dec_write_row(a, &s, first->i0 + r / G, first->hk * G + r % G, tmp, m, l);
     }
     return TA_OK;
 }
@@ -548,7 +571,7 @@ static int64_t dec_add_tasks(const ta_args *a, const ta_seq *s, int64_t hk, int6
     int64_t c0 = lo / ch, c1 = hi >= lo ? hi / ch + 1 : c0 + 1;
     for (int64_t c = c0; c < c1; c++) {
         int64_t j0 = c * ch, j1 = hi >= lo ? (j0 + ch < s->k_len ? j0 + ch : s->k_len) : j0;
-        if (tasks) tasks[nt] = (dec_task){s->b, hk, i0, nq, j0, j1, *slot};
+        if (tasks) tasks[nt] = (dec_task){s->b, hk, i0, nq, j0, j1, *slot, c1 - c0 == 1};
         nt++;
         *slot += rows * (a->Dv + 2);
         *work += (double)(j1 - j0) * rows * (a->D + a->Dv);
@@ -614,10 +637,11 @@ int FN(decode)(const ta_args *a, int64_t *rest) {
     P.tasks = tasks;
     P.groups = groups;
     int status = ta_run_tasks(a, nt, work, tasks, sizeof(dec_task), dec_block, &P);
-    if (status == TA_OK) {
-        int64_t *ids = groups + ng + 1;
-        for (int64_t g = 0; g < ng; g++) ids[g] = g;
-        status = ta_run_tasks(a, ng, (double)slots * 4, ids, sizeof(int64_t), dec_merge, &P);
+    if (status == TA_OK) { /* the groups of several chunks (a single chunk wrote its rows itself) */
+        int64_t *ids = groups + ng + 1, nm = 0;
+        for (int64_t g = 0; g < ng; g++)
+            if (groups[g + 1] - groups[g] > 1) ids[nm++] = g;
+        if (nm) status = ta_run_tasks(a, nm, (double)slots * 4, ids, sizeof(int64_t), dec_merge, &P);
     }
     free(tasks);
     free(groups);
