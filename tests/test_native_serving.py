@@ -233,6 +233,22 @@ def test_mixed_granularities_and_q_descale():
                  q_scale=q_scale)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_group_scales_mixed_with_per_token_and_per_head_factors(fmt):
+    """Scales per (key, channel group) are applied to K and V in registers, with the other factor of the
+    pair per token or per head (and groups of 32 and 16 channels, whole vectors either way)."""
+    g = gen(13)
+    b, hq, hkv, s, d = 2, 8, 2, 700, 64
+    q = torch.randn(b, hq, 1, d, generator=g)
+    kq, vq = quantised((b, hkv, s, d), FORMATS[fmt], g), quantised((b, hkv, s, d), FORMATS[fmt], g)
+    ks, _ = scales((b, hkv, s, d // 32), g, False)  # per token, 2 groups of 32 channels
+    ko = torch.randint(-6, 7, (b, 1, s, 1), generator=g).float()  # per token
+    vs, _ = scales((1, hkv, 1, 1), g, False)  # per head
+    vo = torch.randint(-6, 7, (b, hkv, s, d // 16), generator=g).float()  # per token, 4 groups of 16
+    out, lse = raw(q, kq, vq, k_scale=ks, k_offset=ko, v_scale=vs, v_offset=vo)
+    assert_close(out, lse, q, dequantise(kq, ks, ko), dequantise(vq, vs, vo), [s, s])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "int4"])
 @pytest.mark.parametrize("d", [36, 72], ids=["d36", "d72"])
 @pytest.mark.parametrize("gran", ["head_channel", "token"])
