@@ -322,11 +322,12 @@ def plot_bandwidth(rows, path):
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for mode, style in (("hot", "--"), ("cold", "-")):
-        for name in FORMATS:
+        for i, name in enumerate(FORMATS):
             pts = sorted((r["keys"], r["pct_bandwidth"]) for r in rows
                          if r["section"] == "bandwidth" and r["mode"] == mode and r["contender"] == name)
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=f"{name} ({'streamed' if mode == 'cold' else mode})")
+                ax.plot(*zip(*pts), style, marker="o", color=f"C{i}",
+                        label=f"{name} ({'streamed' if mode == 'cold' else mode})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("cached keys per sequence")
     ax.set_ylabel("% of the measured streaming bandwidth")

@@ -136,9 +136,9 @@ for mode in ("hot", "streamed"):
                   f"the bandwidth  x{seconds['bf16'] / seconds[name]:.2f} own bf16")
 fig, ax = figure(figsize=(7, 4.2))
 for mode, style in (("hot", "--"), ("streamed", "-")):
-    for name in FORMATS:
+    for i, name in enumerate(FORMATS):
         ax.plot(caches, [100 * results[mode, c, name] / bandwidth for c in caches], style, marker="o",
-                label=f"{name} ({mode})")
+                color=f"C{i}", label=f"{name} ({mode})")
 ax.set_xscale("log", base=2)
 ax.set_xlabel("cached keys per sequence")
 ax.set_ylabel("% of the streaming read bandwidth")

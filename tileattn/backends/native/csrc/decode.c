@@ -12,11 +12,14 @@
  *   3. P.V     acc[row] += P[row][j] * V[j], each V vector loaded once for up to four rows
  *
  * K and V are read in place in their own format (kv.h) and widened to fp32 in registers: bf16,
- * fp16, int8, fp8 e4m3 / e5m2. A quantised cache's scales are folded where they are linear:
+ * fp16, int8, fp8 e4m3 / e5m2, int4. A quantised cache's scales are folded where they are linear:
  * a per-channel K scale into q, a per-key K scale and offset into the score, a per-key V scale into
- * P, per-channel V scales and offsets into the accumulator (kv.h's classes); only scales that vary
- * with both the key and the channel (per-token groups), and head dims that are not a multiple of
- * the vector width, take rows dequantised into a tile buffer first ("converted rows").
+ * P, per-channel V scales and offsets into the accumulator (kv.h's classes); scales that vary with
+ * both the key and the channel (per-token groups, int4's Q4_0 blocks) multiply each widened vector
+ * (dec_groups) when a group spans whole vectors. Other groups, and head dims that are not a multiple
+ * of the vector width, take rows dequantised into a tile buffer first ("converted rows"). Rows are
+ * prefetched ahead of the dot products: a BSND cache's rows of one head lie heads * D apart, which
+ * the hardware's stream prefetch does not follow.
  *
  * Each task leaves (acc, m, l) per row; a merge combines the chunks of a row in chunk order,
  * lse = log2-sum of the partial sums (see the anchors' "merging partial attention"). Chunks run in
