@@ -34,7 +34,7 @@ from tileattn.core.kvquant import dequantise, pack_int4, unpack_int4
 from tileattn.core.testing import judge
 from tileattn.serving import quantise
 from tileattn.tools import measure
-from _hub import SMALL, check, figure, pick, save_figure
+from _hub import check, figure, pick, save_figure
 
 THREADS = measure.usable_cores()
 torch.set_num_threads(THREADS)

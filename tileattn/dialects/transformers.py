@@ -11,7 +11,9 @@ projections); it hands them to :func:`tileattn.flash_attention` as ``layout="BSN
 nothing is copied or transposed and the output comes back as the (B, S, H, D) transformers wants.
 Masks are built by transformers' SDPA mask builder (bool, True = attend, sliding windows and padding
 included), so the semantics are SDPA's: a missing mask with ``is_causal`` means top-left causal.
-GQA heads are read in place (no ``repeat_kv``).
+GQA heads are read in place (no ``repeat_kv``). A :class:`PagedCache` (``tileattn.integrations.transformers
+.PagedCache``, :mod:`tileattn.dialects.transformers_cache`) is read as stored: paged, quantised or not,
+with no concatenation and no dequantised copy.
 
 **No keyword argument is dropped.** Models pass extra keywords to the attention function, and some
 of them change the result (learnable sinks, top-k sparse indices, relative position bias...). Every

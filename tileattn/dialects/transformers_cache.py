@@ -10,10 +10,11 @@ the ``"tileattn"`` attention implementation reads as stored.
 Storage, per layer: K and V pools ``(num_pages, page_size, kv_heads, head_dim)`` in the cache's dtype
 (``head_dim / 2`` bytes for int4, two values a byte), and for a quantised dtype fp32 scale pools
 ``(num_pages, page_size, kv_heads, G)``, each stored head-major within a page (a transposed view of
-``(num_pages, kv_heads, page_size, ...)``: one head's tokens of a page lie together): per token (G = 1) for int8 and fp8, per group of
-``INT4_GROUP`` channels for int4. :func:`tileattn.serving.store` quantises each new token into its
-slot. A block table (``max_batch_size``, pages per sequence) and the sequences' lengths are shared by
-the layers; pages are taken from one free list as sequences grow and given back when they leave.
+``(num_pages, kv_heads, page_size, ...)``: one head's tokens of a page lie together): per token
+(G = 1) for int8 and fp8, per group of ``INT4_GROUP`` channels for int4. :func:`tileattn.serving.store`
+quantises each new token into its slot. A block table (``max_batch_size``, pages per sequence) and
+the sequences' lengths are shared by the layers; pages are taken from one free list as sequences
+grow and given back when they leave.
 
 Reading: ``update`` returns, instead of key and value tensors, a :class:`PagedKV` for the layer,
 which the ``"tileattn"`` attention function recognises and reads through one
