@@ -729,12 +729,24 @@ MODIFIER_TYPES = {cls.kind: cls for cls in (Softcap, Alibi, Bias, Band, Mask, Si
 # Flattening across the op boundary.
 
 
+_FLAT: Dict[type, tuple] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _flat_fields(cls) -> tuple:
+    """((name, op kind), ...) of a modifier type's fields. Dynamo takes the answer as a constant:
+    it reads no field of a class, nor (once the traced model mutated a dict) the fields' metadata."""
+    layout = _FLAT.get(cls)
+    if layout is None:
+        layout = _FLAT[cls] = tuple((f.name, f.metadata["op"]) for f in fields(cls))
+    return layout
+
+
 def flatten(modifier: Modifier) -> Tuple[list, list, list]:
     """(tensors, ints, floats) of a modifier, in field order."""
     tensors, ints, floats = [], [], []
-    for f in fields(modifier):
-        value = getattr(modifier, f.name)
-        op = f.metadata["op"]
+    for name, op in _flat_fields(type(modifier)):
+        value = getattr(modifier, name)
         if op == "tensor":
             tensors.append(value)
         elif op == "int":
@@ -750,16 +762,15 @@ def unflatten(kind: str, tensors, ints, floats) -> Modifier:
     """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
     cls = modifier_type(kind)
     values = {}
-    for f in fields(cls):
-        op = f.metadata["op"]
+    for name, op in _flat_fields(cls):
         if op == "tensor":
-            values[f.name] = next(tensors)
+            values[name] = next(tensors)
         elif op == "int":
-            values[f.name] = next(ints)
+            values[name] = next(ints)
         elif op == "opt_int":
             value = next(ints)
-            values[f.name] = None if value < 0 else value
+            values[name] = None if value < 0 else value
         else:
-            values[f.name] = next(floats)
+            values[name] = next(floats)
     return cls(**values)
 

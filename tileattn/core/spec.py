@@ -30,7 +30,8 @@ import torch
 
 from . import functions  # noqa: F401  (registers score_mod= / mask_mod= / block_mask=)
 from .kernel_args import KernelArgs, lower
-from .kvquant import QUANT_DTYPES, KVQuant, quant_of, dequantise, _has_batch_axis, _per_sequence
+from .kvquant import (INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, KVQuant, _has_batch_axis, _per_sequence, dequantise,
+                      head_width, quant_of)
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -310,7 +311,7 @@ def _check_tensor(name: str, t, rank: int, shape_name: str, layout_note: str, dt
              "a regular strided (dense) tensor")
     if t.dtype not in dtypes:
         fail(TypeError, name, f"dtype {t.dtype}", "one of float16, bfloat16, float32, float64"
-             + (" (or a quantised cache: int8, float8_e4m3fn, float8_e5m2)" if dtypes is not FLOAT_DTYPES else ""))
+             + (f" (or a quantised cache: {QUANT_NAMES})" if dtypes is not FLOAT_DTYPES else ""))
     if t.dim() != rank:
         fail(ValueError, name, f"{t.dim()}-d tensor of shape {tuple(t.shape)}", f"a {rank}-d tensor {shape_name}{layout_note}")
 
@@ -452,7 +453,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
             _check_tensor(name, t, rank, _SHAPE_NAME[layout], f" for layout='{layout}'", cache_dtypes)
     if k.dtype != v.dtype or (k.dtype != q.dtype and k.dtype not in QUANT_DTYPES):
         fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}",
-             "one shared dtype (or k and v of one quantised dtype: int8, float8_e4m3fn, float8_e5m2)")
+             f"one shared dtype (or k and v of one quantised dtype: {QUANT_NAMES})")
     if k.dtype != q.dtype and not any(isinstance(m, KVQuant) for m in found):
         found = tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))  # read with unit scales
     if not (q.device == k.device == v.device):
@@ -494,9 +495,11 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
         fail(ValueError, "q", "0 heads", "at least one query head")
     if hkv == 0 or hq % hkv:
         fail(ValueError, "k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads (GQA/MQA)")
-    d, dv = q_c.shape[-1], v_c.shape[-1]
-    if k_c.shape[-1] != d:
-        fail(ValueError, "k", f"head dim {k_c.shape[-1]}", f"the head dim of q, {d}")
+    d, dv = q_c.shape[-1], head_width(v_c)  # an int4 cache holds two channels a byte
+    if head_width(k_c) != d:
+        packed = k.dtype is INT4_STORAGE
+        fail(ValueError, "k", f"{k_c.shape[-1]} bytes of int4 a row" if packed else f"head dim {k_c.shape[-1]}",
+             f"the head dim of q, {d}" + (f" ({d // 2} bytes of int4, two values a byte)" if packed else ""))
     if d == 0 or dv == 0:
         fail(ValueError, "q/v", f"head dims {d}/{dv}", "positive head dims")
     if paged:

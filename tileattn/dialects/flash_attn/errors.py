@@ -7,8 +7,6 @@ dialect call (its validation, :class:`tileattn.NoBackendError`) leaves it as the
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ...core.dispatch import NoBackendError
@@ -27,20 +25,30 @@ class FlashAttnNoBackendError(NoBackendError, RuntimeError):
     which flash-attn raises for a call its kernels do not take."""
 
 
-@contextlib.contextmanager
-def core_errors(fn):
+class core_errors:
     """Re-raise what tileattn's core raises as the dialect's class (also a RuntimeError), the message
-    kept and prefixed with the function's name."""
-    try:
-        yield
-    except (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError):
-        raise
-    except NoBackendError as e:
-        raise FlashAttnNoBackendError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
-    except TypeError as e:
-        raise FlashAttnTypeError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
-    except ValueError as e:
-        raise FlashAttnArgumentError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
+    kept and prefixed with the function's name. (A class, not a generator context: a decode step
+    enters it on every call.)"""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is None or issubclass(kind, (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError)):
+            return False
+        prefix = f"tileattn.compat.flash_attn.{self.fn}: {e}"
+        if issubclass(kind, NoBackendError):
+            raise FlashAttnNoBackendError(prefix) from e
+        if issubclass(kind, TypeError):
+            raise FlashAttnTypeError(prefix) from e
+        if issubclass(kind, ValueError):
+            raise FlashAttnArgumentError(prefix) from e
+        return False
 
 
 def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):
