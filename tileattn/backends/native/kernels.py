@@ -76,9 +76,11 @@ thread: Ctrl-C sets the flag and is passed on to Python's own handler, so a long
 one tile and KeyboardInterrupt is raised as usual. It arms only while Python's default SIGINT
 handler is installed; under ``SIG_IGN`` or a program's own handler Ctrl-C does not cancel.
 
-Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) packed with
-``struct.pack_into`` into a per-thread buffer; only its "core" section (61 values) is packed on
-every call, optional sections (paged KV, mask, bias, ALiBi, backward) when used.
+Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) filled by field name
+(:mod:`.record`: one generated ``struct.pack_into`` per section) into a per-thread buffer; only its
+"core" section is filled on every call, optional sections (paged KV, mask, bias, ALiBi, backward,
+a quantised cache) when used. User functions and block maps travel in a second record
+(:class:`UserCall`) the core's ``user`` field points at.
 """
 
 from __future__ import annotations
