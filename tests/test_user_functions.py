@@ -320,6 +320,37 @@ def test_a_mask_mod_that_is_a_band_runs_as_the_band():
     assert both.mask_mod is not None  # a band of the call's own: the function is applied beside it
 
 
+def test_a_block_mask_of_a_band_runs_as_the_band():
+    """A BlockMask whose mask_mod is a band and whose block lists are that function's own (PyTorch's
+    create_block_mask or ours) runs as the band; one whose lists were edited (a row of blocks
+    dropped) keeps its lists, and the rows it drops stay hidden. Both exact against the reference."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    from tileattn.core.spec import build_spec
+
+    q, k, v = qkv(shape=(2, 2, 2, 300, 300, 16))
+    window = examples.sliding_window(40)
+    for make in (torch_create_block_mask, create_block_mask):
+        block_mask = make(window, None, None, 300, 300, BLOCK_SIZE=64)
+        args = build_spec(q, k, v, block_mask=block_mask, align="top_left").kernel_args
+        assert args.mask_mod is None and args.block_states is None and (args.left, args.right) == (40, 0)
+        assert "band (left=40, right=0)" in tileattn.flex.explain(q, k, v, block_mask=block_mask)["mask_mod"]
+        out = tileattn.flex.flex_attention(q, k, v, block_mask=block_mask)
+        ref = tileattn.reference(q.double(), k.double(), v.double(), window=(40, 0), align="top_left")
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+    edited = create_block_mask(window, None, None, 300, 300, BLOCK_SIZE=64)
+    edited.kv_num_blocks[:, :, 2] = 0
+    args = build_spec(q, k, v, block_mask=edited, align="top_left").kernel_args
+    assert args.mask_mod is not None and (args.left, args.right) == (-1, -1)
+    out = tileattn.flash_attention(q, k, v, block_mask=edited, align="top_left")
+    rows = torch.arange(300)
+    zero = torch.zeros((), dtype=torch.long)
+    keep = window(zero, zero, rows[:, None], rows[None, :]) & ((rows[:, None] // 64) != 2)
+    ref = tileattn.reference(q.double(), k.double(), v.double(), mask=keep)
+    assert torch.equal(out[:, :, 128:192], torch.zeros_like(out[:, :, 128:192]))
+    torch.testing.assert_close(out.double(), ref.nan_to_num(0.0), atol=2e-6, rtol=0)
+
+
 def test_a_score_mod_that_is_a_softcap_runs_as_the_softcap():
     """``c * tanh(score / c)`` (a literal or a closure's float) lowers into the kernels' softcap
     argument when nothing else transforms the scores; beside ALiBi it stays a function (the order of

@@ -224,17 +224,34 @@ class MaskMod(Modifier):
             object.__setattr__(self, "states", blocks.states_of(self.block_mask))
         if self.user is None:
             object.__setattr__(self, "user", _user_function("mask", self.fn, None))
-        if self.states is None and self.user.bound is not None and not self.user.bound.captures:
-            off = diagonal_offset(spec.align, spec.seqlen_q, spec.seqlen_k)
-            if not (spec.is_varlen or spec.is_paged or spec.seqused_k is not None) and off >= 0:
-                # a pure function of the indices (causal, windows, prefixes): its block map is made once
-                # per size, and the kernels skip the tiles it hides without evaluating them; one that is
-                # exactly a band there (and the call has no band of its own) runs as the band itself
-                states = blocks.function_states(self.user.bound, spec.batch, spec.heads_q, spec.seqlen_q + off,
-                                                spec.seqlen_k)
-                object.__setattr__(self, "states", states)
-                if states.band is not None and not any(isinstance(m, Band) for m in spec.modifiers):
-                    object.__setattr__(self, "band", states.band)
+        bound = self.user.bound
+        if bound is None or bound.captures or spec.is_varlen or spec.is_paged or spec.seqused_k is not None:
+            return
+        off = diagonal_offset(spec.align, spec.seqlen_q, spec.seqlen_k)
+        if off < 0:
+            return
+        # a pure function of the indices (causal, windows, prefixes): its block map is made once per
+        # size, and the kernels skip the tiles it hides without evaluating them; one that is exactly a
+        # band there (and the call has no band of its own) runs as the band itself
+        if self.states is None:
+            states = blocks.function_states(bound, spec.batch, spec.heads_q, spec.seqlen_q + off, spec.seqlen_k)
+            object.__setattr__(self, "states", states)
+            band = states.band
+        else:
+            band = self._band_of_block_mask(spec, bound, off)
+        if band is not None and not any(isinstance(m, Band) for m in spec.modifiers):
+            object.__setattr__(self, "band", band)
+
+    def _band_of_block_mask(self, spec, bound, off):
+        """The band a BlockMask is, when its ``mask_mod`` is a band on the call's grid and its block lists
+        are exactly that function's (as ``create_block_mask`` makes them): then the lists add nothing."""
+        bq, bk = self.block_mask.BLOCK_SIZE
+        if off != 0 or bq != bk or tuple(self.block_mask.seq_lengths) != (spec.seqlen_q, spec.seqlen_k):
+            return None
+        own = blocks.function_states(bound, spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k, block=bq)
+        if own.band is None or own.states.shape[2:] != self.states.states.shape[2:]:
+            return None
+        return own.band if bool((self.states.states == own.states).all()) else None
 
     def plan_key(self):
         return None

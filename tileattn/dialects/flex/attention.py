@@ -89,6 +89,9 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     functions = {m.kind: m for m in spec.modifiers if m.user_function}
     for kind in ("score_mod", "mask_mod"):
         found[kind] = functions[kind].user.how if kind in functions else "none"
+    if "mask_mod" in functions and functions["mask_mod"].band is not None:
+        left, right = functions["mask_mod"].band
+        found["mask_mod"] = f"{found['mask_mod']}; runs as the kernels' band (left={left}, right={right})"
     states = functions["mask_mod"].states if "mask_mod" in functions else None
     found["blocks"] = None if states is None else states.counts()
     return found
