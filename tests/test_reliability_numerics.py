@@ -116,3 +116,21 @@ def test_plus_inf_scores_follow_the_reference(infinities, hide):
     assert results[0][1][0, 1, 2] == float("inf")
     for name, ref, got in zip(("out", "lse", "dq", "dk", "dv", "dbias"), *results):
         torch.testing.assert_close(got, ref, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_steep_alibi_decode_flushes_subnormals_only_inside_the_call(threads):
+    """The native kernels flush subnormal results to zero while their tasks run (a row's accumulator
+    fed by probabilities near 2^-126 took a microcode assist per FMA): the result stays within the
+    rule against the fp64 oracle, and the calling thread's floating-point mode is as it was, so
+    subnormals still arise in the caller's own arithmetic afterwards."""
+    slopes = torch.tensor([1.0, 0.9, 0.8, 0.7])
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, sq=1, sk=3000, d=64, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_reference("native", q, k, v, grad=False, alibi_slopes=slopes, return_lse=True)
+    finally:
+        torch.set_num_threads(before)
+    tiny = torch.tensor([2.0 ** -120], dtype=torch.float32) * torch.tensor([2.0 ** -10], dtype=torch.float32)
+    assert float(tiny) == 2.0 ** -130  # a subnormal, not flushed

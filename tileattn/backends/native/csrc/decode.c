@@ -284,19 +284,29 @@ static int dec_plain(const ta_args *a) { return !(a->softcap > 0 || a->alibi || 
 static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0, int64_t h, int64_t i, real *srow,
                        const int32_t *kv, uint8_t *vis) {
     const int plain = dec_plain(a);
+    const int64_t nv = ta_round_up(n, VW);
     if (!plain) {
-        const real cap = (real)a->softcap;
-        real slope = a->alibi ? ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]] : 0;
-        for (int64_t j = 0; j < n; j++) {
-            real x = srow[j];
-            if (cap > 0) x = cap * (real)tanh((double)(x / cap));
-            if (a->alibi) x -= slope * (real)fabs((double)(i + s->off - (j0 + j)));
-            if (a->bias)
-                x += (real)ta_load1(ta_at(a->bias, s->b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2] +
-                                                       (j0 + j) * a->bias_st[3], a->bias_dtype),
-                                    a->bias_dtype);
-            srow[j] = ta_user_scores(a) ? x : x * (real)TA_LOG2E;
+        /* one loop per modifier, each over whole vectors (the padding lanes are hidden below) */
+        if (a->softcap > 0) {
+            const real cap = (real)a->softcap, inv_cap = (real)(1.0 / a->softcap);
+            for (int64_t j = 0; j < nv; j += VW) vstore(srow + j, vtanh(vload(srow + j) * inv_cap) * cap);
         }
+        if (a->alibi) {
+            const real slope = ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]];
+            const real dist0 = (real)(i + s->off - j0); /* the distance to key j0 + j is |dist0 - j| */
+            for (int64_t j = 0; j < n; j++) {
+                const real d = dist0 - (real)j;
+                srow[j] -= slope * (d < 0 ? -d : d);
+            }
+        }
+        if (a->bias)
+            for (int64_t j = 0; j < n; j++)
+                srow[j] += (real)ta_load1(ta_at(a->bias, s->b * a->bias_st[0] + h * a->bias_st[1] +
+                                                             i * a->bias_st[2] + (j0 + j) * a->bias_st[3],
+                                                 a->bias_dtype),
+                                          a->bias_dtype);
+        if (!ta_user_scores(a))
+            for (int64_t j = 0; j < n; j++) srow[j] *= (real)TA_LOG2E;
     }
     if (a->user) {
         ta_user_decode_row(a, s, h, i, srow, n, j0, kv, vis);
@@ -304,11 +314,11 @@ static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0,
             for (int64_t j = 0; j < n; j++) srow[j] *= (real)TA_LOG2E;
     }
     /* the band hides keys before lo and after hi; the padding past n is hidden too */
-    int64_t lo = ta_band_lo(a, s, i) - j0, hi = ta_band_hi(a, s, i) - j0 + 1, np = ta_round_up(n, VW);
-    lo = lo < 0 ? 0 : lo > np ? np : lo;
+    int64_t lo = ta_band_lo(a, s, i) - j0, hi = ta_band_hi(a, s, i) - j0 + 1;
+    lo = lo < 0 ? 0 : lo > nv ? nv : lo;
     hi = hi > n ? n : hi < lo ? lo : hi;
     for (int64_t j = 0; j < lo; j++) srow[j] = -INFINITY;
-    for (int64_t j = hi; j < np; j++) srow[j] = -INFINITY;
+    for (int64_t j = hi; j < nv; j++) srow[j] = -INFINITY;
     if (a->mask) {
         const uint8_t *mask = (const uint8_t *)a->mask + s->b * a->mask_st[0] + h * a->mask_st[1] + i * a->mask_st[2];
         for (int64_t j = lo; j < hi; j++)
