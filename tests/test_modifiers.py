@@ -21,8 +21,10 @@ from tileattn import NoBackendError
 from tileattn.core import api
 from tileattn.core.dispatch import Capabilities, get_backend, list_backends
 from tileattn.core.engine import Backend
+from tileattn.core.functions import MaskMod, ScoreMod
 from tileattn.core.kernel_args import KernelArgs
-from tileattn.core.modifiers import (OP_INT, OP_TENSOR, Band, Dropout, Mask, Modifier, Softcap, fail,
+from tileattn.core.kvquant import KVQuant
+from tileattn.core.modifiers import (OP_INT, OP_TENSOR, Alibi, Band, Bias, Dropout, Mask, Modifier, Softcap, fail,
                                 modifiers_from_keywords, variant_keywords)
 from tileattn.core.spec import AttentionSpec, build_spec
 
@@ -103,6 +105,47 @@ def test_engines_support_exactly_the_modifier_types_they_declare():
     assert Bare().not_supported_reasons(build_spec(q, k, v, sinks=torch.zeros(2))) == []  # merged above engines
     for b in list_backends():
         assert all(isinstance(t, type) and issubclass(t, Modifier) for t in b.capabilities.modifiers), b.name
+
+
+def _samples():
+    """One call per modifier type an engine may declare: (type, q, k, v, keywords)."""
+    q, k, v = make_qkv(b=1, hq=2, sq=9, sk=13, d=8, seed=5)
+    g = torch.Generator().manual_seed(6)
+    k8, v8 = (torch.randint(-100, 100, t.shape, generator=g, dtype=torch.int8) for t in (k, v))
+    plain = (q, k, v)
+    return [
+        (Softcap, *plain, dict(softcap=2.0)),
+        (Alibi, *plain, dict(alibi_slopes=torch.tensor([0.3, 0.1]))),
+        (Bias, *plain, dict(bias=torch.randn(1, 2, 9, 13, generator=g))),
+        (Band, *plain, dict(window=(4, 1))),
+        (Mask, *plain, dict(mask=torch.rand(9, 13, generator=g) > 0.3)),
+        (Dropout, *plain, dict(dropout_p=0.25, seed=3)),
+        (KVQuant, q, k8, v8, dict(k_scale=torch.full((1, 1, 1, 1), 0.01), v_scale=torch.full((1, 1, 1, 1), 0.02))),
+        (ScoreMod, *plain, dict(score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).abs())),
+        (MaskMod, *plain, dict(mask_mod=lambda b, h, i, j: (i + j) % 3 != 0)),
+    ]
+
+
+def test_each_engine_lists_its_own_modifier_types_and_runs_each_of_them():
+    """No engine takes its modifier types from a set another engine uses (a type added for one engine
+    is granted to no other), but for an engine that is another's arithmetic (eager: the reference in
+    blocks). Every type a CPU engine lists runs there, within the accuracy rule of the reference."""
+    from tileattn.core import engine
+
+    assert not hasattr(engine, "BUILTIN_MODIFIERS")
+    engines = list_backends()
+    for a in engines:
+        for b in engines:
+            if a is not b and a.capabilities.modifiers is b.capabilities.modifiers:
+                assert isinstance(a, type(b)) or isinstance(b, type(a)), (a.name, b.name)
+    samples = _samples()
+    assert {cls for cls, *_ in samples} >= {t for b in engines for t in b.capabilities.modifiers}
+    for name in CPU_BACKENDS:
+        declared = get_backend(name).capabilities.modifiers
+        for cls, q, k, v, kwargs in samples:
+            if cls in declared:
+                assert tileattn.explain(q, k, v, **kwargs)[name] == [], (name, cls)
+                assert_matches_reference(name, q, k, v, grad=False, **kwargs)
 
 
 def _declarations(tree):

@@ -17,9 +17,10 @@ import warnings
 
 import torch
 
-from ...core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...core.engine import ALL_DTYPES, Backend, Capabilities, Gradients, register
 from ...core.functions import MaskMod, ScoreMod
 from ...core.kvquant import KVQuant, canonical_scales, quant_of
+from ...core.modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from ...core.spec import AttentionSpec
 from ...core.tunecache import lookup
 from . import kernels, prepared
@@ -34,9 +35,11 @@ class NativeBackend(Backend):
     priority = 15
     capabilities = Capabilities(
         devices=frozenset(("cpu",)), dtypes=frozenset(kernels.CAPABILITIES["dtypes"]) & ALL_DTYPES,
-        # a quantised cache in the formats the kernels read as stored (kernels.CAPABILITIES["kv_formats"]);
-        # user functions compiled into tile functions the kernels call (tileattn.programs)
-        modifiers=BUILTIN_MODIFIERS | {KVQuant, ScoreMod, MaskMod}, compiled_functions=True,
+        # the kernels' score pipeline (csrc/tile.h); a quantised cache in the formats they read as stored
+        # (kernels.CAPABILITIES["kv_formats"]); user functions compiled into tile functions the kernels
+        # call (tileattn.programs)
+        modifiers=frozenset((Softcap, Alibi, Bias, Band, Mask, Dropout, KVQuant, ScoreMod, MaskMod)),
+        compiled_functions=True,
     )
     _warned = False
 
