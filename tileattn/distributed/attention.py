@@ -9,37 +9,18 @@ import torch
 
 from ..core.modifiers import (Alibi, Band, Bias, Mask, Sinks, Softcap, check_keywords, fail, modifiers_from_keywords,
                          to_4d)
-from ..core.spec import CALL_KEYWORDS, build_spec, check_bool, to_canonical
+from ..core.layouts import LAYOUT, LAYOUTS, from_batched, to_batched
+from ..core.spec import CALL_KEYWORDS, build_spec, check_bool
 from . import ring as ring_mod
 from . import agreement, topology, ulysses
 from .plan import ShardPlan
 
-#: Dimension of the sequence in each layout.
-SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0, "TND": 0}
+#: Dimension of the sequence in each layout (public: what :func:`shard` is given as ``seq_dim``).
+SEQ_DIM = {name: LAYOUT[name].seq_dim for name in LAYOUTS}
 
 
 def _refuse(name, given, why):
     fail(NotImplementedError, name, given, why)
-
-
-def _internal(x: torch.Tensor, layout: str, heads: Optional[int]) -> torch.Tensor:
-    """A strided (B, H, S, D) view of a tensor in ``layout``; TND becomes (1, H, T, D)."""
-    if layout == "TND":
-        return x.transpose(0, 1).unsqueeze(0)
-    return to_canonical(x, layout, heads)
-
-
-def _external(y: torch.Tensor, layout: str) -> torch.Tensor:
-    """(B, H, S, D) -> a contiguous tensor in ``layout``."""
-    if layout == "BNSD":
-        return y
-    if layout == "TND":
-        return y[0].transpose(0, 1).contiguous()
-    if layout == "BSND":
-        return y.transpose(1, 2).contiguous()
-    if layout == "BSH":
-        return y.transpose(1, 2).flatten(2)
-    return y.permute(2, 0, 1, 3).flatten(2)  # SBH
 
 
 def _sharded_4d(name, t, batch, heads, rows, seq_len, dtype_ok, expected):
@@ -127,8 +108,8 @@ def context_parallel_attention(
     for name, val in (("seqused_k", seqused_k), ("block_table", block_table)):
         if val is not None:
             _refuse(name, "a tensor", "None: a KV cache is not sequence-sharded; run flash_attention on each rank")
-    if not isinstance(layout, str) or layout.upper() not in SEQ_DIM:
-        fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in SEQ_DIM))
+    if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
+        fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
     layout = layout.upper()
     varlen = layout == "TND"
     sd = SEQ_DIM[layout]
@@ -180,15 +161,13 @@ def context_parallel_attention(
         f"the varlen batch of cu_seqlens_q ({cu_seqlens_q.numel() - 1} sequences, {int(cu_seqlens_q[-1])} tokens)"
         if varlen else "")
     seq_len = sum(plan.lengths) if varlen else plan.lengths[0]
-    heads_arg = spec.heads_q if layout in ("BSH", "SBH") else None
     bias4 = _sharded_4d("bias", bias, batch, spec.heads_q, local, seq_len, lambda t: t.is_floating_point(),
                         "a float tensor broadcastable to (B, Hq, local rows, global keys)")
     mask4 = _sharded_4d("mask", mask, batch, spec.heads_q, local, seq_len, lambda t: t.dtype == torch.bool,
                         "a bool tensor (True = take part) broadcastable to (B, Hq, local rows, global keys)")
 
-    qi = _internal(q, layout, heads_arg)
-    ki = _internal(k, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
-    vi = _internal(v, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
+    qi = to_batched(q, layout, spec.heads_q)
+    ki, vi = to_batched(k, layout, spec.heads_kv), to_batched(v, layout, spec.heads_kv)
     kwargs = dict(scale=spec.scale, deterministic=deterministic, backend=backend)
     if topo.U > 1:
         u = topo.ulysses_rank
@@ -217,7 +196,7 @@ def context_parallel_attention(
         out = ulysses.HeadsToSeq.apply(ex, out, "out")
         if return_lse:
             lse = ulysses.HeadsToSeq.apply(ex, lse.unsqueeze(-1), "lse").squeeze(-1)
-    out = _external(out, layout)
+    out = from_batched(out, layout)
     if not return_lse:
         return out
     return out, (lse[0] if varlen else lse)
@@ -233,7 +212,7 @@ def _call_fields(q, k, v, layout, mode, topo, load_balance, causal, window, alig
     sides = (None, None) if window is None else tuple(None if s is None or s < 0 else int(s) for s in window)
     return [
         agreement.tensor_field("q", q, sd), agreement.tensor_field("k", k, sd), agreement.tensor_field("v", v, sd),
-        agreement.choice_field("layout", layout, list(SEQ_DIM)), agreement.choice_field("mode", mode, topology.MODES),
+        agreement.choice_field("layout", layout, LAYOUTS), agreement.choice_field("mode", mode, topology.MODES),
         agreement.group_field(topo.U, topo.R), agreement.bool_field("load_balance", load_balance),
         agreement.bool_field("causal", causal), agreement.window_field(*sides), agreement.align_field(align),
         agreement.float_field("scale", scale), agreement.float_field("softcap", softcap),
