@@ -25,7 +25,7 @@ from tileattn.core.functions import MaskMod, ScoreMod
 from tileattn.core.kernel_args import KernelArgs
 from tileattn.core.kvquant import KVQuant
 from tileattn.core.modifiers import (OP_INT, OP_TENSOR, Alibi, Band, Bias, Dropout, Mask, Modifier, Softcap, fail,
-                                modifiers_from_keywords, variant_keywords)
+                                modifier_types, modifiers_from_keywords, variant_keywords)
 from tileattn.core.spec import AttentionSpec, build_spec
 
 from conftest import CPU_BACKENDS, assert_matches_reference, make_qkv
@@ -177,6 +177,34 @@ def test_no_engine_and_not_the_reference_look_a_modifier_up_by_name():
         # Band, as the geometry of the band kernel arguments (KernelArgs.band), may be used anywhere
         uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in imported and id(n) not in declared]
         assert not uses, f"{path.name} uses modifier types outside its capabilities: {sorted({n.id for n in uses})}"
+
+
+def test_no_module_switches_on_a_modifier_s_type():
+    """What differs by modifier type is asked of the modifier (its attributes and methods: how context
+    parallelism shards it, what ranks agree on, the band of keys it limits rows to, its kernel
+    arguments); outside the modifiers' own modules no code tests a modifier's type or kind. The
+    engines' capabilities name types as data (the check above); the user-function compiler's
+    ``kind`` is a program's ("score" / "mask"), not a modifier's."""
+    own = {"core/modifiers.py", "core/functions.py", "core/kvquant.py"}
+    types = {cls.__name__ for cls in modifier_types()}
+    kinds = {cls.kind for cls in modifier_types()}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in own or rel.startswith("programs/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                if {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & types:
+                    found.append(f"{rel}:{node.lineno} isinstance")
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Attribute) and s.attr == "kind" for s in sides) and any(
+                        isinstance(c, ast.Constant) and c.value in kinds for s in sides for c in ast.walk(s)):
+                    found.append(f"{rel}:{node.lineno} .kind")
+                if any(isinstance(s, ast.Name) and s.id in types for s in sides):
+                    found.append(f"{rel}:{node.lineno} type")
+    assert not found, found
 
 
 # --------------------------------------------------------- a modifier type from outside the package

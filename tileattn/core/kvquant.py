@@ -143,6 +143,19 @@ def quant_of(spec) -> Optional[KVQuant]:
     return KVQuant() if spec.k.dtype is not spec.q.dtype else None
 
 
+def with_cache_scales(found: tuple, q_dtype, k_dtype) -> tuple:
+    """The modifiers ``found`` of a call, with a :class:`KVQuant` of unit scales added when the cache's
+    dtype is not q's and none is given (a quantised cache read as stored)."""
+    if k_dtype == q_dtype or any(isinstance(m, KVQuant) for m in found):
+        return found
+    return tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))
+
+
+def without_cache_scales(modifiers: tuple) -> tuple:
+    """The modifiers of a call whose cache is dequantised already."""
+    return tuple(m for m in modifiers if not isinstance(m, KVQuant))
+
+
 def dequantise(x: torch.Tensor, scale: Optional[torch.Tensor], offset: Optional[torch.Tensor], dtype) -> torch.Tensor:
     """``(x + offset) * scale`` in ``dtype``, scale and offset broadcast along x's shape, their last
     dim (G channel groups) repeated over the groups' channels."""

@@ -21,7 +21,10 @@ registers it (by :attr:`~Modifier.kind`). It implements, besides what it is:
   tensors and per-call values); engines read that record and never the modifier;
 * the exact reference, through the hooks below, applied in stage order: :meth:`~Modifier.scores`
   (and :meth:`~Modifier.scores_grad`), :meth:`~Modifier.visible`, :meth:`~Modifier.weights` (and
-  :meth:`~Modifier.weights_grad`), :meth:`~Modifier.extra_logits` (merged into the result).
+  :meth:`~Modifier.weights_grad`), :meth:`~Modifier.extra_logits` (merged into the result);
+* context parallelism (:mod:`tileattn.distributed`): how it is sharded
+  (:attr:`~Modifier.context_parallel`, :meth:`~Modifier.for_heads`, :meth:`~Modifier.check_shards`)
+  and what every rank must pass alike (:attr:`~Modifier.agreement`, :meth:`~Modifier.as_keywords`).
 
 Engines declare the modifier *types* they apply (:class:`tileattn.core.dispatch.Capabilities`); a type an
 engine does not list is refused by it with a reason, never ignored. Adding a modifier is one class
@@ -35,7 +38,8 @@ sequence (a key shard inside a longer sequence, as context parallelism needs).
 
 Flattening. A modifier crosses the ``torch.library`` op boundary as tensors, ints and floats; the
 field metadata below (``OP_TENSOR``, ``OP_INT``, ``OP_OPT_INT``, ``OP_FLOAT``) says how, so
-:func:`flatten` and :func:`unflatten` serve every modifier and nothing else counts argument slots.
+:func:`tileattn.core.ops.flatten` and :func:`~tileattn.core.ops.unflatten` serve every modifier and nothing
+else counts argument slots.
 """
 
 from __future__ import annotations
@@ -80,6 +84,18 @@ def tensor_metadata(t: torch.Tensor) -> Optional[tuple]:
 _FIELD_NAMES: Dict[type, Tuple[str, ...]] = {}
 
 
+def _check_per_head(name: str, t, spec, dtype_ok, kind: str, shapes: tuple, shown: str):
+    """A tensor of one of ``shapes`` on q's device whose dtype ``dtype_ok`` accepts (``kind``: what it
+    is, ``shown``: the shapes as a message names them)."""
+    if not isinstance(t, torch.Tensor) or not dtype_ok(t):
+        given = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        fail(TypeError, name, given, f"{kind} of shape {shown}")
+    if tuple(t.shape) not in shapes:
+        fail(ValueError, name, f"shape {tuple(t.shape)}", shown)
+    if t.device != spec.device:
+        fail(ValueError, name, f"device {t.device}", f"device {spec.device}, as q")
+
+
 def _check_dense(name: str, t: torch.Tensor):
     if t.layout != torch.strided or getattr(t, "is_nested", False):
         fail(TypeError, name, f"a {t.layout} tensor" if t.layout != torch.strided else "a nested tensor",
@@ -119,6 +135,15 @@ class Modifier:
     #: A user function (score_mod / mask_mod, :mod:`tileattn.core.functions`): its call takes the
     #: autograd function that returns the gradients of the tensors the function captures.
     user_function: ClassVar[bool] = False
+    #: How context parallelism applies it to the shards of a sequence, or None when it cannot (such a
+    #: call is refused, naming the modifier): "block" (every block call applies it as it is), "band"
+    #: (placed per block by the blocks' positions), "keys" (a ``tensor`` over (local rows, global
+    #: keys), cut to each block's rows and keys), "merge" (merged into the result once, after the walk).
+    context_parallel: ClassVar[Optional[str]] = None
+    #: How the ranks of a context-parallel call compare each of its keywords (see
+    #: :mod:`tileattn.distributed.agreement`): "bool", "float", "window", "tensor", or "rows" (a tensor
+    #: whose row dim, sharded like q, may differ between ranks).
+    agreement: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -204,6 +229,24 @@ class Modifier:
         """The LSE of a partial result with output 0 that this modifier adds to every row (a sink's
         logit), broadcastable to ``lse`` (whose head axis is ``heads_axis``), or None. The caller
         merges it in with :func:`tileattn.core.merge.merge_weights`."""
+        return None
+
+    # Context parallelism.
+
+    def as_keywords(self) -> Dict[str, object]:
+        """The values of its keywords that make this modifier (one per field, in order, by default)."""
+        return {name: getattr(self, f.name) for name, f in zip(self.keywords, fields(self))}
+
+    def for_heads(self, heads: slice) -> "Modifier":
+        """This modifier for the query heads ``heads`` of the call alone (a Ulysses rank's share)."""
+        return self
+
+    def check_shards(self, varlen: bool) -> None:
+        """Raise NotImplementedError (naming the argument) for what context parallelism cannot shard."""
+
+    def keys_band(self) -> Optional["Band"]:
+        """The band of keys this modifier limits every row to (a :class:`Band`: its geometry gives key
+        ranges and flop counts), or None."""
         return None
 
 
@@ -306,6 +349,8 @@ class Softcap(Modifier):
     kind: ClassVar[str] = "softcap"
     stage: ClassVar[int] = 0
     keywords: ClassVar[Mapping[str, object]] = {"softcap": 0.0}
+    context_parallel: ClassVar[Optional[str]] = "block"
+    agreement: ClassVar[Mapping[str, str]] = {"softcap": "float"}
     cap: float = field(metadata=OP_FLOAT)
 
     @classmethod
@@ -345,6 +390,8 @@ class Alibi(Modifier):
     positional: ClassVar[bool] = True
     keywords: ClassVar[Mapping[str, object]] = {"alibi_slopes": None}
     binds: ClassVar[Tuple[str, ...]] = ("alibi_slopes",)
+    context_parallel: ClassVar[Optional[str]] = "block"
+    agreement: ClassVar[Mapping[str, str]] = {"alibi_slopes": "tensor"}
     slopes: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
@@ -354,14 +401,17 @@ class Alibi(Modifier):
         return cls(slopes)
 
     def check(self, spec):
-        slopes, batch, heads_q = self.slopes, spec.batch, spec.heads_q
-        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
-            given = f"dtype {slopes.dtype}" if isinstance(slopes, torch.Tensor) else type(slopes).__name__
-            fail(TypeError, "alibi_slopes", given, f"a float32 tensor of shape ({heads_q},) or ({batch}, {heads_q})")
-        if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            fail(ValueError, "alibi_slopes", f"shape {tuple(slopes.shape)}", f"({heads_q},) or ({batch}, {heads_q})")
-        if slopes.device != spec.device:
-            fail(ValueError, "alibi_slopes", f"device {slopes.device}", f"device {spec.device}, as q")
+        batch, heads_q = spec.batch, spec.heads_q
+        _check_per_head("alibi_slopes", self.slopes, spec, lambda t: t.dtype == torch.float32, "a float32 tensor",
+                        ((heads_q,), (batch, heads_q)), f"({heads_q},) or ({batch}, {heads_q})")
+
+    def for_heads(self, heads):
+        return Alibi(self.slopes[..., heads])
+
+    def check_shards(self, varlen):
+        if varlen and self.slopes.dim() == 2:
+            fail(NotImplementedError, "alibi_slopes", f"shape {tuple(self.slopes.shape)} with layout='TND'",
+                 "one slope per head, shape (Hq,): the varlen calls of a ring step regroup the sequences")
 
     def lower(self):
         return {}
@@ -411,6 +461,11 @@ class _ScoreShaped(Modifier):
     def view4(self) -> torch.Tensor:
         return to_4d(self.tensor)
 
+    def check_shards(self, varlen):
+        if varlen:
+            fail(NotImplementedError, self.kind, "a tensor with layout='TND'",
+                 "None (as flash_attention: no bias or mask with varlen)")
+
     def lower(self):
         return {}
 
@@ -431,6 +486,8 @@ class Bias(_ScoreShaped):
     keywords: ClassVar[Mapping[str, object]] = {"bias": None}
     binds: ClassVar[Tuple[str, ...]] = ("bias",)
     grad_slot: ClassVar[Optional[str]] = "bias"
+    context_parallel: ClassVar[Optional[str]] = "keys"
+    agreement: ClassVar[Mapping[str, str]] = {"bias": "rows"}
     expected: ClassVar[str] = "a floating tensor"
     instead: ClassVar[str] = "no bias (build the scores of each sequence separately)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
@@ -470,6 +527,8 @@ class Band(Modifier):
     masks: ClassVar[bool] = True
     positional: ClassVar[bool] = True
     keywords: ClassVar[Mapping[str, object]] = {"causal": False, "window": None}
+    context_parallel: ClassVar[Optional[str]] = "band"
+    agreement: ClassVar[Mapping[str, str]] = {"causal": "bool", "window": "window"}
     left: Optional[int] = field(default=None, metadata=OP_OPT_INT)
     right: Optional[int] = field(default=None, metadata=OP_OPT_INT)
 
@@ -509,6 +568,12 @@ class Band(Modifier):
 
     def lower(self):
         return {"left": -1 if self.left is None else self.left, "right": -1 if self.right is None else self.right}
+
+    def as_keywords(self):
+        return {"causal": False, "window": (self.left, self.right)}
+
+    def keys_band(self):
+        return self
 
     @property
     def is_causal(self) -> bool:
@@ -583,6 +648,8 @@ class Mask(_ScoreShaped):
     masks: ClassVar[bool] = True
     keywords: ClassVar[Mapping[str, object]] = {"mask": None}
     binds: ClassVar[Tuple[str, ...]] = ("mask",)
+    context_parallel: ClassVar[Optional[str]] = "keys"
+    agreement: ClassVar[Mapping[str, str]] = {"mask": "rows"}
     expected: ClassVar[str] = "a bool tensor (True = take part)"
     instead: ClassVar[str] = "no mask (sequences are already separated; use window/causal for bands)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
@@ -611,6 +678,8 @@ class Sinks(Modifier):
     keywords: ClassVar[Mapping[str, object]] = {"sinks": None}
     grad_slot: ClassVar[Optional[str]] = "sinks"
     applied_by_op: ClassVar[bool] = True
+    context_parallel: ClassVar[Optional[str]] = "merge"
+    agreement: ClassVar[Mapping[str, str]] = {"sinks": "tensor"}
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
@@ -620,17 +689,15 @@ class Sinks(Modifier):
         return cls(sinks)
 
     def check(self, spec):
-        sinks, heads_q = self.tensor, spec.heads_q
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            given = f"dtype {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            fail(TypeError, "sinks", given, f"a float tensor of shape ({heads_q},), one logit per query head")
-        if tuple(sinks.shape) != (heads_q,):
-            fail(ValueError, "sinks", f"shape {tuple(sinks.shape)}", f"({heads_q},), one logit per query head")
-        if sinks.device != spec.device:
-            fail(ValueError, "sinks", f"device {sinks.device}", f"device {spec.device}, as q")
+        heads_q = spec.heads_q
+        _check_per_head("sinks", self.tensor, spec, lambda t: t.is_floating_point(), "a float tensor",
+                        ((heads_q,),), f"({heads_q},), one logit per query head")
 
     def grad_tensor(self):
         return self.tensor
+
+    def for_heads(self, heads):
+        return Sinks(self.tensor[heads])
 
     def logits(self, heads_axis: int, ndim: int, dtype) -> torch.Tensor:
         """The sinks shaped to broadcast against an LSE whose head axis is ``heads_axis``."""
@@ -719,47 +786,3 @@ class Dropout(Modifier):
 
     def weights_grad(self, dp, block, heads_q):
         return dp * self.factor(block, heads_q)
-
-
-#: The built-in modifier classes by kind (extension types register themselves beside them).
-MODIFIER_TYPES = {cls.kind: cls for cls in (Softcap, Alibi, Bias, Band, Mask, Sinks, Dropout)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Flattening across the op boundary.
-
-
-def flatten(modifier: Modifier) -> Tuple[list, list, list]:
-    """(tensors, ints, floats) of a modifier, in field order."""
-    tensors, ints, floats = [], [], []
-    for f in fields(modifier):
-        value = getattr(modifier, f.name)
-        op = f.metadata["op"]
-        if op == "tensor":
-            tensors.append(value)
-        elif op == "int":
-            ints.append(value)
-        elif op == "opt_int":
-            ints.append(-1 if value is None else value)
-        else:
-            floats.append(value)
-    return tensors, ints, floats
-
-
-def unflatten(kind: str, tensors, ints, floats) -> Modifier:
-    """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
-    cls = modifier_type(kind)
-    values = {}
-    for f in fields(cls):
-        op = f.metadata["op"]
-        if op == "tensor":
-            values[f.name] = next(tensors)
-        elif op == "int":
-            values[f.name] = next(ints)
-        elif op == "opt_int":
-            value = next(ints)
-            values[f.name] = None if value < 0 else value
-        else:
-            values[f.name] = next(floats)
-    return cls(**values)
-

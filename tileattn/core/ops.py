@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from dataclasses import fields
 from typing import List, Optional, Tuple
 
 import torch
@@ -37,7 +38,7 @@ from torch import Tensor
 from .dispatch import Backend, Gradients, get_backend
 from .engine import WITH_MEMORY, storage_problem
 from .merge import merge_weights
-from .modifiers import fail, flatten, modifier_type, unflatten
+from .modifiers import Modifier, fail, modifier_type
 from .score_math import reduce_to_shape
 from .layouts import LAYOUT, empty_in_layout, to_canonical
 from .spec import AttentionSpec, check_sequence_values, tracing
@@ -46,6 +47,41 @@ from .spec import AttentionSpec, check_sequence_values, tracing
 #: directly): :attr:`tileattn.core.modifiers.Modifier.grad_slot`.
 _GRAD_SLOTS = ("bias", "sinks")
 _SEQUENCE_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
+
+
+def flatten(modifier: Modifier) -> Tuple[list, list, list]:
+    """(tensors, ints, floats) of a modifier, in field order."""
+    tensors, ints, floats = [], [], []
+    for f in fields(modifier):
+        value = getattr(modifier, f.name)
+        op = f.metadata["op"]
+        if op == "tensor":
+            tensors.append(value)
+        elif op == "int":
+            ints.append(value)
+        elif op == "opt_int":
+            ints.append(-1 if value is None else value)
+        else:
+            floats.append(value)
+    return tensors, ints, floats
+
+
+def unflatten(kind: str, tensors, ints, floats) -> Modifier:
+    """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
+    cls = modifier_type(kind)
+    values = {}
+    for f in fields(cls):
+        op = f.metadata["op"]
+        if op == "tensor":
+            values[f.name] = next(tensors)
+        elif op == "int":
+            values[f.name] = next(ints)
+        elif op == "opt_int":
+            value = next(ints)
+            values[f.name] = None if value < 0 else value
+        else:
+            values[f.name] = next(floats)
+    return cls(**values)
 
 
 def pack(spec: AttentionSpec, backend: str, partial: bool) -> tuple:

@@ -33,7 +33,8 @@ from .kernel_args import KernelArgs, lower
 from .layouts import (  # noqa: F401  (LAYOUTS, empty_in_layout, user_shape: importable from here as before)
     LAYOUT, LAYOUTS, empty_in_layout, from_canonical, to_canonical, user_shape,
 )
-from .kvquant import QUANT_DTYPES, KVQuant, quant_of, dequantise, _has_batch_axis, _per_sequence
+from .kvquant import (QUANT_DTYPES, _has_batch_axis, _per_sequence, dequantise, quant_of, with_cache_scales,
+                      without_cache_scales)
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -179,8 +180,9 @@ class AttentionSpec:
     def band(self) -> Optional[Band]:
         """The call's band (causal / window), or None: the geometry flop counts and tuning read."""
         for m in self.modifiers:
-            if isinstance(m, Band):
-                return m
+            band = m.keys_band()
+            if band is not None:
+                return band
         return None
 
     @property
@@ -412,8 +414,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
     if k.dtype != v.dtype or (k.dtype != q.dtype and k.dtype not in QUANT_DTYPES):
         fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}",
              "one shared dtype (or k and v of one quantised dtype: int8, float8_e4m3fn, float8_e5m2)")
-    if k.dtype != q.dtype and not any(isinstance(m, KVQuant) for m in found):
-        found = tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))  # read with unit scales
+    found = with_cache_scales(found, q.dtype, k.dtype)
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
     device = q.device
@@ -560,7 +561,7 @@ def dequantised_spec(spec, dtype):
                               None if offset is None else offset[owner, tokens], dtype)
 
         kd, vd = packed(k, m.k_scale, m.k_offset), packed(v, m.v_scale, m.v_offset)
-    others = tuple(x for x in spec.modifiers if not isinstance(x, KVQuant))
+    others = without_cache_scales(spec.modifiers)
     return spec_of(q, kd, vd, others, layout=spec.layout, scale=spec.scale, align=spec.align,
                    cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
                    block_table=block_table, deterministic=spec.deterministic)
