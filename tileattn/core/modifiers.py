@@ -24,7 +24,7 @@ registers it (by :attr:`~Modifier.kind`). It implements, besides what it is:
   :meth:`~Modifier.weights_grad`), :meth:`~Modifier.extra_logits` (merged into the result);
 * context parallelism (:mod:`tileattn.distributed`): how it is sharded
   (:attr:`~Modifier.context_parallel`, :meth:`~Modifier.for_heads`, :meth:`~Modifier.check_shards`)
-  and what every rank must pass alike (:attr:`~Modifier.agreement`, :meth:`~Modifier.as_keywords`).
+  and what every rank must pass alike (:meth:`~Modifier.agreement`, :meth:`~Modifier.as_keywords`).
 
 Engines declare the modifier *types* they apply (:class:`tileattn.core.dispatch.Capabilities`); a type an
 engine does not list is refused by it with a reason, never ignored. Adding a modifier is one class
@@ -140,10 +140,6 @@ class Modifier:
     #: (placed per block by the blocks' positions), "keys" (a ``tensor`` over (local rows, global
     #: keys), cut to each block's rows and keys), "merge" (merged into the result once, after the walk).
     context_parallel: ClassVar[Optional[str]] = None
-    #: How the ranks of a context-parallel call compare each of its keywords (see
-    #: :mod:`tileattn.distributed.agreement`): "bool", "float", "window", "tensor", or "rows" (a tensor
-    #: whose row dim, sharded like q, may differ between ranks).
-    agreement: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -232,6 +228,16 @@ class Modifier:
         return None
 
     # Context parallelism.
+
+    @classmethod
+    def agreement(cls) -> Dict[str, str]:
+        """How the ranks of a context-parallel call compare each of its keywords (see
+        :mod:`tileattn.distributed.agreement`): "bool", "float", "tensor", "rows" (a tensor whose row
+        dim, sharded like q, may differ between ranks) or "window"; by default, a "keys" modifier's
+        tensors by their rows, other keywords by the type of their "absent" value."""
+        if cls.context_parallel == "keys":
+            return dict.fromkeys(cls.keywords, "rows")
+        return {name: {float: "float", bool: "bool"}.get(type(absent), "tensor") for name, absent in cls.keywords.items()}
 
     def as_keywords(self) -> Dict[str, object]:
         """The values of its keywords that make this modifier (one per field, in order, by default)."""
@@ -349,8 +355,6 @@ class Softcap(Modifier):
     kind: ClassVar[str] = "softcap"
     stage: ClassVar[int] = 0
     keywords: ClassVar[Mapping[str, object]] = {"softcap": 0.0}
-    context_parallel: ClassVar[Optional[str]] = "block"
-    agreement: ClassVar[Mapping[str, str]] = {"softcap": "float"}
     cap: float = field(metadata=OP_FLOAT)
 
     @classmethod
@@ -380,6 +384,8 @@ class Softcap(Modifier):
         t = torch.tanh(s_before / self.cap)
         return ds * (1 - t * t)
 
+    context_parallel: ClassVar[Optional[str]] = "block"
+
 
 @dataclass(frozen=True)
 class Alibi(Modifier):
@@ -390,8 +396,6 @@ class Alibi(Modifier):
     positional: ClassVar[bool] = True
     keywords: ClassVar[Mapping[str, object]] = {"alibi_slopes": None}
     binds: ClassVar[Tuple[str, ...]] = ("alibi_slopes",)
-    context_parallel: ClassVar[Optional[str]] = "block"
-    agreement: ClassVar[Mapping[str, str]] = {"alibi_slopes": "tensor"}
     slopes: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
@@ -404,6 +408,8 @@ class Alibi(Modifier):
         batch, heads_q = spec.batch, spec.heads_q
         _check_per_head("alibi_slopes", self.slopes, spec, lambda t: t.dtype == torch.float32, "a float32 tensor",
                         ((heads_q,), (batch, heads_q)), f"({heads_q},) or ({batch}, {heads_q})")
+
+    context_parallel: ClassVar[Optional[str]] = "block"
 
     def for_heads(self, heads):
         return Alibi(self.slopes[..., heads])
@@ -461,6 +467,8 @@ class _ScoreShaped(Modifier):
     def view4(self) -> torch.Tensor:
         return to_4d(self.tensor)
 
+    context_parallel: ClassVar[Optional[str]] = "keys"
+
     def check_shards(self, varlen):
         if varlen:
             fail(NotImplementedError, self.kind, "a tensor with layout='TND'",
@@ -486,8 +494,6 @@ class Bias(_ScoreShaped):
     keywords: ClassVar[Mapping[str, object]] = {"bias": None}
     binds: ClassVar[Tuple[str, ...]] = ("bias",)
     grad_slot: ClassVar[Optional[str]] = "bias"
-    context_parallel: ClassVar[Optional[str]] = "keys"
-    agreement: ClassVar[Mapping[str, str]] = {"bias": "rows"}
     expected: ClassVar[str] = "a floating tensor"
     instead: ClassVar[str] = "no bias (build the scores of each sequence separately)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
@@ -527,8 +533,6 @@ class Band(Modifier):
     masks: ClassVar[bool] = True
     positional: ClassVar[bool] = True
     keywords: ClassVar[Mapping[str, object]] = {"causal": False, "window": None}
-    context_parallel: ClassVar[Optional[str]] = "band"
-    agreement: ClassVar[Mapping[str, str]] = {"causal": "bool", "window": "window"}
     left: Optional[int] = field(default=None, metadata=OP_OPT_INT)
     right: Optional[int] = field(default=None, metadata=OP_OPT_INT)
 
@@ -568,6 +572,12 @@ class Band(Modifier):
 
     def lower(self):
         return {"left": -1 if self.left is None else self.left, "right": -1 if self.right is None else self.right}
+
+    context_parallel: ClassVar[Optional[str]] = "band"
+
+    @classmethod
+    def agreement(cls):
+        return {"causal": "bool", "window": "window"}
 
     def as_keywords(self):
         return {"causal": False, "window": (self.left, self.right)}
@@ -648,8 +658,6 @@ class Mask(_ScoreShaped):
     masks: ClassVar[bool] = True
     keywords: ClassVar[Mapping[str, object]] = {"mask": None}
     binds: ClassVar[Tuple[str, ...]] = ("mask",)
-    context_parallel: ClassVar[Optional[str]] = "keys"
-    agreement: ClassVar[Mapping[str, str]] = {"mask": "rows"}
     expected: ClassVar[str] = "a bool tensor (True = take part)"
     instead: ClassVar[str] = "no mask (sequences are already separated; use window/causal for bands)"
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
@@ -678,8 +686,6 @@ class Sinks(Modifier):
     keywords: ClassVar[Mapping[str, object]] = {"sinks": None}
     grad_slot: ClassVar[Optional[str]] = "sinks"
     applied_by_op: ClassVar[bool] = True
-    context_parallel: ClassVar[Optional[str]] = "merge"
-    agreement: ClassVar[Mapping[str, str]] = {"sinks": "tensor"}
     tensor: torch.Tensor = field(metadata=OP_TENSOR)
 
     @classmethod
@@ -695,6 +701,8 @@ class Sinks(Modifier):
 
     def grad_tensor(self):
         return self.tensor
+
+    context_parallel: ClassVar[Optional[str]] = "merge"
 
     def for_heads(self, heads):
         return Sinks(self.tensor[heads])

@@ -91,7 +91,7 @@ def rows_field(name: str, t) -> Field:
 
 
 #: The field of a modifier's keyword, by how its type compares it
-#: (:attr:`tileattn.core.modifiers.Modifier.agreement`).
+#: (:meth:`tileattn.core.modifiers.Modifier.agreement`).
 MODIFIER_FIELDS = {"bool": bool_field, "float": float_field, "tensor": tensor_field, "rows": rows_field,
                    "window": window_field}
 

@@ -212,7 +212,7 @@ def _modifier_fields(found, variants) -> list:
             values.update((name, variants[name]) for name in cls.keywords if name in variants)
         elif given is not None:
             values.update(given.as_keywords())
-        out += [agreement.MODIFIER_FIELDS[how](name, values[name]) for name, how in cls.agreement.items()]
+        out += [agreement.MODIFIER_FIELDS[how](name, values[name]) for name, how in cls.agreement().items()]
     return out
 
 
