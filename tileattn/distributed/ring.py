@@ -203,13 +203,8 @@ class RingConfig:
     merged: Optional[Modifier] = None  # merged once after the walk (sinks)
     calls: Optional[Dict[Tuple[int, int], List[Call]]] = None
 
-    @property
-    def size(self) -> int:
-        return 1 if self.group is None else self.group.size
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.group is None else self.group.rank
+    def __post_init__(self):
+        self.rank, self.size = comm.place(self.group)
 
     def block_rows(self, src: int) -> int:
         return sum(r.length for r in self.runs[src])

@@ -7,11 +7,10 @@ dialect call (its validation, :class:`tileattn.NoBackendError`) leaves it as the
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ...core.dispatch import NoBackendError
+from .. import reraised_as
 
 
 class FlashAttnArgumentError(ValueError, RuntimeError):
@@ -27,20 +26,13 @@ class FlashAttnNoBackendError(NoBackendError, RuntimeError):
     which flash-attn raises for a call its kernels do not take."""
 
 
-@contextlib.contextmanager
 def core_errors(fn):
     """Re-raise what tileattn's core raises as the dialect's class (also a RuntimeError), the message
     kept and prefixed with the function's name."""
-    try:
-        yield
-    except (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError):
-        raise
-    except NoBackendError as e:
-        raise FlashAttnNoBackendError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
-    except TypeError as e:
-        raise FlashAttnTypeError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
-    except ValueError as e:
-        raise FlashAttnArgumentError(f"tileattn.compat.flash_attn.{fn}: {e}") from e
+    return reraised_as(f"tileattn.compat.flash_attn.{fn}",
+                       (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError),
+                       ((NoBackendError, FlashAttnNoBackendError), (TypeError, FlashAttnTypeError),
+                        (ValueError, FlashAttnArgumentError)))
 
 
 def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):
