@@ -118,9 +118,8 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
     template = bytearray(lib.size)
     lib.fill["core"](template, B=spec.batch, Hq=spec.heads_q, Hkv=spec.heads_kv, Sq=spec.seqlen_q, Sk=spec.seqlen_k,
                      D=spec.head_dim, Dv=spec.head_dim_v, q_st=qst[:3], o_st=ost, lse_st=lst,
-                     dtype=kernels._DTYPES[spec.dtype], out_dtype=kernels._DTYPES[spec.dtype], left=args.left,
-                     right=args.right, bottom_right=1 if args.bottom_right else 0, shift=args.shift, num_threads=1,
-                     paged=1 if paged else 0, options=lib.default_options, scale=args.scale, softcap=args.softcap)
+                     dtype=kernels._DTYPES[spec.dtype], out_dtype=kernels._DTYPES[spec.dtype], num_threads=1,
+                     paged=1 if paged else 0, options=lib.default_options, **args.numbers())
     if paged:
         lib.fill["paged"](template, page_size=page_size, max_pages=max_pages, bt_st=spec.block_table.stride() + (0,))
     return PreparedForward(lib, bytes(template), rows * acc.itemsize, paged, (interruptible_work - 1) // rows)

@@ -194,6 +194,13 @@ def _scalars(a) -> Scalars:
     return Scalars(*(taken[name] if name in taken else getattr(a, name) for name in Scalars._fields))
 
 
+def _flags(a, **given) -> Flags:
+    """The :class:`.arguments.Flags` of a call: those ``given``, and for each other flag ``HAS_<NAME>``
+    whether the kernel argument ``<name>`` is set (a band side, a mask, a bias, a softcap, or a field
+    added to both)."""
+    return Flags(**{f: given[f] if f in given else a.is_set(f[len("HAS_"):].lower()) for f in Flags._fields})
+
+
 def _common(spec: AttentionSpec) -> _Args:
     """Pointer arguments, argument groups and flags shared by every kernel of a call, from its
     kernel arguments."""
@@ -219,12 +226,8 @@ def _common(spec: AttentionSpec) -> _Args:
         spec.cu_seqlens_k.contiguous() if spec.cu_seqlens_k is not None else no_index,
         spec.seqused_k.contiguous() if spec.seqused_k is not None else no_index,
         table, table.stride(0), spec.block_size if spec.is_paged else 1)
-    flags = Flags(
-        HAS_LEFT=a.left >= 0, HAS_RIGHT=a.right >= 0, BOTTOM_RIGHT=a.bottom_right,
-        IS_VARLEN=spec.is_varlen, HAS_MASK=a.mask is not None, HAS_BIAS=a.bias is not None,
-        HAS_ALIBI=a.alibi_slopes is not None, HAS_SOFTCAP=a.softcap > 0,
-        HAS_DROPOUT=a.dropout_p > 0, HAS_SEQUSED=spec.seqused_k is not None, PAGED=spec.is_paged,
-    )
+    flags = _flags(a, BOTTOM_RIGHT=a.bottom_right, IS_VARLEN=spec.is_varlen, HAS_SEQUSED=spec.seqused_k is not None,
+                   PAGED=spec.is_paged, HAS_ALIBI=a.alibi_slopes is not None, HAS_DROPOUT=a.dropout_p > 0)
     st = ModifierStrides(Strides(*mask_t.stride()) if a.mask is not None else none,
                          Strides(*bias_t.stride()) if a.bias is not None else none, slope_strides)
     sizes = Sizes(spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v)

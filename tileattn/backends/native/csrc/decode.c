@@ -210,7 +210,7 @@ static void dec_pv_rows(int64_t kd, real *acc, int64_t Dvp, const real *P, int64
 
 /* Whether a row's scores go through the pipeline (raw scores in, base-2 logits out) rather than
  * arriving as base-2 logits from the dot products. */
-static int dec_plain(const ta_args *a) { return !(a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a)); }
+static int dec_plain(const ta_args *a) { return !(ta_transforms(a) || ta_user_scores(a)); }
 
 /* Step 2 for one row: raw scores in srow to base-2 logits through the score pipeline; -inf for
  * hidden keys and for the padding up to a multiple of VW. User functions (user.h) read the keys'
@@ -218,20 +218,7 @@ static int dec_plain(const ta_args *a) { return !(a->softcap > 0 || a->alibi || 
 static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0, int64_t h, int64_t i, real *srow,
                        const int32_t *kv, uint8_t *vis) {
     const int plain = dec_plain(a);
-    if (!plain) {
-        const real cap = (real)a->softcap;
-        real slope = a->alibi ? ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]] : 0;
-        for (int64_t j = 0; j < n; j++) {
-            real x = srow[j];
-            if (cap > 0) x = cap * (real)tanh((double)(x / cap));
-            if (a->alibi) x -= slope * (real)fabs((double)(i + s->off - (j0 + j)));
-            if (a->bias)
-                x += (real)ta_load1(ta_at(a->bias, s->b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2] +
-                                                       (j0 + j) * a->bias_st[3], a->bias_dtype),
-                                    a->bias_dtype);
-            srow[j] = ta_user_scores(a) ? x : x * (real)TA_LOG2E;
-        }
-    }
+    if (!plain) ta_row_transform(a, s->b, h, i, s->off, srow, j0, n);
     if (a->user) {
         ta_user_decode_row(a, s, h, i, srow, n, j0, kv, vis);
         if (!plain && ta_user_scores(a))
