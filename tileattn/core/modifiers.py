@@ -415,7 +415,7 @@ class Alibi(Modifier):
         return Alibi(self.slopes[..., heads])
 
     def check_shards(self, varlen):
-        if varlen and self.slopes.dim() == 2:
+        if varlen and isinstance(self.slopes, torch.Tensor) and self.slopes.dim() == 2:
             fail(NotImplementedError, "alibi_slopes", f"shape {tuple(self.slopes.shape)} with layout='TND'",
                  "one slope per head, shape (Hq,): the varlen calls of a ring step regroup the sequences")
 
