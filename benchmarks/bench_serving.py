@@ -13,6 +13,13 @@ Sections (B=1, Hq 8 / Hkv 2, D 64 unless changed):
 * ``quant``: int8 (per-channel scale + offset: Ascend antiquant mode 0; per-token-head scale) and fp8
   e4m3 / e5m2 (per (batch, kv head) descales: FlashAttention-3) caches against tileattn's own bf16
   decode of the same length; bytes per cached token of each format.
+* ``bandwidth``: decode at ``--bw-heads`` (32 / 8) heads, D 128, batch ``--bw-batch`` (4) over
+  ``--bw-caches`` cached keys, the cache stored in each format as a server would (bf16; int8, fp8 e4m3
+  and e5m2 with per-token scales; int4 with per-token scales per 32-channel group, Q4_0's blocks) by
+  :func:`tileattn.serving.quantise`: the bytes read per second (K, V and scales) and their fraction of
+  the measured streaming bandwidth, and each format's speed against tileattn's own bf16 of the same
+  cache. ``--plot`` draws it (``<out>_bandwidth.png``): fraction of the bandwidth against cached keys,
+  one line per format and cache mode.
 * ``ragged``: 16 decode rows with cached lengths spread over 100..8k plus one 512-token prefill chunk
   on a 4k prefix, one paged pool (pages of 16): one ``kernels.forward`` call vs SDPA on padded
   caches, one call per sequence and one padded call for all (the faster is the reference).
@@ -49,7 +56,7 @@ from tileattn.tools.measure import available_memory, cache_size, cpu_model, memo
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("decode", "quant", "ragged")
+SECTIONS = ("decode", "quant", "bandwidth", "ragged")
 FIELDS = ["section", "mode", "case", "contender", "keys", "kv_bytes", "bytes_per_token", "threads", "reps",
           "median_us", "spread_pct", "cpu_us_1thread", "kv_gb_per_s", "pct_bandwidth", "speedup", "speedup_vs",
           "max_err_vs_fp64"]
@@ -75,6 +82,10 @@ def parse_args(argv=None):
     p.add_argument("--baseline-rev", help="git revision whose tileattn/backends/native is timed as 'baseline'")
     p.add_argument("--cold-bytes", type=int, help="bytes of K/V copies in cold mode (default 2 x LLC, "
                    "at most a quarter of the available memory)")
+    p.add_argument("--bw-caches", type=_ints, default=[1024, 4096, 16384], help="bandwidth: cached keys")
+    p.add_argument("--bw-batch", type=int, default=4, help="bandwidth: sequences")
+    p.add_argument("--bw-heads", type=_ints, default=[32, 8], help="bandwidth: query heads, kv heads")
+    p.add_argument("--plot", action="store_true", help="bandwidth: draw <out>_bandwidth.png")
     p.add_argument("--out", default=str(RESULTS / "serving"), help="output path without suffix")
     return p.parse_args(argv)
 
@@ -263,6 +274,70 @@ def quant_section(args, mode, budget, bandwidth):
                     args.threads, args.reps, "bf16", extra)
 
 
+#: bandwidth section: name -> (quantise dtype or None for bf16, group size)
+FORMATS = {"bf16": (None, None), "int8": (torch.int8, None), "fp8 e4m3": (torch.float8_e4m3fn, None),
+           "fp8 e5m2": (torch.float8_e5m2, None), "int4 g32": ("int4", 32)}
+
+
+def bandwidth_section(args, mode, budget, bandwidth):
+    """Each format of one cache, decoded; bytes per second of what is stored (K, V, scales)."""
+    from tileattn.serving import quantise
+
+    hq, hkv = args.bw_heads
+    b, d = args.bw_batch, 128
+    rows = []
+    for keys in args.bw_caches:
+        g = torch.Generator().manual_seed(keys)
+        q = torch.randn(b, hq, 1, d, generator=g).to(torch.bfloat16)
+        out, lse = torch.empty(b, hq, 1, d, dtype=torch.bfloat16), torch.empty(b, hq, 1)
+        calls, kv_bytes, extra = {}, {}, {}
+        for name, (fmt, group) in FORMATS.items():
+            def make(fmt=fmt, group=group):
+                k, v = (torch.randn(b, hkv, keys, d, generator=g) for _ in range(2))
+                if fmt is None:
+                    return k.bfloat16(), v.bfloat16(), {}
+                (kq, ks, _), (vq, vs, _) = (quantise(t, fmt, group_size=group) for t in (k, v))
+                return kq, vq, dict(k_scale=ks, v_scale=vs)
+
+            per_key = hkv * d * (0.5 if fmt == "int4" else 2 if fmt is None else 1) + \
+                (0 if fmt is None else 4 * hkv * (d // group if group else 1))
+            nbytes = int(2 * b * keys * per_key)  # K and V with their scales
+            copies = Copies(make, copies_for(nbytes, mode, budget))
+            calls[name] = (lambda kv, n: nk.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n,
+                                                    **kv[2]), copies)
+            kv_bytes[name] = nbytes
+            extra[name] = dict(bytes_per_token=round(nbytes / (b * keys), 2))
+        wall, cpu = time_contenders(calls, args.reps, args.warmup, args.threads)
+        rows += rows_for("bandwidth", mode, f"B={b} Hq{hq}/Hkv{hkv} D{d}, bf16 q", calls, wall, cpu, kv_bytes, keys,
+                         bandwidth, args.threads, args.reps, "bf16", extra)
+    return rows
+
+
+def plot_bandwidth(rows, path):
+    """Fraction of the streaming bandwidth against cached keys, per format and cache mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode, style in (("hot", "--"), ("cold", "-")):
+        for i, name in enumerate(FORMATS):
+            pts = sorted((r["keys"], r["pct_bandwidth"]) for r in rows
+                         if r["section"] == "bandwidth" and r["mode"] == mode and r["contender"] == name)
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", color=f"C{i}",
+                        label=f"{name} ({'streamed' if mode == 'cold' else mode})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cached keys per sequence")
+    ax.set_ylabel("% of the measured streaming bandwidth")
+    ax.set_title("decode: bytes read per second (K, V, scales) / bandwidth")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def ragged_section(args, mode, budget, bandwidth):
     """16 decode rows (100..8k keys) + a 512-token chunk after a 4k prefix, bf16, one paged pool."""
     hq, hkv = args.heads
@@ -375,6 +450,8 @@ def main(argv=None):
                     rows += decode_section(args, mode, budget, bandwidth, baseline)
                 elif section == "quant":
                     rows += quant_section(args, mode, budget, bandwidth)
+                elif section == "bandwidth":
+                    rows += bandwidth_section(args, mode, budget, bandwidth)
                 elif section == "ragged":
                     rows += ragged_section(args, mode, budget, bandwidth)
                 else:
@@ -393,6 +470,8 @@ def main(argv=None):
         writer.writerows(rows)
     out.with_suffix(".json").write_text(json.dumps(dict(meta, args=vars(args), results=rows), indent=1,
                                                    default=str) + "\n")
+    if args.plot and any(r["section"] == "bandwidth" for r in rows):
+        plot_bandwidth(rows, out.with_name(out.name + "_bandwidth.png"))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Quantisation error of quantised KV caches: attention over a cache stored as int8 / fp8 (by
+"""Quantisation error of quantised KV caches: attention over a cache stored as int8 / fp8 / int4 (by
 :func:`tileattn.serving.quantise`) against the fp64 attention over the *unquantised* cache.
 
     python benchmarks/quant_error.py            # markdown table on stdout (docs/serving.md)
@@ -20,13 +20,19 @@ from __future__ import annotations
 import torch
 
 import tileattn
+from tileattn.core.kvquant import dequantise
 from tileattn.serving import quantise
 
-FORMATS = [("bf16 cache (for scale)", None, None, True), ("int8 per channel", torch.int8, (0,), True),
-           ("int8 per token", torch.int8, (-1,), True), ("int8 per token, offset", torch.int8, (-1,), False),
-           ("fp8 e4m3 per token", torch.float8_e4m3fn, (-1,), True),
-           ("fp8 e4m3 per tensor", torch.float8_e4m3fn, (0, 1, 2), True),
-           ("fp8 e5m2 per token", torch.float8_e5m2, (-1,), True)]
+#: (name, format, reduce, symmetric, group size)
+FORMATS = [("bf16 cache (for scale)", None, None, True, None), ("int8 per channel", torch.int8, (0,), True, None),
+           ("int8 per token", torch.int8, (-1,), True, None),
+           ("int8 per token, offset", torch.int8, (-1,), False, None),
+           ("fp8 e4m3 per token", torch.float8_e4m3fn, (-1,), True, None),
+           ("fp8 e4m3 per tensor", torch.float8_e4m3fn, (0, 1, 2), True, None),
+           ("fp8 e5m2 per token", torch.float8_e5m2, (-1,), True, None),
+           ("int4 per token", "int4", (-1,), True, None),
+           ("int4 per 32-channel group (Q4_0)", "int4", (-1,), True, 32),
+           ("int4 per 32-channel group, offset", "int4", (-1,), False, 32)]
 
 
 def data(outliers, g):
@@ -38,11 +44,12 @@ def data(outliers, g):
     return q, k, v
 
 
-def stored(x, fmt, reduce, symmetric):
-    """(stored cache, scale, offset) with scales over ``reduce`` of each sequence's (S, Hkv, D) cache."""
+def stored(x, fmt, reduce, symmetric, group):
+    """(stored cache, scale, offset) with scales over ``reduce`` (and groups of ``group`` channels) of each
+    sequence's (S, Hkv, D) cache."""
     if fmt is None:
         return x.bfloat16(), None, None
-    per_seq = [quantise(x[i], fmt, reduce=reduce, symmetric=symmetric) for i in range(x.shape[0])]
+    per_seq = [quantise(x[i], fmt, reduce=reduce, symmetric=symmetric, group_size=group) for i in range(x.shape[0])]
     st = torch.stack([p[0] for p in per_seq])
     sc = torch.stack([p[1] for p in per_seq])
     off = None if symmetric else torch.stack([p[2] for p in per_seq])
@@ -50,8 +57,7 @@ def stored(x, fmt, reduce, symmetric):
 
 
 def deq(st, sc, off):
-    y = st.double() + (0 if off is None else off.double())
-    return y if sc is None else y * sc.double()
+    return dequantise(st, sc, off, torch.float64)
 
 
 def errors(x, exact):
@@ -66,9 +72,9 @@ def main():
     for outliers in (False, True):
         q, k, v = data(outliers, g)
         exact = tileattn.reference(q.double(), k.double(), v.double(), layout="BSND")
-        for name, fmt, reduce, symmetric in FORMATS:
-            ks, kscale, koff = stored(k, fmt, reduce, symmetric)
-            vs, vscale, voff = stored(v, fmt, reduce, symmetric)
+        for name, fmt, reduce, symmetric, group in FORMATS:
+            ks, kscale, koff = stored(k, fmt, reduce, symmetric, group)
+            vs, vscale, voff = stored(v, fmt, reduce, symmetric, group)
             quant = tileattn.reference(q.double(), deq(ks, kscale, koff), deq(vs, vscale, voff), layout="BSND")
             with torch.no_grad():
                 if fmt is None:
@@ -76,8 +82,8 @@ def main():
                 else:
                     out = tileattn.flash_attention(q, ks, vs, layout="BSND", k_scale=kscale, k_offset=koff,
                                                    v_scale=vscale, v_offset=voff)
-            per_token = 128 * (2 if fmt is None else 1) + (4 if reduce == (-1,) else 0) * 1 \
-                + (4 if reduce == (-1,) and not symmetric else 0)
+            values = 256 if fmt is None else 64 if fmt == "int4" else 128
+            per_token = values + (4 if reduce == (-1,) else 0) * (128 // (group or 128)) * (1 if symmetric else 2)
             qe, te = errors(quant, exact), errors(out, exact)
             print(f"| {name} | {per_token} | {'outlier channels' if outliers else 'normal'} | "
                   f"{qe[0]:.2e} / {qe[1]:.2e} | {te[0]:.2e} / {te[1]:.2e} |")

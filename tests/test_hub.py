@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 HUB = REPO / "hub"
 TUTORIALS = sorted((HUB / "tutorials").glob("[0-9][0-9]_*.py"))
 RECIPES = sorted((HUB / "recipes").glob("*.py"))
-NEEDS_TRANSFORMERS = {"08_real_model.py", "10_decoding.py", "llama.py", "sink_model.py", "train_llama_context_parallel.py"}
+NEEDS_TRANSFORMERS = {"08_real_model.py", "10_decoding.py", "llama.py", "sink_model.py", "train_llama_context_parallel.py",
+                      "paged_cache_continuous_batching.py", "17_serving_bandwidth.py"}
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 #: Seconds of CPU each script needs, roughly, on this machine: the pool starts the longest first.
 HEAVY_FIRST = ("train_llama_context_parallel.py", "08_real_model.py", "06_tuning.py", "05_precision.py", "llama.py",
@@ -141,9 +142,9 @@ def runs(request, tmp_path_factory):
         board = root / f"board_{name}"
         board.mkdir()
         limit = SLOW_LIMIT_S if name.endswith("too_slow") else SCRIPT_TIMEOUT_S
-        if name.endswith("baseline"):  # through the `tileattn` command, end to end, into its working directory
+        if name.endswith("baseline"):  # through the `tileattn` command, end to end
             cmd = [sys.executable, "-m", "tileattn", "contest", "score", str(path), "--small", "--name", name,
-                   "--time-limit", str(limit), "--track", _track(name)]
+                   "--time-limit", str(limit), "--track", _track(name), "--leaderboard", str(board)]
             jobs[f"contest:{name}"] = (_run, cmd, str(board), SCRIPT_TIMEOUT_S + 30)
         else:  # the scorer in this process (its worker is still a subprocess): one interpreter start less
             jobs[f"contest:{name}"] = (_score, path, name, board, limit)
@@ -355,6 +356,29 @@ def test_contest_decode_track_from_the_command_line(tmp_path, capsys, monkeypatc
     monkeypatch.undo()
     with pytest.raises(ValueError, match="argument '--track'"):
         contest.score_submission(contest.DECODE_BASELINE, track="prefil")
+
+
+def test_contest_records_in_the_users_data_folder_unless_told_never_the_working_folder(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """From an installed wheel, ``tileattn contest score my.py`` with no --leaderboard writes into
+    $TILEATTN_LEADERBOARD_DIR, else $XDG_DATA_HOME/tileattn/contest (made when missing), not the cwd."""
+    from tileattn.tools.cli import main
+
+    shapes = [{"shape": "s", "tokens": 8, "submission": 0.5, "baseline": 1.0, "tileattn": 0.5}]
+    monkeypatch.setattr(contest, "score_submission", lambda *a, **k: contest.Outcome("accepted", "", 7, shapes))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv(contest.LEADERBOARD_ENV, raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--name", "me"]) == 0
+    board = tmp_path / "data" / "tileattn" / "contest"
+    assert f"recorded in {board / 'leaderboard.csv'}" in capsys.readouterr().out
+    assert [r["name"] for r in contest.read_rows(board)] == ["me"] and list(work.iterdir()) == []
+    assert main(["contest", "leaderboard"]) == 0 and "| 1 | me | 2.000 |" in capsys.readouterr().out
+    monkeypatch.setenv(contest.LEADERBOARD_ENV, str(tmp_path / "mine"))
+    assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--track", "decode"]) == 0
+    assert (tmp_path / "mine" / "leaderboard_decode.csv").is_file() and list(work.iterdir()) == []
 
 
 def test_reference_gradient_of_an_infinite_sink_is_zero():

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import tileattn
+from tileattn.core.kvquant import pack_int4, unpack_int4
 from tileattn.core.testing import judge
 
-FORMATS = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORMATS = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int4": torch.uint8}
 BACKENDS = ["native", "cpu"]
 
 
@@ -24,8 +25,11 @@ def gen(seed):
 
 
 def quantised(shape, fmt, g):
+    """A stored cache of logical shape ``shape`` (int4: packed two values a byte)."""
     if fmt is torch.int8:
         return torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    if fmt is torch.uint8:
+        return pack_int4(torch.randint(-8, 8, shape, generator=g))
     return (torch.randn(shape, generator=g) * 24).to(fmt)
 
 
@@ -34,10 +38,10 @@ def spread(t, width):
 
 
 def deq(x, scale, offset=None):
-    y = x.double()
+    y = (unpack_int4(x) if x.dtype is torch.uint8 else x).double()
     if offset is not None:
-        y = y + spread(offset, x.shape[-1])
-    return y * spread(scale, x.shape[-1]) if scale is not None else y
+        y = y + spread(offset, y.shape[-1])
+    return y * spread(scale, y.shape[-1]) if scale is not None else y
 
 
 def need(backend):
@@ -65,7 +69,8 @@ GRANULARITY = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt,gran,offset", [("int8", "channel", True), ("int8", "token", False),
                                              ("int8", "tensor", True), ("e4m3", "head", False),
-                                             ("e5m2", "token_group", False), ("e4m3", "channel", False)])
+                                             ("e5m2", "token_group", False), ("e4m3", "channel", False),
+                                             ("int4", "token_group", True), ("int4", "token", False)])
 def test_quantised_cache_matches_the_fp64_reference(backend, fmt, gran, offset):
     dtype = torch.bfloat16 if gran in ("channel", "token_group") else torch.float32
     need(backend)
@@ -129,7 +134,7 @@ def ragged_batch(fmt, g, per_sequence_scales):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt,per_sequence", [("int8", True), ("e4m3", False)])
+@pytest.mark.parametrize("fmt,per_sequence", [("int8", True), ("e4m3", False), ("int4", False)])
 def test_ragged_batch_over_a_quantised_paged_pool(backend, fmt, per_sequence):
     need(backend)
     q, k, v, table, used, cu_q, ks, vs = ragged_batch(FORMATS[fmt], gen(7), per_sequence)

@@ -37,6 +37,9 @@ VARIANT_TESTS = ("(matches_reference and not tiles) or (decode_shapes and (17 or
 #: converted rows (head dims off the vector width), ragged batches, thread and batch invariance
 SERVING_VARIANT_TESTS = ("(dequantised_reference and seqused and (head_channel or token_group or batch_head)) "
                          "or ragged or bits or off_the or (low_precision_cache and gqa4)")
+#: and of test_user_functions.py: compiled functions in the tiles (built with the variant's flags too),
+#: forward and backward, varlen, paged decode
+USER_VARIANT_TESTS = "composed or decode_over or varlen or captured"
 
 
 def run(args, tmp_path, **env):
@@ -50,9 +53,11 @@ def test_variant_without_avx512_passes_the_kernel_tests(isa, tmp_path):
     got = toolchain.variant(CC, isa)
     if isinstance(got, str):
         pytest.skip(f"{isa} cannot be built here: {got}")
-    selection = f"(test_native_kernels and ({VARIANT_TESTS})) or (test_native_serving and ({SERVING_VARIANT_TESTS}))"
+    selection = (f"(test_native_kernels and ({VARIANT_TESTS})) or (test_native_serving and ({SERVING_VARIANT_TESTS}))"
+                 f" or (test_user_functions and ({USER_VARIANT_TESTS}))")
     res = run(["-m", "pytest", "-x", "-p", "no:cacheprovider", "tests/test_native_kernels.py",
-               "tests/test_native_serving.py", "-k", selection], tmp_path, TILEATTN_NATIVE_ISA=isa)
+               "tests/test_native_serving.py", "tests/test_user_functions.py", "-k", selection], tmp_path,
+              TILEATTN_NATIVE_ISA=isa)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     summary = res.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary

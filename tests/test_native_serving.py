@@ -1,6 +1,6 @@
 """Serving-grade decode in the native kernels, at the kernels.py level: K/V caches read as stored
-(bf16, fp16), quantised caches (int8 with and without offsets, fp8 e4m3 / e5m2) with every scale
-granularity, and ragged batches (decode rows and prefill chunks in one call over a paged pool).
+(bf16, fp16), quantised caches (int8 and int4 with and without offsets, fp8 e4m3 / e5m2) with every
+scale granularity, and ragged batches (decode rows and prefill chunks in one call over a paged pool).
 
 The oracle is tileattn.reference in fp64 on the dequantised cache, ``(x.double() + offset) * scale``;
 the baseline of FlashAttention's 2x rule is plain PyTorch math in q's dtype on that cache rounded to
@@ -13,13 +13,14 @@ import pytest
 import torch
 
 import tileattn
+from tileattn.core.kvquant import pack_int4, unpack_int4
 from tileattn.core.testing import judge
 
 nk = pytest.importorskip("tileattn.backends.native.kernels")
 if not nk.available()[0]:
     pytest.skip(nk.available()[1], allow_module_level=True)
 
-FORMATS = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORMATS = {"int8": torch.int8, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "int4": torch.uint8}
 # scale shapes over the logical cache (B, Hkv, S, groups): the Ascend antiquant modes, FlashAttention-3's
 # descales and per-token groups
 GRANULARITIES = {
@@ -39,9 +40,16 @@ def gen(seed):
 
 
 def quantised(shape, fmt, g):
+    """A stored cache of logical shape ``shape`` (int4: packed, half the last dim)."""
     if fmt is torch.int8:
         return torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    if fmt is torch.uint8:
+        return pack_int4(torch.randint(-8, 8, shape, generator=g))
     return (torch.randn(shape, generator=g) * 24).to(fmt)  # normals and subnormals of both fp8 formats
+
+
+def width(x):
+    return x.shape[-1] * 2 if x.dtype is torch.uint8 else x.shape[-1]
 
 
 def scales(shape, g, offset):
@@ -53,9 +61,9 @@ def dequantise(x, scale, offset):
     """(x + offset) * scale in fp64, the scale's channel groups spread over the head dim."""
 
     def spread(t):
-        return t.double().repeat_interleave(x.shape[-1] // t.shape[-1], -1)
+        return t.double().repeat_interleave(width(x) // t.shape[-1], -1)
 
-    y = x.double()
+    y = (unpack_int4(x) if x.dtype is torch.uint8 else x).double()
     if offset is not None:
         y = y + spread(offset)
     return y if scale is None else y * spread(scale)
@@ -68,7 +76,7 @@ def pool_of(x, table, page_size):
     per_seq = table.shape[1]
     pages = int(table.max()) + 4
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, per_seq * page_size - s)).transpose(1, 2)
-    fill = 0.0 if x.dtype is torch.int8 else float("nan")  # unused slots: NaN where the format has one
+    fill = 0.0 if x.dtype in (torch.int8, torch.uint8) else float("nan")  # unused slots: NaN where the format has one
     p = torch.full((pages, page_size, h, e), fill)
     p[table.long().flatten()] = padded.reshape(b * per_seq, page_size, h, e)
     return p.to(x.dtype)
@@ -93,7 +101,7 @@ def paged_scale(t, b, table, page_size):
 
 
 def raw(q, k, v, out_dtype=None, **kw):
-    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=out_dtype or q.dtype)
+    out = torch.empty(q.shape[:3] + (width(v),), dtype=out_dtype or q.dtype)
     lse = torch.empty(q.shape[:3])
     kw.setdefault("scale", q.shape[-1] ** -0.5)
     nk.forward(q, k, v, out, lse, **kw)
@@ -171,7 +179,7 @@ def quantised_case(fmt, gran, b=2, hq=8, hkv=2, s=600, d=64, seed=3, offsets=Non
     fmt = FORMATS[fmt]
     q = torch.randn(b, hq, 1, d, generator=g).to(qdtype)
     kq, vq = quantised((b, hkv, s, d), fmt, g), quantised((b, hkv, s, d), fmt, g)
-    with_offset = fmt is torch.int8 if offsets is None else offsets
+    with_offset = fmt in (torch.int8, torch.uint8) if offsets is None else offsets
     shape = GRANULARITIES[gran](b, hkv, s, d)
     (ks, ko), (vs, vo) = scales(shape, g, with_offset), scales(shape, g, with_offset)
     return q, kq, vq, dict(k_scale=ks, k_offset=ko, v_scale=vs, v_offset=vo)
@@ -197,7 +205,7 @@ def test_quantised_cache_matches_the_dequantised_reference(fmt, gran, layout):
 @pytest.mark.parametrize("qdtype,out_dtype", [(torch.bfloat16, None), (torch.bfloat16, torch.float32),
                                               (torch.float16, None)], ids=["bf16", "bf16-out-fp32", "fp16"])
 @pytest.mark.parametrize("fmt,gran", [("int8", "head_channel"), ("e4m3", "batch_head"), ("e5m2", "head_token"),
-                                      ("int8", "token_group")])
+                                      ("int8", "token_group"), ("int4", "token_group")])
 def test_quantised_cache_with_low_precision_queries(qdtype, out_dtype, fmt, gran):
     q, kq, vq, sc = quantised_case(fmt, gran, qdtype=qdtype, seed=4)
     kd, vd = dequantise(kq, sc["k_scale"], sc["k_offset"]), dequantise(vq, sc["v_scale"], sc["v_offset"])
@@ -225,10 +233,27 @@ def test_mixed_granularities_and_q_descale():
                  q_scale=q_scale)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_group_scales_mixed_with_per_token_and_per_head_factors(fmt):
+    """Scales per (key, channel group) are applied to K and V in registers, with the other factor of the
+    pair per token or per head (and groups of 32 and 16 channels, whole vectors either way)."""
+    g = gen(13)
+    b, hq, hkv, s, d = 2, 8, 2, 700, 64
+    q = torch.randn(b, hq, 1, d, generator=g)
+    kq, vq = quantised((b, hkv, s, d), FORMATS[fmt], g), quantised((b, hkv, s, d), FORMATS[fmt], g)
+    ks, _ = scales((b, hkv, s, d // 32), g, False)  # per token, 2 groups of 32 channels
+    ko = torch.randint(-6, 7, (b, 1, s, 1), generator=g).float()  # per token
+    vs, _ = scales((1, hkv, 1, 1), g, False)  # per head
+    vo = torch.randint(-6, 7, (b, hkv, s, d // 16), generator=g).float()  # per token, 4 groups of 16
+    out, lse = raw(q, kq, vq, k_scale=ks, k_offset=ko, v_scale=vs, v_offset=vo)
+    assert_close(out, lse, q, dequantise(kq, ks, ko), dequantise(vq, vs, vo), [s, s])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "int4"])
 @pytest.mark.parametrize("d", [36, 72], ids=["d36", "d72"])
 @pytest.mark.parametrize("gran", ["head_channel", "token"])
-def test_quantised_cache_with_head_dims_off_the_vector_width(d, gran):
-    q, kq, vq, sc = quantised_case("e4m3", gran, d=d, s=130, offsets=True, seed=6)
+def test_quantised_cache_with_head_dims_off_the_vector_width(d, gran, fmt):
+    q, kq, vq, sc = quantised_case(fmt, gran, d=d, s=130, offsets=True, seed=6)
     out, lse = raw(q, kq, vq, **sc)
     assert_close(out, lse, q, dequantise(kq, sc["k_scale"], sc["k_offset"]),
                  dequantise(vq, sc["v_scale"], sc["v_offset"]), [130, 130])
@@ -283,7 +308,7 @@ def test_rows_that_see_no_key_and_fp8_nan():
     assert torch.equal(torch.isnan(ref), torch.isnan(out[:1]))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "e4m3"])
+@pytest.mark.parametrize("fmt", ["int8", "e4m3", "int4"])
 def test_quantised_paged_bits_do_not_depend_on_threads_or_the_batch(fmt):
     q, kq, vq, sc = quantised_case(fmt, "head_token", b=3, s=2600, seed=9)
     table = block_table(3, 2600, 32)

@@ -53,3 +53,33 @@ def test_within_two_ulp_and_exact_at_special_points(name):
     want = fn(x.double()).float()  # correctly rounded from fp64
     ulps = _ulps(got, want)
     assert float(ulps.max()) <= 2.0, (name, float(ulps.max()), float(x[ulps.argmax()]))
+
+
+def test_the_inline_functions_vectorise():
+    """A loop over any of them vectorises (GCC's report), in the flags programs are built with: the
+    reason they exist. An int flag in integer arithmetic, for one, once kept log's loop scalar."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from tileattn.programs import codegen
+
+    try:
+        cc, _, isa, flags = compiler._toolchain()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no toolchain: {exc}")
+    from tileattn.programs import toolchain
+
+    predefined = toolchain.macros(tuple(cc), ()) or frozenset()
+    if "__GNUC__" not in predefined or "__clang__" in predefined:
+        pytest.skip("the vectorisation report read here is GCC's")
+    names = ["ta_expf", "ta_exp2f", "ta_logf", "ta_log2f", "ta_tanhf", "ta_sigmoidf"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(codegen.PRELUDE + f"\nvoid f(int n, float *restrict a) {{ for (int i = 0; i < n; i++) "
+                           f"a[i] = {name}(a[i]); }}\n")
+            res = subprocess.run(list(cc) + ["-O3", "-std=gnu11", *flags, "-c", str(src), "-o", str(src) + ".o",
+                                             "-fopt-info-vec-optimized"], capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr[-2000:]
+            assert "loop vectorized" in res.stderr, (name, isa, res.stderr[-1000:])

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCANNED = sorted(p for folder in ("tileattn", "docs", "hub") for p in (REPO / folder).rglob("*")
                  if p.suffix in (".py", ".md", ".c", ".h", ".sh")) + [REPO / "README.md"]
 PATH = re.compile(r"(?<![\w/.-])((?:tileattn|tests|docs|hub|benchmarks|scripts)/[\w/.-]*\.(?:py|c|h|md|sh|json|csv))\b")
-DOTTED = re.compile(r"(?<![\w/.])tileattn(?:\.[A-Za-z_]\w*)+")
+DOTTED = re.compile(r"(?<![\w/.])tileattn(?:\.[A-Za-z_]\w*)+(?![\w/])")  # not a folder (auditwheel's tileattn.libs/)
 
 
 def _mentions(pattern):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tileattn
+from tileattn.core.kvquant import pack_int4, unpack_int4
 from tileattn.serving import quantise, store
 from tileattn.core.testing import judge
 
@@ -16,13 +17,15 @@ def gen(seed):
 
 
 @pytest.mark.parametrize("dtype,symmetric", [(torch.int8, True), (torch.int8, False), (torch.float8_e4m3fn, True),
-                                             (torch.float8_e5m2, True)])
+                                             (torch.float8_e5m2, True), ("int4", True), ("int4", False)])
 def test_quantise_round_trip_is_within_half_a_step(dtype, symmetric):
     x = torch.randn(5, 2, 16, generator=gen(1)) * 3 + 0.5
     stored, scale, offset = quantise(x, dtype, reduce=(-1,), symmetric=symmetric)
-    assert stored.dtype == dtype and scale.shape == (5, 2, 1)
-    back = (stored.double() + (0 if offset is None else offset.double())) * scale.double()
-    if dtype is torch.int8:
+    assert stored.dtype == (torch.uint8 if dtype == "int4" else dtype) and scale.shape == (5, 2, 1)
+    assert stored.shape == (5, 2, 8 if dtype == "int4" else 16)
+    values = unpack_int4(stored) if dtype == "int4" else stored
+    back = (values.double() + (0 if offset is None else offset.double())) * scale.double()
+    if dtype in (torch.int8, "int4"):
         assert (back - x.double()).abs().max() <= scale.double().max() * 0.5 + 1e-6
     else:  # fp8: relative rounding of the format (3 or 2 mantissa bits), subnormals near 0 absolute
         ulp = 2.0 ** -(3 if dtype is torch.float8_e4m3fn else 2)
@@ -91,7 +94,7 @@ def test_store_refuses_duplicate_slots_bad_scales_and_caches_before_writing():
             store(cache, torch.tensor([0, 1, 2]), new)
         assert not cache.any()
     for reduce in ((3,), (-4,), (True,)):
-        with pytest.raises(ValueError, match="argument 'reduce'.*\[-3, 2\]"):
+        with pytest.raises(ValueError, match=r"argument 'reduce'.*\[-3, 2\]"):
             quantise(new, torch.int8, reduce=reduce)
     assert not pool.any() and not scales.any()
 
@@ -151,3 +154,67 @@ def test_attention_over_a_cache_written_token_by_token(dtype):
     oracle = tileattn.reference(q.double(), kd, vd, **kw)
     verdict = judge("out", out, oracle, tileattn.reference(q, kd.float(), vd.float(), **kw), torch.float32)
     assert verdict.ok, str(verdict)
+
+
+def test_int4_packs_two_values_a_byte_low_nibble_first():
+    """The documented layout: byte c holds channel 2c in its low nibble, 2c + 1 in its high one, two's
+    complement; per-group scales span groups of channels of each token."""
+    values = torch.tensor([[-8, 7, 0, -1, 3, -3]])
+    packed = pack_int4(values)
+    assert packed.tolist() == [[0x78, 0xF0, 0xD3]] and torch.equal(unpack_int4(packed), values.to(torch.int8))
+    x = torch.randn(4, 2, 64, generator=gen(11))
+    x[0, 0, :32] *= 100  # one group of one token far larger: the other groups keep their precision
+    stored, scale, offset = quantise(x, "int4", group_size=32)
+    assert stored.shape == (4, 2, 32) and scale.shape == (4, 2, 2) and offset is None
+    back = unpack_int4(stored).double() * scale.double().repeat_interleave(32, dim=-1)
+    assert (back - x.double()).abs()[0, 0, 32:].max() <= scale[0, 0, 1] * 0.5 + 1e-6
+    assert float(scale[0, 0, 1]) < float(scale[0, 0, 0]) / 20
+    with pytest.raises(ValueError, match="argument 'group_size'.*5.*divisor of the last dim 64"):
+        quantise(x, "int4", group_size=5)
+    with pytest.raises(ValueError, match="argument 'x'.*even last dim"):
+        quantise(torch.randn(3, 5), "int4")
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_store_writes_int4_with_per_group_scales_and_flash_attention_reads_it(symmetric):
+    g = gen(12)
+    hq, hkv, d, page = 4, 2, 64, 4
+    k_pool, v_pool = (torch.zeros(6, page, hkv, d // 2, dtype=torch.uint8) for _ in range(2))
+    k_s, v_s = (torch.zeros(6, page, hkv, d // 32) for _ in range(2))
+    k_o, v_o = (None, None) if symmetric else (torch.zeros(6, page, hkv, d // 32) for _ in range(2))
+    table = torch.tensor([[4, 1, 5], [0, 2, 3]], dtype=torch.int32)
+    lengths = [11, 6]
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n)
+        slots = table[b, pos // page].long() * page + pos % page
+        k_new, v_new = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
+        store(k_pool, slots, k_new, scale_cache=k_s, offset_cache=k_o)
+        store(v_pool, slots, v_new, scale_cache=v_s, offset_cache=v_o)
+        stored, s, o = quantise(k_new, "int4", group_size=32, symmetric=symmetric)
+        assert torch.equal(k_pool.view(-1, hkv, d // 2)[slots], stored) and torch.equal(k_s.view(-1, hkv, 2)[slots], s)
+    q = torch.randn(2, 1, hq, d, generator=g)
+    kw = dict(layout="BSND", block_table=table, seqused_k=torch.tensor(lengths, dtype=torch.int32), causal=True)
+    out = tileattn.flash_attention(q, k_pool, v_pool, k_scale=k_s, k_offset=k_o, v_scale=v_s, v_offset=v_o, **kw)
+
+    def deq(pool, s, o):
+        x = unpack_int4(pool).double() + (0 if o is None else o.double().repeat_interleave(32, -1))
+        return x * s.double().repeat_interleave(32, -1)
+
+    kd, vd = deq(k_pool, k_s, k_o), deq(v_pool, v_s, v_o)
+    verdict = judge("out", out, tileattn.reference(q.double(), kd, vd, **kw),
+                    tileattn.reference(q, kd.float(), vd.float(), **kw), torch.float32)
+    assert verdict.ok, str(verdict)
+
+
+def test_store_refuses_bad_int4_and_group_arguments_before_writing():
+    pool = torch.zeros(2, 4, 2, 16, dtype=torch.uint8)  # int4, head dim 32
+    scales = torch.zeros(2, 4, 2, 2)
+    new = torch.randn(2, 2, 32, generator=gen(13))
+    with pytest.raises(ValueError, match="argument 'cache'.*last dim 16 \\(int4.*expected 8 bytes for head dim 16"):
+        store(pool, torch.tensor([0, 1]), torch.randn(2, 2, 16), scale_cache=scales)
+    with pytest.raises(ValueError, match="argument 'scale_cache'.*G dividing the head dim 32"):
+        store(pool, torch.tensor([0, 1]), new, scale_cache=torch.zeros(2, 4, 2, 3))
+    with pytest.raises(ValueError, match="argument 'offset_cache'.*float8_e4m3fn"):
+        store(torch.zeros(2, 4, 2, 32, dtype=torch.float8_e4m3fn), torch.tensor([0, 1]), new, scale_cache=scales,
+              offset_cache=torch.zeros(2, 4, 2, 2))
+    assert not pool.any() and not scales.any()

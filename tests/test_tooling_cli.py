@@ -119,19 +119,23 @@ def test_contest_score_refuses_a_missing_or_unwritable_leaderboard_before_scorin
     _one_line_error(capsys, "is not a folder")
 
 
-def test_contest_score_records_in_the_current_directory_not_the_package(tmp_path, monkeypatch, capsys):
+def test_contest_score_records_in_the_leaderboard_folder_not_the_package_nor_the_working_folder(
+        tmp_path, monkeypatch, capsys):
     package = Path(contest.__file__).resolve().parent
     before = sorted(p.name for p in package.iterdir())
     shapes = [{"shape": "s", "submission": 0.5, "baseline": 1.0, "tileattn": 0.25}]
     monkeypatch.setattr(contest, "score_submission", lambda *a, **k: contest.Outcome("accepted", "", 7, shapes))
-    monkeypatch.chdir(tmp_path)
+    board, work = tmp_path / "board", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("TILEATTN_LEADERBOARD_DIR", str(board))
+    monkeypatch.chdir(work)
     assert main(["contest", "score", str(contest.DEFAULT_BASELINE), "--name", "me"]) == 0
     assert "score 2.000" in capsys.readouterr().out
-    assert [r["name"] for r in contest.read_rows(tmp_path)] == ["me"]
-    assert (tmp_path / "LEADERBOARD.md").read_text().count("| 1 | me | 2.000 |") == 1
+    assert [r["name"] for r in contest.read_rows(board)] == ["me"]
+    assert (board / "LEADERBOARD.md").read_text().count("| 1 | me | 2.000 |") == 1
     assert main(["contest", "leaderboard"]) == 0
     assert "| 1 | me |" in capsys.readouterr().out
-    assert sorted(p.name for p in package.iterdir()) == before
+    assert sorted(p.name for p in package.iterdir()) == before and list(work.iterdir()) == []
 
 
 def test_the_contest_baseline_ships_inside_the_package():

@@ -173,13 +173,17 @@ def test_core_modules_never_import_the_tooling():
 
 #: What each layer may import, besides itself and the package root's alias helper: the folders are
 #: the layers (programs -> core -> engines -> dialects -> distributed -> tools; programs, the user
-#: functions' compiler, is the lowest and imports nothing else of tileattn). Never the package root
-#: itself: it imports every layer, so that arrow would climb back up (a dialect calls core.api).
+#: functions' compiler, is the lowest and imports nothing else of tileattn). ``tileattn.serving``
+#: (writing quantised caches) sits on the core, and a dialect's cache (transformers' PagedCache)
+#: writes through it. Never the package root itself: it imports every layer, so that arrow would
+#: climb back up (a dialect calls core.api).
 ALLOWED = {
     "tileattn.programs": ("tileattn.programs",),
     "tileattn.core": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
     "tileattn.backends": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
-    "tileattn.dialects": ("tileattn.core", "tileattn.backends", "tileattn.programs", "tileattn.dialects"),
+    "tileattn.serving": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
+    "tileattn.dialects": ("tileattn.core", "tileattn.backends", "tileattn.programs", "tileattn.dialects",
+                          "tileattn.serving"),
 }
 
 

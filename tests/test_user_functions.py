@@ -290,3 +290,54 @@ def test_bad_input_is_named():
                                      BLOCK_SIZE=64, mask_mod=examples.causal, seq_lengths=(37, 45))
     with pytest.raises(ValueError, match="'block_mask'.*B=3"):
         tileattn.flash_attention(q, k, v, block_mask=wrong)
+
+
+def test_a_mask_mod_that_is_a_band_runs_as_the_band():
+    """A capture-free mask_mod that is exactly a band on the call's grid (causal, a sliding window)
+    lowers into the kernels' own band arguments, so it runs the keyword's code; one that is not a
+    band there (a hole, a strict inequality, a prefix) keeps the compiled function. All exact."""
+    from tileattn.core.spec import build_spec
+
+    q, k, v = qkv(shape=(1, 2, 2, 50, 64, 16))
+    cases = {
+        "causal": (examples.causal, (-1, 0)),
+        "window": (examples.sliding_window(9), (9, 0)),
+        "ahead": (lambda b, h, qi, ki: (ki - qi <= 5) & (ki >= qi), (0, 5)),
+        "strict": (lambda b, h, qi, ki: qi > ki, None),
+        "dilated": (examples.dilated_window(12, 2), None),
+        "prefix": (examples.prefix_lm(7), None),
+    }
+    for name, (mask_mod, band) in cases.items():
+        args = build_spec(q, k, v, mask_mod=mask_mod).kernel_args
+        if band is None:
+            assert args.mask_mod is not None and (args.left, args.right) == (-1, -1), name
+        else:
+            assert args.mask_mod is None and args.block_states is None and (args.left, args.right) == band, name
+        out = tileattn.flash_attention(q, k, v, mask_mod=mask_mod)
+        ref = tileattn.reference(q.double(), k.double(), v.double(), mask_mod=mask_mod)
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0, msg=name)
+    both = build_spec(q, k, v, mask_mod=examples.sliding_window(9), causal=True).kernel_args
+    assert both.mask_mod is not None  # a band of the call's own: the function is applied beside it
+
+
+def test_a_score_mod_that_is_a_softcap_runs_as_the_softcap():
+    """``c * tanh(score / c)`` (a literal or a closure's float) lowers into the kernels' softcap
+    argument when nothing else transforms the scores; beside ALiBi it stays a function (the order of
+    the pipeline differs). Exact either way, forward and backward."""
+    from tileattn.core.spec import build_spec
+
+    q, k, v = qkv()
+    cap = 7.5
+
+    def literal(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    for fn, value in ((literal, 20.0), (examples.softcap(cap), cap)):
+        args = build_spec(q, k, v, score_mod=fn).kernel_args
+        assert args.score_mod is None and args.softcap == value
+        found = check_against_reference(tileattn.flash_attention, q, k, v, score_mod=fn)
+        assert all(v.ok for v in found), "\n".join(map(str, found))
+    beside = build_spec(q, k, v, score_mod=literal, alibi_slopes=torch.rand(4)).kernel_args
+    assert beside.score_mod is not None and beside.softcap == 0
+    shifted = build_spec(q, k, v, score_mod=lambda s, b, h, qi, ki: 20.0 * torch.tanh(s / 10.0)).kernel_args
+    assert shifted.score_mod is not None

@@ -4,19 +4,26 @@ The caches these write are the ones :func:`tileattn.flash_attention` reads as st
 ``k_scale``/``k_offset``/``v_scale``/``v_offset`` (:mod:`tileattn.core.kvquant`): ``real = (x + offset) *
 scale``.
 
-* :func:`quantise`: x (float) -> (stored x in int8 / float8_e4m3fn / float8_e5m2, fp32 scale, fp32
-  offset or None), the scale taken over the dims ``reduce`` (the scale has size 1 there): per token
-  ``reduce=(-1,)``, per channel over a block of tokens ``reduce=(0,)``, per tensor all dims. int8 is
-  symmetric (offset None, ``x = round(real / scale)`` in [-127, 127]) or, with ``symmetric=False``,
-  centred on each group's midrange; fp8 is symmetric, ``x = real / scale`` rounded to the format,
-  with the group's absolute maximum mapped to the format's largest finite value.
+* :func:`quantise`: x (float) -> (stored x in int8 / float8_e4m3fn / float8_e5m2 / int4, fp32 scale,
+  fp32 offset or None), the scale taken over the dims ``reduce`` (the scale has size 1 there): per token
+  ``reduce=(-1,)``, per channel over a block of tokens ``reduce=(0,)``, per tensor all dims; with
+  ``group_size``, over groups of that many channels of the last dim instead of all of it (per-token
+  groups: ``reduce=(-1,), group_size=32``; the scale's last dim is then ``D / group_size``). int8 and
+  int4 are symmetric (offset None, ``x = round(real / scale)`` in [-127, 127] / [-7, 7]) or, with
+  ``symmetric=False``, asymmetric: int8 centred on each group's midrange, int4 spanning the group's
+  [min, max] over [-8, 7]; fp8 is symmetric, ``x = real / scale`` rounded to the format, with the
+  group's absolute maximum mapped to the format's largest finite value. int4 (``dtype="int4"``) comes
+  back packed, two values a byte (a torch.uint8 tensor with half the last dim; the layout in
+  :mod:`tileattn.core.kvquant`).
 * :func:`store`: write new tokens (T, Hkv, D) into a paged pool (num_blocks, block_size, Hkv, D) or a
   contiguous cache (B, S, Hkv, D) at flat slot indices (vLLM's ``slot_mapping``: block * block_size +
-  offset, or b * S + position; each slot at most once per call), in place: quantised per token into
-  per-slot scale (and offset) caches of shape (num_blocks, block_size, Hkv, 1), or with a fixed
-  scale, the same for every token, in the form ``flash_attention`` reads it (per channel
-  (1, 1, Hkv, D), per group of channels (1, 1, Hkv, G), per head (1, 1, Hkv, 1), per tensor
-  (1, 1, 1, 1)) or any shape broadcastable to (1, Hkv, D), or copied into a float cache.
+  offset, or b * S + position; each slot at most once per call), in place, whatever the cache's
+  strides (a pool stored head-major within each page is a transposed view): quantised per token (or
+  per group of channels of each token) into per-slot scale (and offset) caches of shape
+  (num_blocks, block_size, Hkv, G), G = 1 or a divisor of D, or with a fixed scale, the same for every
+  token, in the form ``flash_attention`` reads it (per channel (1, 1, Hkv, D), per group of channels
+  (1, 1, Hkv, G), per head (1, 1, Hkv, 1), per tensor (1, 1, 1, 1)) or any shape broadcastable to
+  (1, Hkv, D), or copied into a float cache. An int4 cache is a torch.uint8 tensor of last dim D / 2.
   Everything is checked before anything is written. Caches hold data, not a graph: ``new`` is read
   without autograd (a cache never joins a graph), while a given ``scale`` that requires grad is
   refused, as ``flash_attention`` refuses one.
@@ -31,43 +38,65 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .core.kvquant import QUANT_DTYPES
+from .core.kvquant import INT4, INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, head_width, pack_int4
 from .core.modifiers import fail
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _TINY = 1e-12  # a group of zeros gets a tiny positive scale (and stores zeros)
 
 
-def quantise(x: torch.Tensor, dtype: torch.dtype, reduce: Sequence[int] = (-1,), symmetric: bool = True,
-             scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def quantise(x: torch.Tensor, dtype, reduce: Sequence[int] = (-1,), symmetric: bool = True,
+             scale: Optional[torch.Tensor] = None,
+             group_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(stored, scale, offset) with ``(stored + offset) * scale ~= x``; see the module docstring.
     ``scale`` given: that (fp32, broadcastable to x) is used instead of one computed over ``reduce``."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in QUANT_DTYPES:
         fail(TypeError, "x", getattr(x, "dtype", type(x).__name__), "a float tensor (the keys or values to store)")
-    if dtype not in QUANT_DTYPES:
-        fail(TypeError, "dtype", dtype, "torch.int8, torch.float8_e4m3fn or torch.float8_e5m2")
-    if not symmetric and dtype is not torch.int8:
-        fail(ValueError, "symmetric", False, "True for fp8 (only int8 takes an offset)")
+    if dtype not in QUANT_DTYPES[:3] + (INT4,):
+        fail(TypeError, "dtype", dtype, "torch.int8, torch.float8_e4m3fn, torch.float8_e5m2 or 'int4'")
+    if not symmetric and dtype not in (torch.int8, INT4):
+        fail(ValueError, "symmetric", False, "True for fp8 (only int8 and int4 take an offset)")
+    if dtype == INT4 and (x.dim() == 0 or x.shape[-1] % 2):
+        fail(ValueError, "x", f"shape {tuple(x.shape)}", "an even last dim for int4 (two values a byte)")
     real = x.float()
     dims = _reduced_dims(reduce, x.dim())
+    if group_size is not None:
+        width = x.shape[-1] if x.dim() else 0
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or width % group_size:
+            fail(ValueError, "group_size", repr(group_size), f"a positive divisor of the last dim {width}")
+        if scale is not None:
+            fail(ValueError, "group_size", group_size, "None with a given scale (the scale's shape says its groups)")
+        real = real.unflatten(-1, (width // group_size, group_size))  # the scale over each group's channels
+        dims = tuple(d for d in dims if d != x.dim() - 1) + (x.dim(),)
     offset = None
+    top = 127.0 if dtype is torch.int8 else 7.0 if dtype == INT4 else _FP8_MAX.get(dtype)
     if scale is not None:
         _check_scale(scale)
         if len(scale.shape) > x.dim() or any(n not in (1, f) for n, f in zip(scale.shape[::-1], x.shape[::-1])):
             fail(ValueError, "scale", f"shape {tuple(scale.shape)}", f"a shape broadcastable to x {tuple(x.shape)}")
     elif symmetric:
-        top = real.abs().amax(dim=dims, keepdim=True) if dims else real.abs()
-        scale = (top / (127.0 if dtype is torch.int8 else _FP8_MAX[dtype])).clamp_min(_TINY)
+        peak = real.abs().amax(dim=dims, keepdim=True) if dims else real.abs()
+        scale = (peak / top).clamp_min(_TINY)
     else:
         hi = real.amax(dim=dims, keepdim=True) if dims else real
         lo = real.amin(dim=dims, keepdim=True) if dims else real
-        scale = ((hi - lo) / 254.0).clamp_min(_TINY)
-        offset = (hi + lo) / (2.0 * scale)  # real = (stored + offset) * scale: the midrange stores as 0
+        if dtype is torch.int8:
+            scale = ((hi - lo) / 254.0).clamp_min(_TINY)
+            offset = (hi + lo) / (2.0 * scale)  # real = (stored + offset) * scale: the midrange stores as 0
+        else:
+            scale = ((hi - lo) / 15.0).clamp_min(_TINY)
+            offset = lo / scale + 8.0  # the group's minimum stores as -8, its maximum as 7
     scaled = real / scale - (0.0 if offset is None else offset)
+    if group_size is not None:
+        scaled = scaled.flatten(-2)
+        scale = scale.squeeze(-1)
+        offset = None if offset is None else offset.squeeze(-1)
     if dtype is torch.int8:
         stored = scaled.round().clamp_(-127, 127).to(torch.int8)
+    elif dtype == INT4:
+        stored = pack_int4(scaled.round().clamp_(-8 if offset is not None else -7, 7))
     else:
-        stored = scaled.clamp(-_FP8_MAX[dtype], _FP8_MAX[dtype]).to(dtype)
+        stored = scaled.clamp(-top, top).to(dtype)
     return stored, scale, offset
 
 
@@ -106,42 +135,56 @@ def _fixed_scale(scale, heads, width):
          f"{width}, as flash_attention reads the cache, or a shape broadcastable to (1, {heads}, {width})")
 
 
-def _slots_view(name, t, width):
-    """A cache (N0, N1, Hkv, W) as (N0 * N1, Hkv, W) slots, a view (no copy: writes land in place)."""
+def _check_cache(name, t, width, packed=False):
+    """A cache (N0, N1, Hkv, W) of any strides (slot s is [s // N1, s % N1]). ``packed``: an int4
+    cache, W = width / 2 bytes."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         fail(TypeError, name, getattr(t, "shape", type(t).__name__),
              "a 4-d cache (num_blocks, block_size, kv_heads, head_dim) or (batch, seqlen, kv_heads, head_dim)")
-    if t.shape[-1] != width:
-        fail(ValueError, name, f"last dim {t.shape[-1]}", f"{width}")
-    try:
-        return t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
-    except RuntimeError:
-        fail(ValueError, name, f"strides {t.stride()}", "a cache whose first two dims merge into one (a view)")
+    if head_width(t) != width:
+        fail(ValueError, name, f"last dim {t.shape[-1]}" + (" (int4: two values a byte)" if packed else ""),
+             f"{width // 2 if packed else width}" + (f" bytes for head dim {width}" if packed else ""))
+
+
+def _check_groups(name, t, cache, width):
+    """A per-slot scale (or offset) cache (N0, N1, Hkv, G): fp32, the cache's slots and heads, G dividing
+    the head dim."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype is not torch.float32 or \
+            t.shape[-1] < 1 or width % t.shape[-1]:
+        fail(ValueError, name, f"shape {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t).__name__)}",
+             f"fp32 (N0, N1, Hkv, G) slots, G dividing the head dim {width} (1: per token)")
+    if t.shape[:3] != cache.shape[:3]:
+        fail(ValueError, name, f"shape {tuple(t.shape)}",
+             f"the cache's slots and heads {tuple(cache.shape[:3])} + (G,)")
 
 
 def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_cache: Optional[torch.Tensor] = None,
           offset_cache: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None) -> None:
     """Write ``new`` (T, Hkv, D) at the flat ``slots`` (T,) of ``cache``, in place (module docstring).
 
-    A quantised cache takes either ``scale_cache`` (fp32 (N0, N1, Hkv, 1): per-token scales written at
-    the same slots; with ``offset_cache`` alike, asymmetric int8) or a fixed ``scale`` (module
-    docstring); a float cache takes neither.
+    A quantised cache takes either ``scale_cache`` (fp32 (N0, N1, Hkv, G): per-token scales, or per
+    group of D / G channels of each token, written at the same slots; with ``offset_cache`` alike,
+    asymmetric int8 or int4) or a fixed ``scale`` (module docstring); a float cache takes neither.
+    An int4 cache is torch.uint8 with last dim D / 2 (two values a byte).
     """
     if not isinstance(new, torch.Tensor) or new.dim() != 3 or not new.is_floating_point():
         fail(TypeError, "new", getattr(new, "shape", type(new).__name__), "a float tensor (tokens, kv_heads, head_dim)")
     if not isinstance(cache, torch.Tensor) or not (cache.is_floating_point() or cache.dtype in QUANT_DTYPES):
         fail(TypeError, "cache", f"dtype {cache.dtype}" if isinstance(cache, torch.Tensor) else type(cache).__name__,
-             "a float cache or a quantised one (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)")
-    flat = _slots_view("cache", cache, new.shape[-1])
-    if flat.shape[1] != new.shape[1]:
-        fail(ValueError, "new", f"{new.shape[1]} kv heads", f"{flat.shape[1]}, the cache's")
+             f"a float cache or a quantised one ({QUANT_NAMES})")
+    packed = cache.dtype is INT4_STORAGE
+    width = new.shape[-1]
+    _check_cache("cache", cache, width, packed)
+    slot_count, heads = cache.shape[0] * cache.shape[1], cache.shape[2]
+    if heads != new.shape[1]:
+        fail(ValueError, "new", f"{new.shape[1]} kv heads", f"{heads}, the cache's")
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or \
             tuple(slots.shape) != (new.shape[0],):
         fail(TypeError, "slots", getattr(slots, "shape", type(slots).__name__),
              f"an int64 tensor ({new.shape[0]},): the flat slot of each new token")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= flat.shape[0]):
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= slot_count):
         fail(ValueError, "slots", f"values in [{int(slots.min())}, {int(slots.max())}]",
-             f"slots in [0, {flat.shape[0]}) of the cache")
+             f"slots in [0, {slot_count}) of the cache")
     for name, t in (("new", new), ("slots", slots), ("scale_cache", scale_cache), ("offset_cache", offset_cache),
                     ("scale", scale)):
         if isinstance(t, torch.Tensor) and t.device != cache.device:
@@ -152,27 +195,34 @@ def store(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, *, scale_
         if bool((counts > 1).any()):
             fail(ValueError, "slots", f"slot {int(seen[counts > 1][0])} given {int(counts[counts > 1][0])} times",
                  "each slot at most once per call (a slot's value and its scale must come from one token)")
+    fmt = INT4 if packed else cache.dtype
     if cache.dtype not in QUANT_DTYPES:
         for name, t in (("scale_cache", scale_cache), ("offset_cache", offset_cache), ("scale", scale)):
             if t is not None:
                 fail(ValueError, name, "a tensor for a float cache", "None (the cache stores the values as given)")
-        writes = [(flat, new.to(cache.dtype))]
+        writes = [(cache, new.to(cache.dtype))]
     elif (scale_cache is None) == (scale is None):
         fail(ValueError, "scale_cache/scale", "both" if scale is not None else "neither",
              "per-token scales (scale_cache) or one fixed scale (scale) for a quantised cache")
     elif scale is not None:
         if offset_cache is not None:
             fail(ValueError, "offset_cache", "a tensor with a fixed scale", "None")
-        writes = [(flat, quantise(new, cache.dtype, scale=_fixed_scale(scale, flat.shape[1], flat.shape[2]))[0])]
+        writes = [(cache, quantise(new, fmt, scale=_fixed_scale(scale, heads, width))[0])]
     else:
-        scales = _slots_view("scale_cache", scale_cache, 1)
-        offsets = None if offset_cache is None else _slots_view("offset_cache", offset_cache, 1)
-        for name, t in (("scale_cache", scales), ("offset_cache", offsets)):
-            if t is not None and (t.dtype is not torch.float32 or t.shape[:2] != flat.shape[:2]):
-                fail(ValueError, name, f"shape {tuple(t.shape)} {t.dtype}",
-                     f"fp32 slots {tuple(flat.shape[:2])} + (1,)")
-        stored, s, o = quantise(new, cache.dtype, reduce=(-1,), symmetric=offsets is None)
-        writes = [(flat, stored), (scales, s)] + ([] if offsets is None else [(offsets, o)])
+        _check_groups("scale_cache", scale_cache, cache, width)
+        if offset_cache is not None:
+            _check_groups("offset_cache", offset_cache, cache, width)
+            if offset_cache.shape[-1] != scale_cache.shape[-1]:
+                fail(ValueError, "offset_cache", f"{offset_cache.shape[-1]} groups",
+                     f"{scale_cache.shape[-1]}, the scale cache's")
+            if fmt not in (torch.int8, INT4):
+                fail(ValueError, "offset_cache", f"a tensor for a {fmt} cache",
+                     "None (only int8 and int4 take offsets)")
+        groups = scale_cache.shape[-1]
+        stored, s, o = quantise(new, fmt, reduce=(-1,), symmetric=offset_cache is None,
+                                group_size=None if groups == 1 else width // groups)
+        writes = [(cache, stored), (scale_cache, s)] + ([] if offset_cache is None else [(offset_cache, o)])
+    page, slot = index // cache.shape[1], index % cache.shape[1]
     with torch.no_grad():  # every value computed, every tensor checked: no write is left half-done
         for target, values in writes:
-            target[index] = values
+            target[page, slot] = values

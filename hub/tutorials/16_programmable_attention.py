@@ -16,13 +16,15 @@
 # mask_mod(b, h, q_idx, kv_idx) -> bool          score_mod(score, b, h, q_idx, kv_idx) -> score
 # ```
 #
-# and a **block mask** computed once says which (query block, key block) tiles are EMPTY (skipped),
-# FULL (no mask to apply) or PARTIAL (apply the mask element by element). On CPU, PyTorch's
-# FlexAttention has no backward; `tileattn.flex_attention` has the same signature and semantics and
-# runs forward and backward: mask-only calls on the native kernels one row of blocks at a time, a
-# `score_mod` compiled to C with its derivative. This chapter writes a mask, looks at its block map,
-# checks the result against the fp64 reference, trains a learned bias through a `score_mod`, and
-# measures.
+# and a **block mask** says which (query block, key block) tiles are hidden (never computed),
+# visible (no mask to apply) or partial (the mask decides element by element). In tileattn the two
+# functions are **kernel arguments**: each is traced once, translated to C and compiled with the
+# machine's compiler, and the native kernel calls it inside its tiles, forward, backward and at
+# decode. The block map is read by the tile loop itself. PyTorch's own CPU FlexAttention has no
+# backward; `tileattn.flex_attention` is one `tileattn.flash_attention` call that has one. This
+# chapter writes a mask, draws its block map, looks inside the kernel call, checks the result against
+# the fp64 reference, trains a learned bias through a `score_mod`, decodes over a cache with one block
+# mask, and measures.
 
 # %%
 import math
@@ -32,9 +34,10 @@ from torch.nn.attention import flex_attention as torch_flex
 
 import tileattn
 from tileattn.flex import create_block_mask, examples
-from tileattn.flex.blocks import EMPTY, FULL, PARTIAL, classify
 from tileattn.flex.semantics import flex_reference
 from tileattn.core.testing import judge
+from tileattn.programs import compiler
+from tileattn.programs.blocks import HIDDEN, PARTIAL, VISIBLE, states_of
 from _hub import check, figure, interleaved_times, pick, save_figure, seeded
 
 B, H, S, D = 1, 2, pick(320, 2048), 32
@@ -44,41 +47,66 @@ BLOCK = pick(32, 128)
 # ## A mask is a function
 # Packed training puts several documents in one sequence; a token must attend only to the earlier
 # tokens of its own document. With the document id of every position in a tensor, that is one line.
-# `create_block_mask` evaluates it block by block (never the whole S x S at once) and classifies
-# each tile.
+# `create_block_mask` evaluates it a row of blocks at a time (never the whole S x S at once) and
+# classifies each block.
 
 # %%
 doc_ids = torch.arange(S) * 5 // S   # five documents of S/5 tokens
 doc_ids[S // 2:] = torch.clamp(doc_ids[S // 2:] + (torch.arange(S - S // 2) % 7 == 0).long(), max=4)
 
 
-def packed_documents(b, h, q_idx, kv_idx):
-    return (doc_ids[q_idx] == doc_ids[kv_idx]) & (q_idx >= kv_idx)
+def documents(ids):
+    def packed_documents(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+    return packed_documents
 
 
+packed_documents = documents(doc_ids)
 block_mask = create_block_mask(packed_documents, None, None, S, S, BLOCK_SIZE=BLOCK)
-block_map = classify(block_mask, B, H)
-counts = block_map.counts()
-print(f"  S {S}, blocks of {BLOCK}: {counts}; the mask ran {block_map.how}")
+blocks = states_of(block_mask)
+counts = blocks.counts()
+print(f"  S {S}, blocks of {BLOCK}: {counts}")
 dense = packed_documents(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
-check(torch.equal(block_map.to_dense()[0, 0], dense), "the block map (tile states + partial bits) is exactly the mask")
-check(counts["empty"] > counts["full"] + counts["partial"], "most tiles of a packed causal mask are EMPTY (skipped)")
+check(counts["hidden"] > counts["visible"] + counts["partial"], "most blocks of a packed causal mask are hidden")
 
 # %% [markdown]
 # ## The block map as a picture
-# White tiles are skipped, dark ones computed without any mask, and only the grey ones evaluate the
-# mask (their bits were packed once, eight rows per byte).
+# White blocks are never computed (the tile loop does not even load their keys), dark ones are
+# computed without the mask, and only the grey ones call the compiled `mask_mod`, inside the tile,
+# vectorised.
 
 # %%
 fig, ax = figure(1, 2, figsize=(9, 4))
 ax[0].imshow(dense, cmap="Greys", interpolation="nearest")
 ax[0].set_title("the mask (query rows x keys)")
-states = block_map.states[0, 0].float()
-picture = torch.where(states == EMPTY, 0.0, torch.where(states == PARTIAL, 0.45, 1.0))
+states = blocks.states[0, 0].float()
+picture = torch.where(states == HIDDEN, 0.0, torch.where(states == PARTIAL, 0.45, 1.0))
 ax[1].imshow(picture, cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-ax[1].set_title("its block map: empty / partial / full")
+ax[1].set_title("its block map: hidden / partial / visible")
 save_figure(fig, "16_block_map.png")
-check(int((states == FULL).sum()) == counts["full"], "the picture shows every FULL tile of the map")
+block_of = (torch.arange(S) // BLOCK)
+expected = dense.reshape(S // BLOCK, BLOCK, S // BLOCK, BLOCK).transpose(1, 2).flatten(2)
+exact = torch.where(~expected.any(-1), HIDDEN, torch.where(expected.all(-1), VISIBLE, PARTIAL))
+check(torch.equal(blocks.states[0, 0], exact.to(torch.uint8)), "each block's state is what its elements say")
+
+# %% [markdown]
+# ## Inside the call
+# `explain` says which engine runs the call and how the functions run. The mask's captured tensor
+# (`doc_ids`) is an *argument* of the compiled code, not part of it: another batch's document ids
+# run the same program, and nothing is compiled again. The same holds for a float in a closure (a
+# temperature): it is a run-time scalar.
+
+# %%
+q, k, v = (seeded(B, H, S, D, seed=i) for i in range(3))
+alibi = examples.alibi(H)
+how = tileattn.flex.explain(q, k, v, score_mod=alibi, block_mask=block_mask)
+print("  ", how["path"], "| score_mod:", how["score_mod"], "| mask_mod:", how["mask_mod"])
+check(how["path"].endswith("native engine") and how["score_mod"] == how["mask_mod"] == "compiled",
+      "the native engine runs both functions compiled")
+traces = compiler.STATS["traces"]
+other_ids = torch.randint(0, 5, (S,)).sort().values
+create_block_mask(documents(other_ids), None, None, S, S, BLOCK_SIZE=BLOCK)
+check(compiler.STATS["traces"] == traces, "another tensor of the same shape runs the compiled program as it is")
 
 # %% [markdown]
 # ## Same answer, forward and backward
@@ -88,24 +116,20 @@ check(int((states == FULL).sum()) == counts["full"], "the picture shows every FU
 # A `score_mod` adds ALiBi on top of the mask; the score is modified first, then masked.
 
 # %%
-q, k, v = (seeded(B, H, S, D, seed=i) for i in range(3))
-alibi = examples.alibi(H)
-
-
 def run(fn, dtype, **extra):
     leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
     out = fn(*leaves, score_mod=alibi, block_mask=block_mask, **extra)
     return [out, *torch.autograd.grad(out, leaves, seeded(*out.shape, seed=9).to(dtype))]
 
 
-got = run(tileattn.flex_attention, torch.float32)
-oracle = run(flex_reference, torch.float32, compute_dtype=torch.float64)
-plain = run(flex_reference, torch.float32)
-for name, a, o, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain):
-    verdict = judge(name, a, o, p, torch.float32)
-    print(" ", verdict)
-    check(verdict.ok, f"{name} of tileattn.flex_attention is within 2x plain fp32 math of the fp64 oracle")
-print("  how the call ran:", tileattn.flex.explain(q, k, v, score_mod=alibi, block_mask=block_mask))
+for dtype in (torch.float32, torch.bfloat16):
+    got = run(tileattn.flex_attention, dtype)
+    oracle = run(flex_reference, dtype, compute_dtype=torch.float64)
+    plain = run(flex_reference, dtype)
+    for name, a, o, p in zip(("out", "dq", "dk", "dv"), got, oracle, plain):
+        verdict = judge(name, a, o, p, dtype)
+        print(" ", str(dtype).replace("torch.", ""), verdict)
+        check(verdict.ok, f"{name} ({dtype}) of tileattn.flex_attention is within 2x plain math of the fp64 oracle")
 
 try:  # PyTorch's own CPU FlexAttention, for comparison: forward only (in torch 2.13)
     torch_flex.flex_attention(*(t.detach().clone().requires_grad_() for t in (q, k, v)), block_mask=block_mask).sum().backward()
@@ -117,7 +141,8 @@ except NotImplementedError as exc:
 # ## Training a learned bias
 # A `score_mod` may read tensors it captures: here a relative-position bias table `(H, 2S - 1)`,
 # T5/Swin style. Its gradient is the sum of dL/dscore over every (query, key) pair at each relative
-# distance; the compiled derivative accumulates it per tile. A few steps of Adam fit the table so that
+# distance; the kernel's backward runs the function's compiled derivative in its tiles and adds into
+# one fp32 buffer per thread, summed once at the end. A few steps of Adam fit the table so that
 # attention reproduces a target made with a hidden ALiBi slope per head, under the document mask.
 
 # %%
@@ -142,6 +167,26 @@ check(torch.allclose(ours.double(), exact, atol=1e-4 * max(1.0, float(exact.abs(
       "the table's gradient matches fp64 autograd through the reference")
 
 # %% [markdown]
+# ## Decoding with one block mask
+# At decode, `flash_attention` takes the block mask built once for the whole cache: a query's
+# `q_idx` is its position at the end of its sequence (bottom-right, as `causal=True` counts), so step
+# `t` reads row `t // BLOCK` of the map in place. PyTorch's FlexAttention would need a new block
+# mask (or a sliced, re-adjusted one) every step.
+
+# %%
+cache_k, cache_v = seeded(B, H, S, D, seed=11), seeded(B, H, S, D, seed=12)
+worst = 0.0
+for t in (S // 5, S // 2, S - 1):
+    q1 = seeded(B, H, 1, D, seed=t)
+    used = torch.tensor([t + 1], dtype=torch.int32)
+    step = tileattn.flash_attention(q1, cache_k, cache_v, seqused_k=used, block_mask=block_mask)
+    ref = tileattn.reference(q1.double(), cache_k.double(), cache_v.double(), seqused_k=used,
+                             mask_mod=packed_documents)
+    worst = max(worst, float((step.double() - ref).abs().max()))
+print(f"  three decode steps against one block mask: largest error {worst:.1e}")
+check(worst < 1e-5, "decode steps read the block mask built for the whole cache")
+
+# %% [markdown]
 # ## Code written for Flex, unchanged
 # `tileattn.patch_flex()` routes `torch.nn.attention.flex_attention.flex_attention` on CPU tensors
 # to tileattn (GPU tensors keep PyTorch's compiled kernels), so a training loop written for
@@ -158,22 +203,31 @@ check(all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves),
 # %% [markdown]
 # ## Measured
 # Timings depend on the CPU and its load; they are reported, not checked. `benchmarks/bench_flex.py`
-# runs the full comparison (compiled PyTorch Flex, tileattn's built-in modifiers, SDPA with a dense
-# mask, forward and backward) at S 4096.
+# runs the full comparison (compiled PyTorch Flex, the built-in keywords the functions spell, forward
+# and backward, decode) at S 4096; docs/dialects.md has its table. Here: a mask written as a function
+# against the same mask as the built-in keyword, and the dense mask SDPA needs.
 
 # %%
-dense4 = dense[None, None]
+slopes = torch.exp2(-(torch.arange(H, dtype=torch.float32) + 1) * 8.0 / H)
+
+
+def alibi_as_function(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx).abs()
+
+
 times = interleaved_times({
-    "tileattn.flex_attention (mask only)": lambda: tileattn.flex_attention(q, k, v, block_mask=block_mask),
-    "tileattn.flex_attention + ALiBi score_mod": lambda: tileattn.flex_attention(q, k, v, score_mod=alibi,
-                                                                                  block_mask=block_mask),
-    "SDPA with the dense mask": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense4),
+    "mask_mod causal": lambda: tileattn.flash_attention(q, k, v, mask_mod=examples.causal),
+    "causal=True": lambda: tileattn.flash_attention(q, k, v, causal=True),
+    "score_mod ALiBi": lambda: tileattn.flash_attention(q, k, v, score_mod=alibi_as_function),
+    "alibi_slopes=": lambda: tileattn.flash_attention(q, k, v, alibi_slopes=slopes),
+    "document block mask": lambda: tileattn.flex_attention(q, k, v, block_mask=block_mask),
+    "SDPA, dense document mask": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                                          attn_mask=dense[None, None]),
 }, repeat=pick(2, 5))
 for name, seconds in times.items():
-    print(f"  {name:45s} {1e3 * seconds:8.2f} ms")
-visible = float(dense.float().mean())
-print(f"  {100 * visible:.1f}% of the scores are visible; {100 * (counts['empty']) / sum(counts.values()):.0f}% "
-      f"of the tiles are skipped")
+    print(f"  {name:30s} {1e3 * seconds:8.2f} ms")
+print(f"  {100 * float(dense.float().mean()):.1f}% of the scores are visible; "
+      f"{100 * counts['hidden'] / sum(counts.values()):.0f}% of the blocks are never computed")
 check(math.isfinite(sum(times.values())), "every contender ran")
 
 # %% [markdown]
@@ -181,16 +235,16 @@ check(math.isfinite(sum(times.values())), "every contender ran")
 #
 # 1. Write the prefix-LM mask (a prefix of `P` tokens that every query sees, causal after it) as a
 #    `mask_mod` and draw its block map for `P` a multiple of the block size and one that is not. How
-#    many PARTIAL tiles does each have, and why?
-# 2. `examples.dilated_window(w, 2)` keeps every other key of a window. Its tiles are all PARTIAL:
-#    count them with `classify(...).counts()` and compare the time of `tileattn.flex_attention` with
-#    SDPA's dense mask as `w` grows. Where does skipping tiles stop paying?
+#    many partial blocks does each have, and why?
+# 2. `examples.dilated_window(w, 2)` keeps every other key of a window: all its blocks are partial.
+#    Compare the time of `tileattn.flex_attention` with SDPA's dense mask as `w` grows. Where does
+#    skipping blocks stop paying?
 # 3. A `score_mod` that branches on a tensor in Python (`if score > 0:`) cannot be compiled. Write one,
-#    read the reason in `tileattn.flex.explain(...)["score_mod"]`, then rewrite it with `torch.where`
-#    and see the reason disappear.
-# 4. Train the relative bias table above with a per-head scale captured as well
+#    read the reason in `tileattn.flex.explain(...)["score_mod"]` and which engine runs it instead,
+#    then rewrite it with `torch.where` and see the native engine take it back.
+# 4. Capture a temperature in a closure (`score / temperature`) and call it with ten temperatures:
+#    how many times does `compiler.STATS["traces"]` grow, and why? Now read it from a class attribute
+#    (`Cfg.temperature`) instead: what changes, and why is that the sound choice?
+# 5. Train the relative bias table above with a per-head scale captured as well
 #    (`score * scales[h] + table[h, q_idx - kv_idx + S - 1]`). Do both receive gradients? Check the
 #    scales' gradient against `flex_reference` in fp64.
-# 5. Time `tileattn.flex_attention` with and without `score_mod=examples.alibi(H)`, then with
-#    `tileattn.flash_attention(alibi_slopes=...)`. What does the built-in modifier save, and what would
-#    a `score_mod` need to run at that speed?

@@ -20,6 +20,7 @@ refuses the call with that reason, and the ``eager`` engine serves it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping, Optional, Tuple
 
@@ -29,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from ..programs import blocks, compiler
 from ..programs.eager import mask_tile, score_tile
 from ..programs.trace import INDEX_DTYPE, Unsupported, structure
-from .modifiers import Modifier, ScoreBlock, diagonal_offset, fail
+from .modifiers import Alibi, Band, Bias, Modifier, ScoreBlock, Softcap, diagonal_offset, fail
 
 #: BLOCK_SIZE of PyTorch's "no block mask" placeholder (one block covering everything)
 NO_MASK_BLOCK = 1 << 30
@@ -128,6 +129,9 @@ class ScoreMod(Modifier):
     fn: object = field(metadata={"op": "callable"})
     heads_q: int = field(default=0, metadata={"op": "int"})     #: set by check(): the reference indexes heads
     user: Optional[UserFunction] = field(default=None, metadata={"op": "callable"})  #: set by check()
+    #: set by check(): the cap when the function is exactly ``c * tanh(score / c)`` and nothing else
+    #: transforms the scores: lowered as the kernels' own softcap argument
+    softcap: Optional[float] = field(default=None, metadata={"op": "callable"})
 
     @classmethod
     def from_args(cls, score_mod):
@@ -141,15 +145,20 @@ class ScoreMod(Modifier):
         object.__setattr__(self, "heads_q", spec.heads_q)
         if self.user is None:
             object.__setattr__(self, "user", _user_function("score", self.fn, _working_dtype(spec.dtype)))
+        form = self.user.bound.program.generated.softcap if self.user.bound is not None else None
+        if form is not None and not any(isinstance(m, (Softcap, Alibi, Bias)) for m in spec.modifiers):
+            cap = form[1] if form[0] == "literal" else self.user.bound.scalars[form[1]]
+            if cap > 0 and math.isfinite(cap):
+                object.__setattr__(self, "softcap", float(cap))
 
     def plan_key(self):
         return None  # a function is no plan key (its captures and scalars are per call)
 
     def lower(self):
-        return {}
+        return {} if self.softcap is None else {"softcap": self.softcap}
 
     def bind(self):
-        return {"score_mod": self.user}
+        return {} if self.softcap is not None else {"score_mod": self.user}
 
     def scores(self, s, block):
         b, h, q, kv = _indices(block, self.heads_q)
@@ -186,6 +195,9 @@ class MaskMod(Modifier):
     heads_q: int = field(default=0, metadata={"op": "int"})
     user: Optional[UserFunction] = field(default=None, metadata={"op": "callable"})
     states: Optional[blocks.BlockStates] = field(default=None, metadata={"op": "callable"})
+    #: set by check(): the (left, right) band the function is on this call's grid, lowered as the
+    #: kernels' own band arguments (no function call in the tiles), or None
+    band: Optional[tuple] = field(default=None, metadata={"op": "callable"})
 
     @classmethod
     def from_args(cls, mask_mod=None, block_mask=None):
@@ -216,17 +228,26 @@ class MaskMod(Modifier):
             off = diagonal_offset(spec.align, spec.seqlen_q, spec.seqlen_k)
             if not (spec.is_varlen or spec.is_paged or spec.seqused_k is not None) and off >= 0:
                 # a pure function of the indices (causal, windows, prefixes): its block map is made once
-                # per size, and the kernels skip the tiles it hides without evaluating them
-                object.__setattr__(self, "states", blocks.function_states(
-                    self.user.bound, spec.batch, spec.heads_q, spec.seqlen_q + off, spec.seqlen_k))
+                # per size, and the kernels skip the tiles it hides without evaluating them; one that is
+                # exactly a band there (and the call has no band of its own) runs as the band itself
+                states = blocks.function_states(self.user.bound, spec.batch, spec.heads_q, spec.seqlen_q + off,
+                                                spec.seqlen_k)
+                object.__setattr__(self, "states", states)
+                if states.band is not None and not any(isinstance(m, Band) for m in spec.modifiers):
+                    object.__setattr__(self, "band", states.band)
 
     def plan_key(self):
         return None
 
     def lower(self):
-        return {}
+        if self.band is None:
+            return {}
+        left, right = self.band
+        return {"left": -1 if left is None else left, "right": -1 if right is None else right}
 
     def bind(self):
+        if self.band is not None:
+            return {}
         return {"mask_mod": self.user, "block_states": self.states}
 
     def visible(self, block):

@@ -1,6 +1,6 @@
 """Quantised and low-precision K/V caches: one representation in the core, :class:`KVQuant`.
 
-A cache stored as int8, float8_e4m3fn or float8_e5m2 (or in q's own dtype with descales) is read as
+A cache stored as int8, float8_e4m3fn, float8_e5m2 or int4 (or in q's own dtype with descales) is read as
 
     k_real = (k + k_offset) * k_scale        v_real = (v + v_offset) * v_scale
 
@@ -18,6 +18,12 @@ a divisor of it: groups of channels). So, for k (B, Sk, Hkv, D) in ``layout="BSN
 takes the same, and also a leading batch axis of size B (per-sequence scales, such as
 FlashAttention-3's descales of shape (B, Hkv)). ``q_scale``: fp32 (B|1, Hkv|1). Flattened-head
 layouts (BSH, SBH) take no scales.
+
+int4: a torch.uint8 tensor whose last dim is half the head dim, two values a byte: byte c of a row
+holds channel 2c in its low nibble and channel 2c + 1 in its high nibble, each a two's complement
+int4 in [-8, 7] (ONNX Runtime's int4 packing; llama.cpp's Q4_0 stores ``nibble = x + 8`` and orders
+a 32-channel block's channels as low nibbles 0-15, high nibbles 16-31). Scales have the head dim's
+channel groups (per group of 32 channels: G = D / 32, as Q4_0's blocks), not the bytes'.
 
 Forward only (inference): a call that would need gradients is refused, and so is a scale or offset
 that requires grad (no gradient would reach it). Engines: the native kernels read the cache as
@@ -39,7 +45,32 @@ from .layouts import LAYOUT, to_canonical
 from .modifiers import OP_TENSOR, Modifier, fail
 
 #: The stored formats of a quantised cache (besides q's own dtype with descales).
-QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+#: The name of the int4 format (:func:`tileattn.serving.quantise`'s ``dtype``) and the dtype that stores
+#: it: two values a byte, ``head_dim / 2`` bytes a row (see the module docstring).
+INT4, INT4_STORAGE = "int4", torch.uint8
+#: The stored formats of a quantised cache (besides q's own dtype with descales).
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, INT4_STORAGE)
+#: How errors name them.
+QUANT_NAMES = "int8, float8_e4m3fn, float8_e5m2 or uint8 (int4, two values a byte)"
+
+
+def head_width(t: torch.Tensor) -> int:
+    """The head dim a cache tensor holds: its last dim, twice that for int4 (two values a byte)."""
+    return t.shape[-1] * 2 if t.dtype is INT4_STORAGE else t.shape[-1]
+
+
+def unpack_int4(x: torch.Tensor) -> torch.Tensor:
+    """int4 values of a packed cache (..., W) as int8 (..., 2W): byte c holds channel 2c in its low
+    nibble and channel 2c + 1 in its high nibble, each a two's complement int4 in [-8, 7]."""
+    low = (x & 15).to(torch.int8)
+    high = (x >> 4).to(torch.int8)
+    return ((torch.stack((low, high), dim=-1) ^ 8) - 8).flatten(-2)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """The packed int4 cache (..., W / 2) of integer values in [-8, 7] (..., W); W even."""
+    nibbles = (values.to(torch.int16) & 15).to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 _SCALE_NAMES = ("k_scale", "k_offset", "v_scale", "v_offset")
 
 
@@ -73,8 +104,8 @@ class KVQuant(Modifier):
         if k.dtype is not v.dtype:
             fail(TypeError, "v", f"dtype {v.dtype}", f"k's dtype {k.dtype} (one cache format)")
         if k.dtype is not q.dtype and k.dtype not in QUANT_DTYPES:
-            fail(TypeError, "k", f"dtype {k.dtype} for q of dtype {q.dtype}",
-                 f"q's dtype or a quantised format ({', '.join(str(d) for d in QUANT_DTYPES)})")
+            fail(TypeError, "k", f"dtype {k.dtype} for q of dtype {q.dtype}", f"q's dtype or a quantised format "
+                 f"({QUANT_NAMES})")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             fail(ValueError, self._first_given(), "a quantised or scaled cache with inputs that require grad",
                  "inputs without gradients or torch.no_grad(): quantised K/V are forward only (inference)")
@@ -121,7 +152,7 @@ def _check_scale(name, t, cache, batch, leading, device):
     """A scale/offset broadcastable to the cache's shape with its last dim replaced by G channel
     groups (G divides the head dim), with an optional leading batch axis when ``leading``."""
     shape = tuple(cache.shape[:-1]) + ("G",)
-    width = cache.shape[-1]
+    width = head_width(cache)
     options = f"{shape}" + (f" or {(batch,) + shape}" if leading else "")
     what = f"a shape broadcastable to {options}, G channel groups dividing the head dim {width} (1: none)"
     _check_fp32(t, name, device, options)
@@ -158,11 +189,11 @@ def without_cache_scales(modifiers: tuple) -> tuple:
 
 def dequantise(x: torch.Tensor, scale: Optional[torch.Tensor], offset: Optional[torch.Tensor], dtype) -> torch.Tensor:
     """``(x + offset) * scale`` in ``dtype``, scale and offset broadcast along x's shape, their last
-    dim (G channel groups) repeated over the groups' channels."""
-    y = x.to(dtype)
+    dim (G channel groups) repeated over the groups' channels; an int4 cache unpacked first."""
+    y = (unpack_int4(x) if x.dtype is INT4_STORAGE else x).to(dtype)
     for t, op in ((offset, torch.add), (scale, torch.mul)):
         if t is not None:
-            y = op(y, t.to(dtype).repeat_interleave(x.shape[-1] // t.shape[-1], dim=-1))
+            y = op(y, t.to(dtype).repeat_interleave(y.shape[-1] // t.shape[-1], dim=-1))
     return y
 
 

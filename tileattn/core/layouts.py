@@ -18,6 +18,7 @@ context parallelism (:func:`to_batched`, :func:`from_batched`: a packed batch as
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -129,28 +130,33 @@ def output_strides(layout: str, b: int, h: int, s: int, d: int) -> tuple:
 
 
 def kv_reader(layout: str, batch: Optional[int], heads: int, dim: int,
-              seq: Optional[int] = None) -> Callable[[torch.Tensor], Optional[tuple]]:
-    """A function of K (or V) in a padded ``layout`` or ``"paged"`` giving ``(free size, (batch,
-    head, row) strides of its canonical view)``, or None when its shape is not the one given here
-    (or its head dim is not unit-stride: the full path copies it). The free size is the one given
-    as None: the keys (``seq=None``) or a paged pool's blocks (``batch=None``, ``seq`` the block size)."""
+              seq: Optional[int] = None) -> Tuple[Callable[[torch.Tensor], Optional[tuple]], Tuple[int, int, int]]:
+    """``(read, order)`` for K (or V) in a padded ``layout`` or ``"paged"``: ``read(t)`` gives
+    ``(free size, strides)``, or None when t's shape is not the one given here (or its head dim is not
+    unit-stride: the full path copies it). The free size is the one given as None: the keys
+    (``seq=None``) or a paged pool's blocks (``batch=None``, ``seq`` the block size). The (batch,
+    head, row) strides of t's canonical view are ``strides[order[0]], strides[order[1]],
+    strides[order[2]]``: t's own strides, read once, for a layout with a head dim (for BSH / SBH, whose
+    heads are slices of the last dim, the three themselves, in order)."""
     lay = LAYOUT[layout]
     expected = user_shape(layout, -1 if batch is None else batch, heads, -1 if seq is None else seq, dim)
-    fixed = tuple((i, n) for i, n in enumerate(expected) if n >= 0)
-    free = lay.dims.index("b" if batch is None else "s")
-    b_dim, s_dim, rank = lay.dims.index("b"), lay.seq_dim, lay.rank
-    h_dim = None if lay.fused else lay.dims.index("h")
+    fixed = [(i, n) for i, n in enumerate(expected) if n >= 0]
+    pick, values = operator.itemgetter(*(i for i, _ in fixed)), tuple(n for _, n in fixed)
+    free, rank = lay.dims.index("b" if batch is None else "s"), lay.rank
+    b_dim, s_dim = lay.dims.index("b"), lay.seq_dim
+
+    own = not lay.fused
 
     def read(t):
         s = t.shape
-        if len(s) != rank or any(s[i] != n for i, n in fixed):
+        if len(s) != rank or pick(s) != values:
             return None
         st = t.stride()
         if st[-1] != 1 and dim != 1:
             return None
-        return s[free], (st[b_dim], dim * st[-1] if h_dim is None else st[h_dim], st[s_dim])
+        return s[free], (st if own else (st[b_dim], dim * st[-1], st[s_dim]))
 
-    return read
+    return read, ((b_dim, lay.dims.index("h"), s_dim) if own else (0, 1, 2))
 
 
 def row_factor(w: torch.Tensor, layout: str, width: int) -> torch.Tensor:

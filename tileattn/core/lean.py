@@ -14,9 +14,10 @@ length and strides*: a decode loop whose cache grows by a key every step (a new 
 finds one entry. An entry (:class:`LeanPlan`) holds the engine's prepared call
 (:meth:`tileattn.core.engine.Backend.prepare`; the native engine's packs its argument struct once) and
 the geometry of K/V, the output and the LSE. Per call it checks what the key leaves out (K/V's
-batch, heads, head dims and unit last stride; key length within the short-call limit; the block
-table's page range) and refreshes pointers and strides; anything unexpected, and a value the kernel
-refuses (a ``seqused_k`` beyond the keys), returns None, and the full path runs the call: it
+batch, heads, head dims and unit last stride; key length within the short-call limit) and refreshes
+pointers and strides; anything unexpected, and a value the kernel refuses (a ``seqused_k`` beyond
+the keys, a block table entry outside the pool: the kernel checks every entry, as validation
+does), returns None, and the full path runs the call: it
 validates, raises its usual error before any compute, or computes. Results are bitwise those of
 the full path (the same kernel, the same arguments).
 
@@ -59,7 +60,7 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
             and (scale is None or type(scale) is float) and (num_heads is None or type(num_heads) is int)
             and (type(align) is str or type(align) is int)):
         return None, None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return None, None
     try:
         key = (q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout, num_heads,
@@ -182,17 +183,21 @@ class LeanPlan:
     """A prepared call and the geometry the call key leaves out."""
 
     __slots__ = ("engine", "capabilities", "forward", "prepared", "read_k", "read_v", "out_shape", "lse_shape",
-                 "dtype", "acc")
+                 "dtype", "acc", "like_q")
 
     def __init__(self, spec, engine, prepared):
         self.engine, self.capabilities, self.prepared = engine, engine.capabilities, prepared
         self.forward = getattr(engine.forward, "__func__", None)
         paged = spec.is_paged
         layout, batch, seq = ("paged", None, spec.block_size) if paged else (spec.layout, spec.batch, None)
-        self.read_k = kv_reader(layout, batch, spec.heads_kv, spec.head_dim, seq)
-        self.read_v = kv_reader(layout, batch, spec.heads_kv, spec.head_dim_v, seq)
+        self.read_k, prepared.order = kv_reader(layout, batch, spec.heads_kv, spec.head_dim, seq)
+        self.read_v = kv_reader(layout, batch, spec.heads_kv, spec.head_dim_v, seq)[0]
         self.out_shape, self.lse_shape = spec.out_shape(), spec.lse_shape()
         self.dtype, self.acc = spec.dtype, spec.acc_dtype()
+        # q's shape and strides are in the call key: when q has the output's shape and its plain
+        # contiguous strides, empty_like(q) allocates the output as the full path does, at half
+        # torch.empty's cost
+        self.like_q = tuple(spec.q.shape) == tuple(self.out_shape) and spec.q.stride() == _contiguous(spec.q.shape)
 
     def run(self, q, k, v, seqused_k, block_table, return_lse) -> Optional[Tuple[torch.Tensor, object]]:
         """``(out, lse or None)``, or None when this call is not one the plan serves."""
@@ -209,14 +214,9 @@ class LeanPlan:
             return None
         prepared = self.prepared
         keys = kg[0]
-        if prepared.paged:
-            if block_table.numel():
-                low, high = torch.aminmax(block_table)
-                if low < 0 or high >= keys:
-                    return None  # the full path names the bad block index
-        elif not 0 < keys <= prepared.max_keys:
-            return None
-        out = torch.empty(self.out_shape, dtype=self.dtype)
+        if not prepared.paged and not 0 < keys <= prepared.max_keys:
+            return None  # (a paged call's block indices are checked by the kernel, which then refuses it)
+        out = torch.empty_like(q) if self.like_q else torch.empty(self.out_shape, dtype=self.dtype)
         lse = torch.empty(self.lse_shape, dtype=self.acc) if return_lse else None
         if not prepared.run(q_ptr, k_ptr, v_ptr, out.data_ptr(),
                             None if lse is None else lse.data_ptr(), keys, kg[1], vg[1],
@@ -224,3 +224,12 @@ class LeanPlan:
                             0 if block_table is None else block_table.data_ptr()):
             return None  # the kernel refused a value before computing: the full path says which
         return out, lse
+
+
+def _contiguous(shape) -> tuple:
+    """The strides torch gives a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

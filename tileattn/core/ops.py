@@ -30,17 +30,17 @@ import contextlib
 import functools
 import math
 from dataclasses import fields
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .dispatch import Backend, Gradients, get_backend
 from .engine import WITH_MEMORY, storage_problem
+from .layouts import LAYOUT, empty_in_layout, to_canonical
 from .merge import merge_weights
 from .modifiers import Modifier, fail, modifier_type
 from .score_math import reduce_to_shape
-from .layouts import LAYOUT, empty_in_layout, to_canonical
 from .spec import AttentionSpec, check_sequence_values, tracing
 
 #: The op arguments of a modifier's one differentiable tensor (autograd only sees tensors passed
@@ -49,12 +49,24 @@ _GRAD_SLOTS = ("bias", "sinks")
 _SEQUENCE_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
 
 
+_FLAT: Dict[type, tuple] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _flat_fields(cls) -> tuple:
+    """((name, op kind), ...) of a modifier type's fields. Dynamo takes the answer as a constant:
+    it reads no field of a class, nor (once the traced model mutated a dict) the fields' metadata."""
+    layout = _FLAT.get(cls)
+    if layout is None:
+        layout = _FLAT[cls] = tuple((f.name, f.metadata["op"]) for f in fields(cls))
+    return layout
+
+
 def flatten(modifier: Modifier) -> Tuple[list, list, list]:
     """(tensors, ints, floats) of a modifier, in field order."""
     tensors, ints, floats = [], [], []
-    for f in fields(modifier):
-        value = getattr(modifier, f.name)
-        op = f.metadata["op"]
+    for name, op in _flat_fields(type(modifier)):
+        value = getattr(modifier, name)
         if op == "tensor":
             tensors.append(value)
         elif op == "int":
@@ -70,17 +82,16 @@ def unflatten(kind: str, tensors, ints, floats) -> Modifier:
     """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
     cls = modifier_type(kind)
     values = {}
-    for f in fields(cls):
-        op = f.metadata["op"]
+    for name, op in _flat_fields(cls):
         if op == "tensor":
-            values[f.name] = next(tensors)
+            values[name] = next(tensors)
         elif op == "int":
-            values[f.name] = next(ints)
+            values[name] = next(ints)
         elif op == "opt_int":
             value = next(ints)
-            values[f.name] = None if value < 0 else value
+            values[name] = None if value < 0 else value
         else:
-            values[f.name] = next(floats)
+            values[name] = next(floats)
     return cls(**values)
 
 

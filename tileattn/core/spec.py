@@ -10,8 +10,9 @@ Conventions used everywhere below the public API:
 * ``B`` batch, ``Hq``/``Hkv`` query/key-value heads, ``Sq``/``Sk`` lengths, ``D`` head dim of q/k,
   ``Dv`` head dim of v.
 * The *canonical view* of a padded tensor is ``(B, H, S, D)``; it is a strided view of the user's
-  tensor (never a copy), whatever the layout (:mod:`tileattn.core.layouts`, the one table of them). Varlen (``layout="TND"``) tensors are ``(T, H, D)``;
-  sequence ``b`` occupies rows ``cu_seqlens[b]:cu_seqlens[b+1]``. A paged KV cache is a pool of
+  tensor (never a copy), whatever the layout (:mod:`tileattn.core.layouts`, the one table of them).
+  Varlen (``layout="TND"``) tensors are ``(T, H, D)``; sequence ``b`` occupies rows
+  ``cu_seqlens[b]:cu_seqlens[b+1]``. A paged KV cache is a pool of
   blocks, canonically ``(num_blocks, Hkv, block_size, D)``; sequence ``b`` reads the blocks listed in
   ``block_table[b]``.
 * Sequence ``b`` has ``q_len`` queries and ``k_len`` keys (``seqused_k[b]`` when given) and a
@@ -33,8 +34,8 @@ from .kernel_args import KernelArgs, lower
 from .layouts import (  # noqa: F401  (LAYOUTS, empty_in_layout, user_shape: importable from here as before)
     LAYOUT, LAYOUTS, empty_in_layout, from_canonical, to_canonical, user_shape,
 )
-from .kvquant import (QUANT_DTYPES, _has_batch_axis, _per_sequence, dequantise, quant_of, with_cache_scales,
-                      without_cache_scales)
+from .kvquant import (INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, _has_batch_axis, _per_sequence, dequantise, head_width,
+                      quant_of, with_cache_scales, without_cache_scales)
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -271,7 +272,7 @@ def _check_tensor(name: str, t, rank: int, shape_name: str, layout_note: str, dt
              "a regular strided (dense) tensor")
     if t.dtype not in dtypes:
         fail(TypeError, name, f"dtype {t.dtype}", "one of float16, bfloat16, float32, float64"
-             + (" (or a quantised cache: int8, float8_e4m3fn, float8_e5m2)" if dtypes is not FLOAT_DTYPES else ""))
+             + (f" (or a quantised cache: {QUANT_NAMES})" if dtypes is not FLOAT_DTYPES else ""))
     if t.dim() != rank:
         fail(ValueError, name, f"{t.dim()}-d tensor of shape {tuple(t.shape)}", f"a {rank}-d tensor {shape_name}{layout_note}")
 
@@ -413,7 +414,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
             _check_tensor(name, t, lay.rank, lay.shape_name, f" for layout='{layout}'", cache_dtypes)
     if k.dtype != v.dtype or (k.dtype != q.dtype and k.dtype not in QUANT_DTYPES):
         fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}",
-             "one shared dtype (or k and v of one quantised dtype: int8, float8_e4m3fn, float8_e5m2)")
+             f"one shared dtype (or k and v of one quantised dtype: {QUANT_NAMES})")
     found = with_cache_scales(found, q.dtype, k.dtype)
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
@@ -454,9 +455,11 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
         fail(ValueError, "q", "0 heads", "at least one query head")
     if hkv == 0 or hq % hkv:
         fail(ValueError, "k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads (GQA/MQA)")
-    d, dv = q_c.shape[-1], v_c.shape[-1]
-    if k_c.shape[-1] != d:
-        fail(ValueError, "k", f"head dim {k_c.shape[-1]}", f"the head dim of q, {d}")
+    d, dv = q_c.shape[-1], head_width(v_c)  # an int4 cache holds two channels a byte
+    if head_width(k_c) != d:
+        packed = k.dtype is INT4_STORAGE
+        fail(ValueError, "k", f"{k_c.shape[-1]} bytes of int4 a row" if packed else f"head dim {k_c.shape[-1]}",
+             f"the head dim of q, {d}" + (f" ({d // 2} bytes of int4, two values a byte)" if packed else ""))
     if d == 0 or dv == 0:
         fail(ValueError, "q/v", f"head dims {d}/{dv}", "positive head dims")
     if paged:

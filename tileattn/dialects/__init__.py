@@ -6,19 +6,30 @@
 
 from __future__ import annotations
 
-import contextlib
 
+class CoreErrors:
+    """Base of a dialect's ``core_errors(fn)`` context: what tileattn's core raises under the call of
+    the dialect's function ``fn`` leaves it as the dialect's own error classes, the class of the first
+    ``(core class, dialect class)`` pair of :attr:`classes` it is an instance of, its message kept and
+    prefixed with ``<prefix>.<fn>``. Errors of :attr:`kept` (the dialect's own already) and of no
+    listed class pass as they are. A class, not a generator context: a decode step enters it on
+    every call."""
 
-@contextlib.contextmanager
-def reraised_as(prefix: str, kept: tuple, classes: tuple):
-    """Re-raise what tileattn's core raises under a dialect's call as the dialect's own error classes:
-    as the class of the first ``(core class, dialect class)`` pair of ``classes`` the error is an
-    instance of, its message kept and prefixed with ``prefix``. Errors of ``kept`` (the dialect's own,
-    already in its terms) and of no listed class pass as they are."""
-    try:
-        yield
-    except kept:
-        raise
-    except tuple(core for core, _ in classes) as e:
-        own = next(cls for core, cls in classes if isinstance(e, core))
-        raise own(f"{prefix}: {e}") from e
+    __slots__ = ("fn",)
+    prefix: str
+    kept: tuple
+    classes: tuple
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is None or issubclass(kind, self.kept):
+            return False
+        for core, own in self.classes:
+            if issubclass(kind, core):
+                raise own(f"{self.prefix}.{self.fn}: {e}") from e
+        return False

@@ -11,7 +11,9 @@ projections); it hands them to :func:`tileattn.flash_attention` as ``layout="BSN
 nothing is copied or transposed and the output comes back as the (B, S, H, D) transformers wants.
 Masks are built by transformers' SDPA mask builder (bool, True = attend, sliding windows and padding
 included), so the semantics are SDPA's: a missing mask with ``is_causal`` means top-left causal.
-GQA heads are read in place (no ``repeat_kv``).
+GQA heads are read in place (no ``repeat_kv``). A :class:`PagedCache` (``tileattn.integrations.transformers
+.PagedCache``, :mod:`tileattn.dialects.transformers_cache`) is read as stored: paged, quantised or not,
+with no concatenation and no dequantised copy.
 
 **No keyword argument is dropped.** Models pass extra keywords to the attention function, and some
 of them change the result (learnable sinks, top-k sparse indices, relative position bias...). Every
@@ -114,6 +116,11 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
     if not _compiling():
         _Calls.count += 1
     _check_other_kwargs(module, kwargs)
+    if not isinstance(key, torch.Tensor):  # a PagedCache's layer, read as stored
+        return _paged(module, query, key, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                      softcap=softcap, sinks=s_aux if s_aux is not None else sinks, output_attentions=output_attentions,
+                      unsupported=dict(position_bias=position_bias, indices=indices, block_indices=block_indices,
+                                       cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k))
     if output_attentions:
         raise NotImplementedError("tileattn never materialises attention weights; use attn_implementation="
                                   "'eager' for output_attentions=True.")
@@ -184,6 +191,43 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
         out, lse = attention_partial(*args, **call)
         (weight, _), _ = merge_weights(lse, row_sinks.to(lse.dtype))
         return (out * weight.transpose(1, 2).unsqueeze(-1)).to(query.dtype), None
+
+
+def _paged(module, query, kv, attention_mask, *, dropout, scaling, is_causal, softcap, sinks, output_attentions,
+           unsupported):
+    """Attention over a :class:`tileattn.dialects.transformers_cache.PagedCache` layer (``kv``)."""
+    from .transformers_cache import PagedKV, paged_attention
+
+    if not isinstance(kv, PagedKV):
+        _fail(TypeError, "key", _describe(kv), "a tensor (B, Hkv, Sk, D), or a PagedCache's layer")
+    given = [name for name, value in unsupported.items() if value is not None]
+    if given or output_attentions:
+        raise NotImplementedError(f"tileattn PagedCache: {type(module).__name__} passed "
+                                  f"{', '.join(given) or 'output_attentions=True'}, which the paged cache's reader "
+                                  "does not apply; use a DynamicCache or StaticCache for this model")
+    if dropout:
+        _fail(ValueError, "dropout", repr(dropout), "0.0: a PagedCache serves inference (call model.eval())")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        _fail(ValueError, "is_causal", False, "a causal decoder: a PagedCache holds the tokens written before")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
+        _fail(ValueError, "s_aux/sinks", _describe(sinks), f"one sink logit per head ({query.shape[1]},) with a "
+              "PagedCache")
+    cast_to = autocast_dtype(query.device.type)
+    if cast_to is not None:
+        query = query.to(cast_to)
+    with _autocast_off(query.device.type, cast_to):
+        return paged_attention(kv, query, attention_mask, scaling=scaling, softcap=float(softcap or 0.0),
+                               sinks=sinks)
+
+
+def __getattr__(name):
+    # PagedCache subclasses transformers' Cache: imported on first use, so this module imports
+    # without transformers.
+    if name in ("PagedCache", "PagedKV", "INT4_GROUP"):
+        from . import transformers_cache
+
+        return getattr(transformers_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _fail(exc, arg, given, expected):

@@ -48,6 +48,9 @@ class BlockStates:
     block_kv: int
     q_len: int
     kv_len: int
+    #: (left, right) when the mask is exactly a band over this grid: position p sees keys
+    #: [p - left, p + right] (None: unbounded); None otherwise or when unknown
+    band: object = None
 
     def counts(self) -> dict:
         return {name: int((self.states == value).sum()) for name, value in
@@ -156,8 +159,10 @@ def _evaluator(mask_mod, compiled: bool):
     return evaluate_eager
 
 
-def _classify(evaluate, batch, heads, q_len, kv_len, block_q, block_kv) -> torch.Tensor:
-    """uint8 (batch, heads, rows, cols) states of a mask evaluated a row of blocks at a time."""
+def _classify(evaluate, batch, heads, q_len, kv_len, block_q, block_kv, rows_out=None) -> torch.Tensor:
+    """uint8 (batch, heads, rows, cols) states of a mask evaluated a row of blocks at a time. With
+    ``rows_out`` (batch and heads 1), each query position's (first visible key, last, count) is
+    appended to it, for :func:`_band_of`."""
     rows, cols = -(-q_len // block_q), -(-kv_len // block_kv)
     states = torch.empty(batch, heads, rows, cols, dtype=torch.uint8)
     kv = _clamped(0, cols * block_kv, kv_len)
@@ -174,21 +179,54 @@ def _classify(evaluate, batch, heads, q_len, kv_len, block_q, block_kv) -> torch
                 full = _extent(rows, block_q, q_len)[r0:r1, None] * extent_k[None, :]
                 states[b, h, r0:r1] = torch.where(count == 0, HIDDEN,
                                                   torch.where(count == full, VISIBLE, PARTIAL)).to(torch.uint8)
+                if rows_out is not None:
+                    seen = tile[:min(q_len, r1 * block_q) - r0 * block_q, :kv_len].bool()
+                    first = seen.int().argmax(1)
+                    last = kv_len - 1 - seen.flip(1).int().argmax(1)
+                    rows_out.append(torch.stack([first, last, seen.sum(1)], 1))
     return states
+
+
+def _band_of(rows: torch.Tensor, kv_len: int):
+    """(left, right) when every query position p of ``rows`` ((first, last, count) per position)
+    sees exactly the keys [p - left, p + right] cut to [0, kv_len) (None: an unbounded side), else
+    None: then the mask, on this grid, is that band and nothing else."""
+    first, last, count = rows[:, 0], rows[:, 1], rows[:, 2]
+    p = torch.arange(len(rows))
+    seen = count > 0
+    if bool((seen & (count != last - first + 1)).any()):
+        return None  # a row with a hole
+    lefts, rights = (p - first)[seen & (first > 0)], (last - p)[seen & (last < kv_len - 1)]
+    if (len(lefts) and bool((lefts != lefts[0]).any())) or (len(rights) and bool((rights != rights[0]).any())):
+        return None
+    left = int(lefts[0]) if len(lefts) else None
+    right = int(rights[0]) if len(rights) else None
+    lo = (p - left).clamp(min=0) if left is not None else torch.zeros_like(p)
+    hi = (p + right).clamp(max=kv_len - 1) if right is not None else torch.full_like(p, kv_len - 1)
+    expected_seen = lo <= hi
+    if not torch.equal(expected_seen, seen) or not (torch.equal(lo[seen], first[seen])
+                                                     and torch.equal(hi[seen], last[seen])):
+        return None
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return None  # a band that leaves out the diagonal (q_idx > kv_idx): not one the kernels take
+    return left, right
 
 
 def function_states(bound, batch: int, heads: int, q_len: int, kv_len: int, block: int = 128) -> BlockStates:
     """The block map of a compiled mask_mod that captures no tensor, over query positions [0, q_len)
     and keys [0, kv_len): a pure function of the program, its run-time scalars and these sizes, so
     it is made once (one evaluation of the whole grid, in C) and kept for the next call of that size.
-    Per sequence / head only where the function reads ``b`` / ``h``."""
+    Per sequence / head only where the function reads ``b`` / ``h``; one that reads neither and turns
+    out to be exactly a band on this grid (causal, a sliding window) says so (:attr:`BlockStates.band`)."""
     reads = bound.program.reads
     batch, heads = (batch if "b" in reads else 1), (heads if "h" in reads else 1)
     key = (bound.program, bound.scalars, batch, heads, q_len, kv_len, block)
     found = _FUNCTION_MAPS.get(key)
     if found is None:
-        states = _classify(_compiled_evaluator(bound), batch, heads, q_len, kv_len, block, block)
-        found = _FUNCTION_MAPS[key] = BlockStates(states, block, block, q_len, kv_len)
+        rows = [] if batch == heads == 1 else None
+        states = _classify(_compiled_evaluator(bound), batch, heads, q_len, kv_len, block, block, rows)
+        band = _band_of(torch.cat(rows), kv_len) if rows else None
+        found = _FUNCTION_MAPS[key] = BlockStates(states, block, block, q_len, kv_len, band)
         while len(_FUNCTION_MAPS) > FUNCTION_MAPS_KEPT:
             _FUNCTION_MAPS.popitem(last=False)
     _FUNCTION_MAPS.move_to_end(key)

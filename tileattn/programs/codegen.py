@@ -107,6 +107,30 @@ class Generated:
     reads: frozenset            #: which of b, h, q_idx, kv_idx the function reads
     grad_captures: tuple        #: captures that receive gradients in score_bwd (float dtypes)
     identity: bool = False      #: a score_mod that returns its score unchanged (callers may skip it)
+    #: a score_mod that is ``c * tanh(score / c)``: ("literal", c) or ("scalar", its run-time slot)
+    softcap: tuple = None
+
+
+def _softcap_form(traced: Traced):
+    """("literal", c) or ("scalar", slot) when the graph is exactly ``c * tanh(score / c)`` (the
+    softcap of Gemma 2 and of transformers' flex path), else None."""
+    graph = traced.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    output = next(n for n in graph.nodes if n.op == "output").args[0]
+    if traced.kind != "score" or len(calls) != 3 or calls[2] is not output:
+        return None
+    name = [getattr(n.target, "overloadpacket", n.target).__name__ for n in calls]
+    div, tanh, mul = calls
+    if name != ["div", "tanh", "mul"] or div.kwargs or div.args[0] is not placeholders[0] or tanh.args != (div,):
+        return None
+    cap = div.args[1]
+    if mul.args not in ((tanh, cap), (cap, tanh)):
+        return None
+    scalars = placeholders[1 + len(INDEX_NAMES):1 + len(INDEX_NAMES) + traced.scalars]
+    if isinstance(cap, float):
+        return ("literal", cap)
+    return ("scalar", scalars.index(cap)) if cap in scalars else None
 
 
 @dataclass
@@ -775,7 +799,8 @@ def generate(traced: Traced, kind: str, capture_meta) -> Generated:
     output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
     first = next(n for n in traced.graph.nodes if n.op == "placeholder")
     return Generated(kind=kind, source="\n".join(parts), captures=traced.captures, checks=tuple(em.checks),
-                     reads=traced.reads, grad_captures=grads, identity=kind == "score" and output is first)
+                     reads=traced.reads, grad_captures=grads, identity=kind == "score" and output is first,
+                     softcap=_softcap_form(traced) if kind == "score" else None)
 
 
 def _adjoint_types(em: _Emitter, needed):

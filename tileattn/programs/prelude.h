@@ -156,17 +156,17 @@ static inline float ta_expf(float x) {
     return x != x ? x : ta_pow2_scale(p, n);
 }
 
-/* ln x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), s = (m - 1) / (m + 1), ln m = 2 atanh(s) by its odd
- * series to s^13 (|s| <= 0.172). Subnormals are scaled by 2^24 first. */
-static inline float ta_logf(float x) {
+/* ln x = e ln 2 + ln m: x = m 2^e with m in [sqrt(1/2), sqrt(2)) (subnormals scaled by 2^24 first),
+ * s = (m - 1) / (m + 1), ln m = 2 atanh(s) by its odd series to s^13 (|s| <= 0.172). Returns ln m
+ * and sets *e. */
+static inline float ta_log_reduce(float x, float *e) {
     int tiny = x < 1.1754943508222875e-38f;
-    float y = tiny ? x * 16777216.0f : x;
-    uint32_t u = ta_f32_bits(y);
-    int32_t e = (int32_t)((u >> 23) & 0xff) - 127;
+    uint32_t u = ta_f32_bits(tiny ? x * 16777216.0f : x);
     float m = ta_bits_f32((u & 0x007fffffu) | 0x3f800000u);
-    int big = m > 1.4142135623730951f;
-    m = big ? m * 0.5f : m;
-    float ef = (float)(e + big) - (tiny ? 24.0f : 0.0f);
+    /* selects between floats only: an int flag in integer arithmetic keeps GCC from vectorising */
+    const float big = m > 1.4142135623730951f ? 1.0f : 0.0f;
+    m = m > 1.4142135623730951f ? m * 0.5f : m;
+    *e = (float)((int32_t)((u >> 23) & 0xff) - 127) + big - (tiny ? 24.0f : 0.0f);
     float s = (m - 1.0f) / (m + 1.0f), z = s * s;
     float p = 2.0f / 13;
     p = p * z + 2.0f / 11;
@@ -175,33 +175,24 @@ static inline float ta_logf(float x) {
     p = p * z + 2.0f / 5;
     p = p * z + 2.0f / 3;
     p = p * z + 2.0f;
-    float r = ef * 0.693145751953125f + (s * p + ef * 1.428606765330187e-06f);
+    return s * p;
+}
+
+/* The values of ln and log2 at 0, +inf, negatives and NaN, around the reduced result r. */
+static inline float ta_log_special(float x, float r) {
     r = x == INFINITY ? x : r;
     r = x == 0.0f ? -INFINITY : r;
     return (x < 0.0f || x != x) ? NAN : r;
 }
 
+static inline float ta_logf(float x) {
+    float e, lnm = ta_log_reduce(x, &e);
+    return ta_log_special(x, e * 0.693145751953125f + (lnm + e * 1.428606765330187e-06f));
+}
+
 static inline float ta_log2f(float x) {
-    int tiny = x < 1.1754943508222875e-38f;
-    float y = tiny ? x * 16777216.0f : x;
-    uint32_t u = ta_f32_bits(y);
-    int32_t e = (int32_t)((u >> 23) & 0xff) - 127;
-    float m = ta_bits_f32((u & 0x007fffffu) | 0x3f800000u);
-    int big = m > 1.4142135623730951f;
-    m = big ? m * 0.5f : m;
-    float ef = (float)(e + big) - (tiny ? 24.0f : 0.0f);
-    float s = (m - 1.0f) / (m + 1.0f), z = s * s;
-    float p = 2.0f / 13;
-    p = p * z + 2.0f / 11;
-    p = p * z + 2.0f / 9;
-    p = p * z + 2.0f / 7;
-    p = p * z + 2.0f / 5;
-    p = p * z + 2.0f / 3;
-    p = p * z + 2.0f;
-    float r = ef + s * p * 1.4426950408889634f;
-    r = x == INFINITY ? x : r;
-    r = x == 0.0f ? -INFINITY : r;
-    return (x < 0.0f || x != x) ? NAN : r;
+    float e, lnm = ta_log_reduce(x, &e);
+    return ta_log_special(x, e + lnm * 1.4426950408889634f);
 }
 
 /* tanh: (1 - e) / (1 + e) with e = e^(-2|x|), and the odd Taylor series below |x| = 0.4 where that

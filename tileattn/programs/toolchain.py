@@ -150,23 +150,23 @@ def fingerprint(path: Path) -> dict:
     return dict(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
 
 
-def damage(lib: Path) -> Optional[str]:
+def damage(lib: Path, what: str = "cached library") -> Optional[str]:
     """None when ``lib`` matches the size and hash recorded when it was built, else what is wrong
-    ("missing" when there is no library at all)."""
+    ("missing" when there is no library at all); ``what`` names it in the message."""
     if not lib.exists():
         return "missing"
     try:
         record = json.loads((lib.parent / RECORD_NAME).read_text())
         size, digest = int(record["size"]), str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
-        return f"the cached library {lib} has no valid size/hash record ({RECORD_NAME})"
+        return f"the {what} {lib} has no valid size/hash record ({RECORD_NAME})"
     try:
         if lib.stat().st_size != size:
-            return f"the cached library {lib} is damaged: {lib.stat().st_size} bytes, {size} when built"
+            return f"the {what} {lib} is damaged: {lib.stat().st_size} bytes, {size} when built"
         if fingerprint(lib)["sha256"] != digest:
-            return f"the cached library {lib} is damaged: its SHA-256 differs from the one recorded when built"
+            return f"the {what} {lib} is damaged: its SHA-256 differs from the one recorded when built"
     except OSError as exc:
-        return f"the cached library {lib} cannot be read: {exc}"
+        return f"the {what} {lib} cannot be read: {exc}"
     return None
 
 

@@ -21,9 +21,10 @@ which sequence ``b`` uses the first ``cache_seqlens[b]`` positions. Scoring a su
    the submission's tokens/s over the baseline's.
 
 Any failure in 1-2 rejects the submission with the reason and no score. Accepted or not, the result
-is recorded in the track's ``leaderboard*.csv`` in the leaderboard folder the user chooses
-(``--leaderboard``, default the current directory; never the installed package) and its Markdown
-table is re-rendered from it. The baselines are :mod:`tileattn.tools.contest_baseline` and
+is recorded in the track's ``leaderboard*.csv`` in the leaderboard folder (``--leaderboard DIR``, an
+existing folder; by default :func:`default_leaderboard_dir`, the user's data folder, created when
+missing: never the current directory unasked, never the installed package) and its Markdown table
+is re-rendered from it. The baselines are :mod:`tileattn.tools.contest_baseline` and
 :mod:`tileattn.tools.contest_baseline_decode`, inside the package, so the command works from an installed
 wheel.
 """
@@ -51,6 +52,8 @@ from .cli.common import CliError, SEED_LIMIT, check_writable_dir, int_arg, posit
 DEFAULT_BASELINE = Path(__file__).resolve().with_name("contest_baseline.py")
 DECODE_BASELINE = Path(__file__).resolve().with_name("contest_baseline_decode.py")
 DEFAULT_TIME_LIMIT_S = 600.0
+#: names the default leaderboard folder (else $XDG_DATA_HOME/tileattn/contest or ~/.local/share/tileattn/contest)
+LEADERBOARD_ENV = "TILEATTN_LEADERBOARD_DIR"
 CSV_FIELDS = ["time_utc", "name", "submission", "status", "reason", "score", "vs_tileattn", "tokens_per_s", "seed",
               "threads", "shapes", "details"]
 
@@ -507,10 +510,23 @@ def render(rows: List[dict], track="prefill") -> str:
 # Command line.
 
 
+def default_leaderboard_dir() -> Path:
+    """Where results go without ``--leaderboard``: ``$TILEATTN_LEADERBOARD_DIR``, else
+    ``$XDG_DATA_HOME/tileattn/contest``, else ``~/.local/share/tileattn/contest``."""
+    folder = os.environ.get(LEADERBOARD_ENV) or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "tileattn", "contest")
+    return Path(folder)
+
+
 def _check_leaderboard_writable(folder, track: str) -> None:
-    """Before minutes of scoring: the folder exists, its two files can be (re)written and an existing
-    CSV is a leaderboard."""
-    check_writable_dir(folder, "argument --leaderboard")
+    """Before minutes of scoring: the folder exists (the default one is created), its two files can be
+    (re)written and an existing CSV is a leaderboard."""
+    if folder is None:
+        folder = default_leaderboard_dir()
+        check_writable_dir(folder, f"the default leaderboard folder (${LEADERBOARD_ENV}, or pass --leaderboard)",
+                           create=True)
+    else:
+        check_writable_dir(folder, "argument --leaderboard")
     files = _track(track).files
     for name in files:
         path = Path(folder) / name
@@ -543,7 +559,7 @@ def _cmd_score(args) -> int:
         tokens_per_s = outcome.tokens_per_s
         print(f"  score {outcome.score:.3f} (x baseline), {outcome.vs_tileattn:.3f} x tileattn"
               + ("" if tokens_per_s is None else f", {tokens_per_s:.1f} tokens/s"))
-    root = record(outcome, name, args.submission, args.leaderboard, args.track).resolve()
+    root = record(outcome, name, args.submission, args.leaderboard or default_leaderboard_dir(), args.track).resolve()
     files = " and ".join(str(root / f) for f in TRACKS[args.track].files)
     print(f"  recorded in {files}")
     return 0 if outcome.accepted else 1
@@ -551,7 +567,7 @@ def _cmd_score(args) -> int:
 
 def _cmd_leaderboard(args) -> int:
     try:
-        rows = read_rows(args.leaderboard, args.track)
+        rows = read_rows(args.leaderboard or default_leaderboard_dir(), args.track)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(render(rows, args.track), end="")
@@ -571,9 +587,10 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
                    help="prefill: attention(q, k, v, causal=False); decode: attention(q, k_cache, v_cache, "
                    "cache_seqlens) (default: prefill)")
     s.add_argument("--name", default=None, help="name on the leaderboard (default: the file's stem)")
-    s.add_argument("--leaderboard", default=".", help="existing folder for the track's leaderboard files: "
+    s.add_argument("--leaderboard", default=None, help="existing folder for the track's leaderboard files: "
                    "leaderboard.csv and LEADERBOARD.md (prefill), leaderboard_decode.csv and LEADERBOARD_decode.md "
-                   "(decode) (default: the current directory)")
+                   f"(decode) (default: ${LEADERBOARD_ENV}, else $XDG_DATA_HOME/tileattn/contest, else "
+                   "~/.local/share/tileattn/contest, created when missing)")
     s.add_argument("--time-limit", type=positive_float_arg, default=DEFAULT_TIME_LIMIT_S,
                    help=f"seconds for the whole check and timing run (default {DEFAULT_TIME_LIMIT_S:g})")
     s.add_argument("--seed", type=seed_arg, default=None, help="replay a run's inputs (default: a fresh seed)")
@@ -586,8 +603,8 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
 
     b = actions.add_parser("leaderboard", help="print the leaderboard as Markdown")
     b.add_argument("--track", choices=list(TRACKS), default="prefill", help="whose table (default: prefill)")
-    b.add_argument("--leaderboard", default=".", help="folder holding the track's leaderboard CSV "
-                   "(default: the current directory)")
+    b.add_argument("--leaderboard", default=None, help="folder holding the track's leaderboard CSV "
+                   "(default: the one score writes to without --leaderboard)")
     b.set_defaults(func=_cmd_leaderboard)
     return p
 

@@ -1,9 +1,10 @@
-"""The native engine: FlashAttention forward, decode and backward in C (:mod:`.kernels`), compiled on
-first use for this machine's CPU (:mod:`.build`), registered ahead of the PyTorch-ops ``cpu`` engine.
+"""The native engine: FlashAttention forward, decode and backward in C (:mod:`.kernels`), prebuilt in
+the Linux x86-64 wheel or compiled on first use for this machine's CPU (:mod:`.prebuilt` chooses,
+:mod:`.build` compiles), registered ahead of the PyTorch-ops ``cpu`` engine.
 
 What the kernels do natively is declared as data (:data:`.kernels.CAPABILITIES`); dispatch routes
-anything else, or every call when the library cannot be built here (no compiler, a failed build:
-one warning says why), to the ``cpu`` engine. ``TILEATTN_BACKEND=cpu`` (or ``backend="cpu"``)
+anything else, or every call when there is no library here (no prebuilt one this CPU runs and no
+compiler, a failed build, a damaged prebuilt library: one warning says why), to the ``cpu`` engine. ``TILEATTN_BACKEND=cpu`` (or ``backend="cpu"``)
 forces the PyTorch engine, ``TILEATTN_BACKEND=native`` this one. Tile sizes come from the tune cache
 (``tileattn tune --backend native``) or the kernels' defaults. A long call from the main thread can
 be interrupted with Ctrl-C: the kernels stop at their next tile (:class:`.kernels.CancelFlag`).

@@ -1,4 +1,5 @@
-"""Compile the native kernels on first use, for this machine's CPU, into a per-user cache.
+"""Compile the native kernels on first use, for this machine's CPU, into a per-user cache (where the
+wheel's prebuilt library does not serve: :mod:`.prebuilt` decides).
 
 The C sources in ``csrc/`` are compiled by the machine's C compiler (the toolchain shared with the
 compiled user functions, :mod:`tileattn.programs.toolchain`: ``$CC`` if set, else the first of ``cc``,
@@ -68,6 +69,9 @@ class BuildInfo:
     build_seconds: float     #: time this process spent compiling (0.0 when the cache had it)
     cached: bool             #: True when the library was already in the cache
     features: tuple          #: instruction-set macros the compiler enabled
+    source: str              #: "compiled" (here, on first use) or "prebuilt" (shipped in the wheel: .prebuilt)
+    state_dir: str           #: where the library's per-machine probe results are kept (probe.json)
+    reason: str = ""         #: why this library was chosen (.prebuilt.resolve)
 
 
 def cache_dir() -> Path:
@@ -125,4 +129,4 @@ def build(isa=None, profile=None) -> BuildInfo:
     cached, seconds = toolchain.cached_library(lib, lambda workdir: _compile(cc, flags, isa, workdir))
     if not cached:
         (folder / "build.json").write_text(json.dumps(dict(info, build_seconds=seconds), indent=1))
-    return BuildInfo(build_seconds=seconds, cached=cached, **info)
+    return BuildInfo(build_seconds=seconds, cached=cached, source="compiled", state_dir=str(folder), **info)

@@ -51,7 +51,8 @@ at most 8 rows per kv head (q_len * Hq / Hkv) the split-KV decode kernel, else t
 a sequence's bits do not depend on the rest of the batch. A contiguous cache (B, S, Hkv, D) with
 ``seqused_k`` is the pool of B pages of S slots: ``block_table = arange(B)[:, None]``.
 
-Quantised K/V (forward only): k and v may be int8, float8_e4m3fn or float8_e5m2 (q fp32, bf16 or
+Quantised K/V (forward only): k and v may be int8, float8_e4m3fn, float8_e5m2 or uint8 holding int4
+(two values a byte, the last dim half the head dim; layout in csrc/kv.h) (q fp32, bf16 or
 fp16; out q's dtype or fp32), read as stored and dequantised in the kernel as
 ``(x + offset) * scale`` (the Ascend antiquant convention; no offset = symmetric). ``k_scale``,
 ``k_offset``, ``v_scale``, ``v_offset`` are optional fp32 tensors broadcastable to the cache's own
@@ -79,9 +80,11 @@ thread: Ctrl-C sets the flag and is passed on to Python's own handler, so a long
 one tile and KeyboardInterrupt is raised as usual. It arms only while Python's default SIGINT
 handler is installed; under ``SIG_IGN`` or a program's own handler Ctrl-C does not cancel.
 
-Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) packed with
-``struct.pack_into`` into a per-thread buffer; only its "core" section (61 values) is packed on
-every call, optional sections (paged KV, mask, bias, ALiBi, backward) when used.
+Cost of a call: the arguments travel as one flat struct (``csrc/ta.h``) filled by field name
+(:mod:`.record`: one generated ``struct.pack_into`` per section) into a per-thread buffer; only its
+"core" section is filled on every call, optional sections (paged KV, mask, bias, ALiBi, backward,
+a quantised cache) when used. User functions and block maps travel in a second record
+(:class:`UserCall`) the core's ``user`` field points at.
 """
 
 from __future__ import annotations
@@ -99,12 +102,13 @@ import torch
 
 from ...core.engine import WITH_MEMORY, storage_problem
 from . import build as _build
+from . import prebuilt as _prebuilt
 from . import record as _record
 
 _F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 _DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
 #: element formats of a quantised K/V cache (csrc/kv.h), besides q's own dtype
-_KV_FORMATS = {torch.int8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
+_KV_FORMATS = {torch.int8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6, torch.uint8: 7}  # uint8: int4, packed
 #: options bit that says the "quant" section is set; only forward() sets it
 _KV_QUANT = 128
 _ERR_LEN = 512
@@ -127,7 +131,8 @@ CAPABILITIES = {
 }
 
 class Unavailable(RuntimeError):
-    """The native library cannot be used here (no compiler, failed build); the message says why."""
+    """The native library cannot be used here (no prebuilt one and no compiler, failed build); the message
+    says why."""
 
 
 class Cancelled(RuntimeError):
@@ -216,7 +221,7 @@ class _Library:
     def _probe(self) -> float:
         """vdpbf16ps vs fp32 FMA throughput, measured once per machine and kept beside the library
         (so every process makes the same choice, and so computes the same bits)."""
-        path = Path(self.info.path).parent / "probe.json"
+        path = Path(self.info.state_dir) / "probe.json"
         try:
             return float(json.loads(path.read_text())["bf16dot_speedup"])
         except (OSError, ValueError, KeyError):
@@ -224,6 +229,7 @@ class _Library:
         speedup = self.lib.ta_probe_bf16dot()
         tmp = path.with_name(f"probe.{os.getpid()}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"bf16dot_speedup": speedup}))
             os.replace(tmp, path)
         except OSError:
@@ -253,7 +259,7 @@ def _library() -> _Library:
             if "error" in _state:
                 raise Unavailable(_state["error"])
             try:
-                _state["lib"] = _Library(_build.build())
+                _state["lib"] = _Library(_prebuilt.resolve())
             except (_build.BuildError, OSError) as exc:
                 _state["error"] = f"native kernels unavailable: {exc}"
                 raise Unavailable(_state["error"]) from exc
@@ -261,10 +267,12 @@ def _library() -> _Library:
 
 
 def load():
-    """Build (first use) and load the library; returns its :class:`~.build.BuildInfo`.
+    """Load the library (the wheel's prebuilt one, or one compiled on first use: :func:`.prebuilt.resolve`);
+    returns its :class:`~.build.BuildInfo`.
 
-    Raises :class:`Unavailable` with the reason when there is no compiler or the build fails; the
-    reason is remembered, so later calls fail fast without retrying the build.
+    Raises :class:`Unavailable` with the reason when there is no library (no prebuilt one for this CPU
+    and no compiler, a failed build); the reason is remembered, so later calls fail fast without
+    retrying the build.
     """
     return _library().info
 
@@ -284,7 +292,8 @@ def build_info() -> dict:
     fields = dict(item.split("=", 1) for item in lib.build_info.split(";"))
     info = lib.info
     return dict(compiler=info.compiler, compiler_version=info.compiler_version, isa=info.isa,
-                flags=" ".join(info.flags), path=info.path, build_seconds=info.build_seconds, cached=info.cached,
+                flags=" ".join(info.flags), path=info.path, source=info.source, reason=info.reason,
+                build_seconds=info.build_seconds, cached=info.cached,
                 openmp=fields.get("openmp") == "1", amx=lib.amx_available(),
                 bf16dot=fields.get("bf16dot") == "1",
                 bf16dot_speedup=round(lib.bf16dot_speedup, 2), bf16dot_default=bool(lib.default_options & BF16DOT))
@@ -337,6 +346,11 @@ def profile():
 # A direct call (tests, benchmarks, tuning) is checked here before any C runs. The engine's calls
 # pass ``validate=False``: the spec validated them once (tileattn.core.spec and the modifiers), and a
 # second pass over every argument costs a decode step microseconds.
+
+
+def _width(t) -> int:
+    """The head dim a K/V tensor holds: its last dim, twice that for packed int4 (uint8, two values a byte)."""
+    return t.shape[-1] * 2 if t.dtype is torch.uint8 else t.shape[-1]
 
 
 def _fail(arg, given, expected, exc=ValueError):
@@ -445,21 +459,19 @@ def _validate(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_ta
         batch, hq, sq, d = qs
         tq = 0
     if paged:
-        pages, page_size, hkv, dk = ks
-        dv = vs[3]
-        _same("v", vs, (pages, page_size, hkv, dv))
+        pages, page_size, hkv = ks[:3]
+        _same("v", vs, (pages, page_size, hkv, vs[3]))
         sk = tk = 0
     elif varlen:
-        tk, hkv, dk = ks
-        dv = vs[2]
-        _same("v", vs, (tk, hkv, dv))
+        tk, hkv = ks[:2]
+        _same("v", vs, (tk, hkv, vs[2]))
         sk = 0
     else:
-        hkv, sk, dk = ks[1], ks[2], ks[3]
-        dv = vs[3]
-        _same("k", ks, (batch, hkv, sk, dk))
-        _same("v", vs, (batch, hkv, sk, dv))
+        hkv, sk = ks[1], ks[2]
+        _same("k", ks, (batch, hkv, sk, ks[3]))
+        _same("v", vs, (batch, hkv, sk, vs[3]))
         tk = 0
+    dk, dv = _width(k), _width(v)
     if dk != d:
         _fail("k", f"head dim {dk}", f"the head dim of q, {d}")
     if hkv == 0 or hq % hkv:
@@ -579,7 +591,7 @@ def _core(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
                      block_table=ptr(block_table), alibi=ptr(alibi_slopes), mask=ptr(mask), bias=ptr(bias),
                      cancel=0 if cancel is None else cancel.address, err=loc.err_addr,
                      user=0 if user is None else user.address, B=batch, Hq=hq, Hkv=hkv, Sq=sq, Sk=sk, D=d,
-                     Dv=v.shape[-1], Tq=tq, Tk=tk, q_st=q_st, k_st=k_st, v_st=v_st, o_st=o_st, lse_st=l_st,
+                     Dv=_width(v), Tq=tq, Tk=tk, q_st=q_st, k_st=k_st, v_st=v_st, o_st=o_st, lse_st=l_st,
                      dtype=_DTYPES[q.dtype], out_dtype=_DTYPES[out.dtype], left=left, right=right,
                      bottom_right=1 if bottom_right else 0, shift=shift,
                      drop_threshold=int(round(dropout_p * (1 << 24))), seed=seed & (2**63 - 1), block_m=block_m,
@@ -693,10 +705,10 @@ def _fill_quant(lib, loc, q, k, v, cu_seqlens_q, block_table, k_scale, k_offset,
     leading = "paged" if block_table is not None else "varlen" if cu_seqlens_q is not None else None
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     none = (0, 0, 0, 0, 0, 0)
-    ks = none if k_scale is None else _scale_strides("k_scale", k_scale, k, k.shape[-1], batch, leading)
-    ko = none if k_offset is None else _scale_strides("k_offset", k_offset, k, k.shape[-1], batch, leading)
-    vs = none if v_scale is None else _scale_strides("v_scale", v_scale, v, v.shape[-1], batch, leading)
-    vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, v.shape[-1], batch, leading)
+    ks = none if k_scale is None else _scale_strides("k_scale", k_scale, k, _width(k), batch, leading)
+    ko = none if k_offset is None else _scale_strides("k_offset", k_offset, k, _width(k), batch, leading)
+    vs = none if v_scale is None else _scale_strides("v_scale", v_scale, v, _width(v), batch, leading)
+    vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, _width(v), batch, leading)
     q_st, q_ptr = (0, 0, 0), 0
     if q_scale is not None:
         _check_memory(q_scale=q_scale)

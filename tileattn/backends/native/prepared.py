@@ -34,7 +34,7 @@ class PreparedForward:
     """The constant part of one call shape's argument struct, and the slots a call writes."""
 
     __slots__ = ("_lib", "_template", "_lse_bytes", "_local", "_sk", "_k_st", "_v_st", "_pages", "_threads",
-                 "_used", "_table", "paged", "max_keys")
+                 "_used", "_table", "paged", "max_keys", "order")
 
     def __init__(self, lib, template: bytes, lse_bytes: int, paged: bool, max_keys: int):
         self._lib = lib
@@ -49,6 +49,8 @@ class PreparedForward:
         self.paged = paged
         #: The most keys a call may have to be served here: the engine arms the Ctrl-C hook above.
         self.max_keys = max_keys
+        #: Which of the strides :meth:`run` is given are (batch or page, head, key or slot).
+        self.order = (0, 1, 2)
 
     def _buffers(self):
         """This thread's argument struct (an int64 view and its address) and LSE scratch address."""
@@ -65,9 +67,10 @@ class PreparedForward:
     def run(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: Optional[int], keys: int, k_st, v_st,
             used_ptr: int, table_ptr: int) -> bool:
         """Call the kernel; ``keys`` is the key length (the pool's page count for a paged call),
-        ``k_st``/``v_st`` K's and V's (batch or page, head, key or slot) strides, ``lse_ptr`` None
-        for the scratch buffer. True when computed; False when the kernel refused a value before
-        computing (the caller's full path then names it); raises as :func:`kernels.forward` does."""
+        ``k_st``/``v_st`` strides of K and V of which ``order`` picks the (batch or page, head, key
+        or slot) ones, ``lse_ptr`` None for the scratch buffer. True when computed; False when the
+        kernel refused a value before computing (the caller's full path then names it); raises as
+        :func:`kernels.forward` does."""
         loc = self._local
         try:
             view = loc.view
@@ -77,9 +80,10 @@ class PreparedForward:
         view[4] = loc.scratch_address if lse_ptr is None else lse_ptr
         view[self._used], view[self._table] = used_ptr, table_ptr
         view[self._pages if self.paged else self._sk] = keys
+        a, b, c = self.order
         i, j = self._k_st, self._v_st
-        view[i], view[i + 1], view[i + 2] = k_st
-        view[j], view[j + 1], view[j + 2] = v_st
+        view[i], view[i + 1], view[i + 2] = k_st[a], k_st[b], k_st[c]
+        view[j], view[j + 1], view[j + 2] = v_st[a], v_st[b], v_st[c]
         view[self._threads] = torch.get_num_threads()
         status = self._lib.forward_fn(loc.address)
         if status == kernels.OK:

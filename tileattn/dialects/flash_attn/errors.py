@@ -2,7 +2,7 @@
 through a ``torch.library`` op schema, both of which raise RuntimeError; Python callers catch
 ValueError/TypeError, so every argument error here is both. What tileattn's core raises under a
 dialect call (its validation, :class:`tileattn.NoBackendError`) leaves it as these classes too
-(:func:`core_errors`): ``except RuntimeError`` catches it as with flash-attn, and tileattn's own
+(:class:`core_errors`): ``except RuntimeError`` catches it as with flash-attn, and tileattn's own
 ``except ValueError`` / ``except tileattn.NoBackendError`` still do."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...core.dispatch import NoBackendError
-from .. import reraised_as
+from .. import CoreErrors
 
 
 class FlashAttnArgumentError(ValueError, RuntimeError):
@@ -26,13 +26,15 @@ class FlashAttnNoBackendError(NoBackendError, RuntimeError):
     which flash-attn raises for a call its kernels do not take."""
 
 
-def core_errors(fn):
+class core_errors(CoreErrors):
     """Re-raise what tileattn's core raises as the dialect's class (also a RuntimeError), the message
     kept and prefixed with the function's name."""
-    return reraised_as(f"tileattn.compat.flash_attn.{fn}",
-                       (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError),
-                       ((NoBackendError, FlashAttnNoBackendError), (TypeError, FlashAttnTypeError),
-                        (ValueError, FlashAttnArgumentError)))
+
+    __slots__ = ()
+    prefix = "tileattn.compat.flash_attn"
+    kept = (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError)
+    classes = ((NoBackendError, FlashAttnNoBackendError), (TypeError, FlashAttnTypeError),
+               (ValueError, FlashAttnArgumentError))
 
 
 def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):

@@ -177,30 +177,70 @@ class _Cache:
                   f"(its first {used[b]} positions)")
         return torch.where(in_use, table, 0)
 
-    def write(self, starts, k_new, v_new):
-        """Store k_new/v_new (B, S_new, Hk, D) at positions starts[b] + i of each sequence, in place.
-        Returns what :meth:`restore` needs to put the overwritten slots back."""
+    def write(self, starts, k_new, v_new, lengths):
+        """Store k_new/v_new (B, S_new, Hk, D) at positions starts[b] + i of each sequence, in place
+        (``lengths``: starts as a host list). Returns what :meth:`restore` needs to put the
+        overwritten slots back."""
         batch, new = k_new.shape[:2]
+        flat_k, flat_v = _slots(self.k), _slots(self.v)
+        if self.table is None and self.rows is None and flat_k is not None and flat_v is not None:
+            # the common step: rows 0..B-1 of a contiguous cache, the flat slots computed on the host
+            cap = self.k.shape[1]
+            index = torch.tensor([b * cap + n + i for b, n in enumerate(lengths) for i in range(new)],
+                                 device=self.k.device)
+            saved = (index, flat_k.index_select(0, index), flat_v.index_select(0, index))
+            flat_k.index_put_((index,), k_new.reshape(-1, *k_new.shape[2:]))
+            try:
+                flat_v.index_put_((index,), v_new.reshape(-1, *v_new.shape[2:]))
+            except BaseException:
+                self.restore(saved)
+                raise
+            return saved
         positions = starts.long()[:, None] + torch.arange(new, device=starts.device)
         if self.table is None:
-            index = (self.row_index(batch)[:, None].expand(batch, new), positions)
+            first, second = self.row_index(batch)[:, None].expand(batch, new), positions
         else:
             rows = torch.arange(batch, device=starts.device)[:, None]
-            index = (self.table[rows, positions // self.page_size].long(), positions % self.page_size)
-        saved = (index, self.k[index], self.v[index])  # copies of the S_new slots per sequence
-        self.k.index_put_(index, k_new)
+            first, second = self.table[rows, positions // self.page_size].long(), positions % self.page_size
+        if flat_k is not None and flat_v is not None:  # (entry or page, slot) merged: one index_copy_ each
+            index = (first * self.k.shape[1] + second).flatten()
+            saved = (index, flat_k.index_select(0, index), flat_v.index_select(0, index))
+            writes = ((flat_k, k_new.flatten(0, 1)), (flat_v, v_new.flatten(0, 1)))
+        else:
+            index = (first, second)
+            saved = (index, self.k[index], self.v[index])  # copies of the S_new slots per sequence
+            writes = ((self.k, k_new), (self.v, v_new))
+        self._put(writes[0], index)
         try:
-            self.v.index_put_(index, v_new)
+            self._put(writes[1], index)
         except BaseException:
             self.restore(saved)
             raise
         return saved
 
+    @staticmethod
+    def _put(write, index):
+        target, values = write
+        target.index_put_(index if isinstance(index, tuple) else (index,), values)
+
     def restore(self, saved):
         """Undo :meth:`write`: the caches byte-identical to what they were before it."""
         index, old_k, old_v = saved
-        self.k.index_put_(index, old_k)
-        self.v.index_put_(index, old_v)
+        if isinstance(index, tuple):
+            self.k.index_put_(index, old_k)
+            self.v.index_put_(index, old_v)
+        else:
+            _slots(self.k).index_put_((index,), old_k)
+            _slots(self.v).index_put_((index,), old_v)
+
+
+def _slots(cache):
+    """A cache (N0, N1, Hk, D) as an (N0 * N1, Hk, D) view of its slots, or None when its first two
+    dims do not merge into one strided dim."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        return None
 
 
 def _left_padded(cache, batch, pads, used, used_t, pads_t):
@@ -347,7 +387,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # Every argument flash-attn checks is checked above, before the caches change. Should the core
     # still refuse the call (or the computation fail), the new keys are taken out again: the caches
     # are byte-identical after any error.
-    saved = None if k is None else cache.write(lengths_t, k, v)
+    saved = None if k is None else cache.write(lengths_t, k, v, lengths)
     try:
         kwargs = dict(layout="BSND", scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
                       alibi_slopes=alibi_slopes, return_lse=True)

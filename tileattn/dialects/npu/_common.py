@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from .. import reraised_as
+from .. import CoreErrors
 
 #: torch_npu's "no limit" for pre/next tokens.
 UNBOUNDED = 2147483647
@@ -117,8 +117,11 @@ def band_side(value: int) -> Optional[int]:
     return None if value >= UNBOUNDED else int(value)
 
 
-def core_errors(fn):
+class core_errors(CoreErrors):
     """Re-raise a ``ValueError``/``TypeError`` from tileattn's validation as the dialect's class
     (also a ``RuntimeError``), keeping the message."""
-    return reraised_as(f"tileattn.npu.{fn}", (NpuValueError, NpuTypeError, NotImplementedError),
-                       ((TypeError, NpuTypeError), (ValueError, NpuValueError)))
+
+    __slots__ = ()
+    prefix = "tileattn.npu"
+    kept = (NpuValueError, NpuTypeError, NotImplementedError)
+    classes = ((TypeError, NpuTypeError), (ValueError, NpuValueError))

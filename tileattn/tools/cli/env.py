@@ -57,20 +57,23 @@ def probe_backend(backend, device: str) -> list:
 
 
 def native_report() -> dict:
-    """The native kernels here: how they were built (compiler, ISA, AMX and bf16 dot-product choice,
-    library, build time, from the cache or not) or why they cannot be."""
-    from ...backends.native import build, kernels
+    """The native kernels here: which library was loaded (prebuilt in the wheel or compiled here), from
+    where and why; how it was built (compiler, ISA, AMX and bf16 dot-product choice, build time, from
+    the cache or not), or why there is none."""
+    from ...backends.native import build, kernels, prebuilt
 
     forced = os.environ.get(build.ISA_ENV) or None
+    mode = os.environ.get(prebuilt.MODE_ENV) or None
     ok, why = kernels.available()
     if not ok:
-        return {"available": False, "reason": why, "cache_dir": str(build.cache_dir()), "isa_forced": forced}
+        return {"available": False, "reason": why, "cache_dir": str(build.cache_dir()), "isa_forced": forced,
+                "mode": mode}
     info = kernels.build_info()
     try:  # written by the process that compiled the library: its build time, when this one loaded it
         first_build = json.loads((Path(info["path"]).parent / "build.json").read_text())["build_seconds"]
     except (OSError, ValueError, KeyError, TypeError):
         first_build = None
-    return dict(info, available=True, reason="", cache_dir=str(build.cache_dir()), isa_forced=forced,
+    return dict(info, available=True, cache_dir=str(build.cache_dir()), isa_forced=forced, mode=mode,
                 first_build_seconds=first_build)
 
 
@@ -191,16 +194,22 @@ def _native_lines(n: dict, simd: list) -> list:
     else:
         dot = (f"vdpbf16ps built, {'on' if n['bf16dot_default'] else 'off'}: {n['bf16dot_speedup']}x the fp32 FMA "
                "rate here (used at >= 1.25x)")
-    if n["cached"]:
-        built = "loaded from the cache" + (f" (built in {n['first_build_seconds']:.1f} s on first use)"
-                                           if n["first_build_seconds"] is not None else "")
+    if n["source"] == "prebuilt":
+        built = "the prebuilt library shipped in the wheel (nothing compiled here)"
+    elif n["cached"]:
+        built = "compiled here, loaded from the cache" + (f" (built in {n['first_build_seconds']:.1f} s on first use)"
+                                                          if n["first_build_seconds"] is not None else "")
     else:
-        built = f"built by this process in {n['build_seconds']:.1f} s"
+        built = f"compiled here by this process in {n['build_seconds']:.1f} s"
     isa = n["isa"] + (f" (forced by {n['isa_forced']!r} in TILEATTN_NATIVE_ISA)" if n["isa_forced"] else
+                      " (the best this CPU runs)" if n["source"] == "prebuilt" else
                       " (the best this CPU and compiler build)")
+    mode = f"TILEATTN_NATIVE={n['mode']}" if n["mode"] else "TILEATTN_NATIVE unset: auto"
     return [
         f"status       available, {built}",
-        f"compiler     {n['compiler_version']} ({n['compiler']} {n['flags']})",
+        f"why          {n['reason']} ({mode})",
+        f"compiler     {n['compiler_version']} ({n['compiler']} {n['flags']})"
+        + (", when the wheel was built" if n["source"] == "prebuilt" else ""),
         f"isa          {isa}",
         f"AMX          {amx}",
         f"bf16 dot     {dot}",

@@ -399,9 +399,9 @@ static int validate(ta_args *a) {
         if (k_len < 0 || k_len > cap)
             return fail(a, "seqused_k[%lld] = %lld; expected 0 <= seqused_k <= %lld keys", (long long)b,
                         (long long)k_len, (long long)cap);
-        if (a->paged) {
+        if (a->paged) { /* every entry, read or not (as the Python validation checks the whole table) */
             const int32_t *bt = (const int32_t *)a->block_table;
-            for (int64_t p = 0; p * a->page_size < k_len; p++) {
+            for (int64_t p = 0; p < a->max_pages; p++) {
                 int32_t page = bt[b * a->bt_st[0] + p * a->bt_st[1]];
                 if (page < 0 || page >= a->num_pages)
                     return fail(a, "block_table[%lld, %lld] = %d; expected a page index in [0, %lld)", (long long)b,

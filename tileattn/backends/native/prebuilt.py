@@ -1,0 +1,226 @@
+"""The native library prebuilt into the platform wheel, and which library a process loads.
+
+The Linux x86-64 wheel (``setup.py``, docs/install.md) carries the kernels compiled for three x86-64
+levels, each with an explicit flag set, never ``-march=native`` (which would bake the build machine's
+instruction set into the wheel), all with ``-fopenmp`` (``auditwheel repair`` bundles libgomp):
+
+* ``avx512``: ``-march=x86-64-v4 -mavx512bf16 -mamx-tile -mamx-bf16``: the AMX bf16 tiles (used only
+  where Linux grants the tile state: ``ta_amx_available``) and the vdpbf16ps tiles; runs on CPUs with
+  AVX-512 F/BW/CD/DQ/VL and AVX512_BF16 (Sapphire Rapids and later, Cooper Lake, Zen 4 and later)
+* ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C, BMI: Haswell, Zen 1 and later)
+* ``generic``: ``-march=x86-64-v2`` (SSE4.2: the portable code on 16-byte vectors)
+
+Each sits in ``prebuilt/<variant>/`` beside its size/SHA-256 record (``library.json``, checked before
+every load like a cached library's) and ``build.json`` (compiler, flags, macros). The CPU's
+features come from ``/proc/cpuinfo``; a prebuilt library is loaded only on a CPU that has every
+feature its flags let the compiler use (:data:`LEVELS`).
+
+Which library a process loads (:func:`resolve`) follows ``TILEATTN_NATIVE``:
+
+* ``auto`` (default): the prebuilt library of the variant the compile path would build for this CPU
+  (its best: avx512 where the CPU has AVX-512 F/BW/VL + FMA, else avx2 where it has AVX2 + FMA, else
+  generic; ``TILEATTN_NATIVE_ISA`` forces one) when that is avx512 or avx2: they measured as fast
+  as the ``-march=native`` builds (docs/install.md). A compile for this CPU instead when the variant
+  is generic (its ``-march=native`` build is faster: :data:`NATIVE_WINS`), when no prebuilt library
+  is that variant (a CPU with AVX-512 but without AVX512_BF16, a source install), or when it is
+  damaged (with one warning). Where that compile fails, the best prebuilt library the CPU runs;
+  a damaged one is never loaded (with no compiler: the ``cpu`` engine and one warning)
+* ``prebuilt``: the best prebuilt variant this CPU runs, never a compile
+* ``compile``: always compile on first use (:mod:`.build`), as a source install does
+
+``TILEATTN_NATIVE_PROFILE=1`` always compiles (the profiling counters are not in the wheel). The
+choice and its reason are in :class:`~.build.BuildInfo` (``source``, ``reason``) and ``tileattn env``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional, Tuple
+
+from ...programs import toolchain
+from . import build
+from .build import LIB_NAME, BuildError, BuildInfo
+
+PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
+MODE_ENV = "TILEATTN_NATIVE"
+MODES = ("auto", "prebuilt", "compile")
+#: what setup.py writes beside each prebuilt library (the record of its size and hash is library.json)
+META_NAME = "build.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    isa: str        #: the variant, as build.py names it
+    flags: tuple    #: compile flags besides BASE_FLAGS and -fopenmp
+    cpu: tuple      #: /proc/cpuinfo flags the CPU must have (everything the flags let the compiler emit)
+
+
+_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
+_V3 = _V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  # abm: LZCNT
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+#: variants whose -march=native build measured faster than the prebuilt one (docs/install.md: generic,
+#: whose prebuilt library is SSE4.2 while a compile uses whatever the CPU has above it); ``auto``
+#: compiles these where a compiler works
+NATIVE_WINS = frozenset({"generic"})
+#: the prebuilt variants, best first; AMX needs no CPU flag here (the kernels ask the OS at run time)
+LEVELS = (
+    Level("avx512", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"), _V4 + ("avx512_bf16",)),
+    Level("avx2", ("-march=x86-64-v3",), _V3),
+    Level("generic", ("-march=x86-64-v2",), _V2),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_variant(flags: frozenset, isa: Optional[str] = None) -> str:
+    """The variant the compile path builds on a CPU with these flags (:func:`toolchain.variant`'s rule,
+    read from the CPU's flags instead of the compiler's macros), or the forced one."""
+    forced = (isa or os.environ.get(build.ISA_ENV, "")).strip().lower()
+    if forced:
+        if forced not in build.ISAS:
+            raise BuildError(f"{build.ISA_ENV}={forced!r}; expected one of {', '.join(build.ISAS)}")
+        return forced
+    if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+
+
+# ------------------------------------------------------------------------------ building (setup.py)
+
+
+def unbuildable(cc: tuple) -> Optional[str]:
+    """Why the compiler ``cc`` cannot build every level (its flags, or OpenMP), or None."""
+    for level in LEVELS:
+        flags = level.flags + ("-fopenmp",)
+        macros = toolchain.macros(cc, flags)
+        if macros is None or "_OPENMP" not in macros:
+            return f"compiler {' '.join(cc)!r} rejects {' '.join(flags)} (prebuilt {level.isa})"
+    return None
+
+
+def compile_all(dest: Path, cc: tuple) -> list:
+    """Compile every level into ``dest/<variant>/`` with its records; the variants built. Runs at wheel
+    build time (setup.py), with explicit flags only."""
+    why = unbuildable(cc)
+    if why:
+        raise BuildError(why)
+    version = toolchain.compiler_version(cc)
+    built = []
+    for level in LEVELS:
+        flags = level.flags + ("-fopenmp",)
+        macros = toolchain.macros(cc, flags)
+        folder = dest / level.isa
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
+            toolchain.install(build._compile(cc, flags, level.isa, Path(tmp)), folder / LIB_NAME)
+        meta = dict(compiler=" ".join(cc), compiler_version=version, isa=level.isa, flags=list(flags),
+                    features=[m for m in build.ISA_MACROS if m in macros], cpu=list(level.cpu))
+        (folder / META_NAME).write_text(json.dumps(meta, indent=1))
+        built.append(level.isa)
+    return built
+
+
+# ------------------------------------------------------------------------------ choosing at run time
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """The best prebuilt library this CPU runs, or why there is none."""
+
+    info: Optional[BuildInfo]   #: the verified library, or None
+    why_not: str                #: why the variants above it (or all) were passed over; "" when none was
+    damaged: bool = False       #: True when the library the CPU would run failed its record
+
+
+def verified(folder: Path) -> Tuple[Optional[BuildInfo], str]:
+    """(the verified prebuilt library in ``folder``, "") or (None, what is wrong with it)."""
+    lib = folder / LIB_NAME
+    broken = toolchain.damage(lib, "prebuilt library")
+    try:
+        meta = json.loads((folder / META_NAME).read_text())
+        info = dict(compiler=str(meta["compiler"]), compiler_version=str(meta["compiler_version"]),
+                    isa=str(meta["isa"]), flags=tuple(meta["flags"]), features=tuple(meta["features"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        broken = broken or f"the prebuilt library {lib} has no valid {META_NAME}"
+    if broken:
+        return None, f"the prebuilt library {lib} is missing" if broken == "missing" else broken
+    state = toolchain.cache_root() / "native" / f"prebuilt-{info['isa']}-{toolchain.fingerprint(lib)['sha256'][:20]}"
+    return BuildInfo(path=str(lib), build_seconds=0.0, cached=True, source="prebuilt", state_dir=str(state),
+                     **info), ""
+
+
+def best_prebuilt(flags: frozenset, only: Optional[str] = None) -> Found:
+    """The best prebuilt variant a CPU with these flags runs (only ``only`` when given)."""
+    if not PREBUILT_DIR.is_dir():
+        return Found(None, "this install carries no prebuilt library (a source install or a checkout)")
+    passed = []
+    for level in LEVELS:
+        if only and level.isa != only:
+            continue
+        missing = [f for f in level.cpu if f not in flags]
+        if missing:
+            passed.append(f"prebuilt {level.isa} needs {', '.join(missing)}, which this CPU lacks")
+            continue
+        info, broken = verified(PREBUILT_DIR / level.isa)
+        return Found(info, "; ".join(passed + ([broken] if broken else [])), damaged=bool(broken))
+    return Found(None, "; ".join(passed))
+
+
+def resolve(isa: Optional[str] = None, profile: Optional[bool] = None) -> BuildInfo:
+    """The library this process loads (see the module's docstring): prebuilt or compiled here, with
+    the reason in ``reason``. BuildError when there is none."""
+    mode = os.environ.get(MODE_ENV, "").strip().lower() or "auto"
+    if mode not in MODES:
+        raise BuildError(f"{MODE_ENV}={mode!r}; expected one of {', '.join(MODES)}")
+    if profile is None:
+        profile = os.environ.get(build.PROFILE_ENV, "").strip() == "1"
+    if profile or mode == "compile":
+        why = f"{build.PROFILE_ENV}=1 compiles the profiling build" if profile else f"{MODE_ENV}=compile"
+        return dataclasses.replace(build.build(isa, profile), reason=why)
+    forced = isa or os.environ.get(build.ISA_ENV)
+    wanted = cpu_variant(cpu_flags(), isa)
+    found = best_prebuilt(cpu_flags(), wanted if forced else None)
+    if mode == "prebuilt":
+        if found.info is None:
+            raise BuildError(f"{MODE_ENV}=prebuilt, but {found.why_not}")
+        return dataclasses.replace(found.info, reason=f"{MODE_ENV}=prebuilt: the best prebuilt variant this CPU runs")
+    matches = found.info is not None and found.info.isa == wanted
+    if matches and wanted not in NATIVE_WINS:
+        return dataclasses.replace(found.info, reason=(
+            f"the prebuilt {wanted} library is the variant {'forced by ' + build.ISA_ENV if forced else 'this CPU'}"
+            " would compile, and as fast as a -march=native build (docs/install.md)"))
+    if matches:
+        why = (f"a -march=native build of the {wanted} variant is faster than the prebuilt one "
+               f"({' '.join(found.info.flags)}; docs/install.md)")
+    elif found.info is not None:
+        why = f"the best prebuilt variant this CPU runs is {found.info.isa}, not {wanted} ({found.why_not})"
+    else:
+        why = found.why_not
+    try:
+        compiled = build.build(isa)
+    except BuildError as exc:
+        if found.info is not None:
+            return dataclasses.replace(found.info, reason=(
+                f"the best prebuilt library this CPU runs; compiling was tried first, since {why}, and failed: {exc}"))
+        raise BuildError(f"{why}, and compiling instead failed: {exc}" if found.damaged else str(exc)) from exc
+    if found.damaged:
+        warnings.warn(f"tileattn: {why}; compiled the native kernels for this CPU instead", RuntimeWarning,
+                      stacklevel=3)
+    return dataclasses.replace(compiled, reason=f"compiled for this CPU: {why}")

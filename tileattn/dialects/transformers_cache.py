@@ -1,0 +1,452 @@
+"""``PagedCache``: a Hugging Face ``Cache`` that stores K/V in a paged pool, quantised or not, and that
+the ``"tileattn"`` attention implementation reads as stored.
+
+    import tileattn.integrations.transformers as tt
+    tt.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tileattn")
+    cache = tt.PagedCache(model.config, max_batch_size=4, max_cache_len=4096, dtype=torch.int8)
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+Storage, per layer: K and V pools ``(num_pages, page_size, kv_heads, head_dim)`` in the cache's dtype
+(``head_dim / 2`` bytes for int4, two values a byte), and for a quantised dtype fp32 scale pools
+``(num_pages, page_size, kv_heads, G)``, each stored head-major within a page (a transposed view of
+``(num_pages, kv_heads, page_size, ...)``: one head's tokens of a page lie together): per token
+(G = 1) for int8 and fp8, per group of ``INT4_GROUP`` channels for int4. :func:`tileattn.serving.store`
+quantises each new token into its slot. A block table (``max_batch_size``, pages per sequence) and
+the sequences' lengths are shared by the layers; pages are taken from one free list as sequences
+grow and given back when they leave.
+
+Reading: ``update`` returns, instead of key and value tensors, a :class:`PagedKV` for the layer,
+which the ``"tileattn"`` attention function recognises and reads through one
+:func:`tileattn.flash_attention` call on the pools (``block_table``, ``seqused_k``, the scales): no
+dequantised copy, no concatenation. Another attention implementation reading it fails naming
+PagedCache.
+
+Batch rows are sequences of the cache. ``generate()`` (or a forward on a cache with no selected
+sequence) takes the first free ones for its rows; continuous batching selects them itself:
+:meth:`PagedCache.add` claims sequences, :meth:`PagedCache.select` says which sequence each row of
+the next forwards is, :meth:`PagedCache.release` gives a finished sequence's pages back. Rows may
+hold different lengths: each row's queries are the tokens it just wrote, causal at its own end
+(bottom right), and transformers' mask is applied on top (it adds padding and windows; its causal
+part, built from the longest row, hides nothing more).
+
+Every argument is checked before anything is written: a wrong dtype, a forward batch that is not the
+selected sequences, a sequence that would outgrow ``max_cache_len``, a pool without free pages or
+more sequences than ``max_batch_size`` raise naming the argument, and the cache is as it was.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..core.api import flash_attention
+from ..core.kvquant import INT4, INT4_STORAGE
+from ..core.modifiers import fail
+from ..serving import store
+
+#: Channels per scale of an int4 cache (llama.cpp's Q4_0 block).
+INT4_GROUP = 32
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_QUANTISED = (torch.int8, torch.float8_e4m3fn, INT4)
+_DTYPES = "None (the model's dtype), torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn or 'int4'"
+
+
+class PagedKV:
+    """What :meth:`PagedCache.update` returns for a layer, in place of keys and values: the layer's
+    pools and the step's block table and lengths, read by the ``"tileattn"`` attention function."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: "PagedCache", layer: "PagedLayer"):
+        self.cache, self.layer = cache, layer
+
+    def __getattr__(self, name):
+        raise TypeError(f"tileattn PagedCache: the attention implementation read '{name}' of the cache's keys: a "
+                        "PagedCache is read as stored by the 'tileattn' attention implementation only; load the "
+                        "model with attn_implementation='tileattn' (tileattn.integrations.transformers.register()).")
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's pools; the step (which slots the new tokens go to) is the cache's."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, cache: "PagedCache"):
+        super().__init__()
+        self.cache = cache
+        self.k_scale = self.v_scale = None
+        self.read = PagedKV(cache, self)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cache = self.cache
+        stored = cache.storage_dtype(key_states.dtype)
+        cache.check_states(key_states, value_states)
+        width = cache.head_dim // 2 if cache.dtype == INT4 else cache.head_dim
+        device = key_states.device
+
+        def pool(last, dtype):
+            # stored head-major within a page (a head's keys of a page are contiguous, which the decode
+            # kernel streams), seen as the (pages, page_size, kv heads, last) pool flash_attention reads
+            return torch.zeros(cache.num_pages, cache.heads_kv, cache.page_size, last, dtype=dtype,
+                               device=device).transpose(1, 2)
+
+        self.keys, self.values = pool(width, stored), pool(width, stored)
+        if cache.dtype in _QUANTISED:
+            groups = cache.head_dim // INT4_GROUP if cache.dtype == INT4 else 1
+            self.k_scale, self.v_scale = pool(groups, torch.float32), pool(groups, torch.float32)
+        cache.place(device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError("tileattn PagedCache: layers are updated through PagedCache.update")
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.capacity, 0
+
+    def get_seq_length(self):
+        return self.cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return self.cache.max_cache_len
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def offload(self):
+        raise NotImplementedError("tileattn PagedCache keeps its pools on their device (no offloading)")
+
+    prefetch = offload
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.k_scale, self.v_scale)
+                   if t is not None)
+
+
+class PagedCache(Cache):
+    """A paged, optionally quantised K/V cache for Hugging Face models (module docstring).
+
+    Args:
+        config: the model's config (its text config for a multimodal model): layers, kv heads, head dim.
+        max_batch_size: the most sequences the cache holds at once.
+        max_cache_len: the most tokens one sequence holds.
+        dtype: None (the model's dtype), torch.bfloat16, torch.float16, torch.int8 (per-token scales),
+            torch.float8_e4m3fn (per-token scales) or "int4" (per-group scales, ``INT4_GROUP`` channels).
+        page_size: tokens per page.
+        num_pages: pages in the pool, shared by the sequences; default enough for every sequence to
+            reach ``max_cache_len`` (``max_batch_size * ceil(max_cache_len / page_size)``).
+    """
+
+    def __init__(self, config, *, max_batch_size: int, max_cache_len: int, dtype=None, page_size: int = 16,
+                 num_pages: Optional[int] = None):
+        for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len),
+                            ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(ValueError, name, repr(value), "a positive int")
+        if dtype is not None and dtype not in _FLOATS[1:] + _QUANTISED:
+            fail(TypeError, "dtype", repr(dtype), _DTYPES)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_attention_heads", None)
+        if not isinstance(heads, int) or not hasattr(text, "num_hidden_layers"):
+            fail(TypeError, "config", type(config).__name__,
+                 "a decoder config with num_hidden_layers and num_attention_heads")
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        other = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention")})
+        if other:
+            fail(ValueError, "config", f"layer types {other}", "attention layers only (full, sliding or chunked)")
+        self.heads_kv = getattr(text, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        if dtype == INT4 and self.head_dim % INT4_GROUP:
+            fail(ValueError, "dtype", f"'int4' for head dim {self.head_dim}",
+                 f"a head dim that is a multiple of {INT4_GROUP} (the int4 group), or another dtype")
+        self.dtype, self.page_size, self.max_cache_len = dtype, page_size, max_cache_len
+        self.max_batch_size = max_batch_size
+        self.pages_per_sequence = -(-max_cache_len // page_size)
+        self.capacity = self.pages_per_sequence * page_size
+        if num_pages is None:
+            num_pages = max_batch_size * self.pages_per_sequence
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            fail(ValueError, "num_pages", repr(num_pages), "a positive int (pages in the pool)")
+        self.num_pages = num_pages
+        self.model_dtype = None
+        super().__init__(layers=[PagedLayer(self) for _ in range(text.num_hidden_layers)])
+        # The state is tensors (so that a compiled forward reads and advances it): the block table,
+        # each sequence's length and page count, the free pages (a stack: the first free_count[0]
+        # entries) and the selected rows. Which sequences are claimed is the host's (add/release).
+        self.block_table = torch.zeros(max_batch_size, self.pages_per_sequence, dtype=torch.int32)
+        self.seq_lengths = torch.zeros(max_batch_size, dtype=torch.int32)
+        self.pages_held = torch.zeros(max_batch_size, dtype=torch.int32)
+        self.free_pages = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)
+        self.free_count = torch.tensor([num_pages], dtype=torch.int64)
+        self.rows = torch.zeros(0, dtype=torch.int64)
+        self._claimed = [False] * max_batch_size
+        self.device = None
+        self._step = None  # (slots, lengths, block table) of the selected rows for this forward
+        self._mask_seen = (None, None)
+
+    # ------------------------------------------------------------------------------------ storage
+
+    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The pools' dtype for a model computing in ``model_dtype`` (the first keys seen)."""
+        if self.model_dtype is None:
+            self.model_dtype = model_dtype
+        if self.dtype is None:
+            return model_dtype
+        return INT4_STORAGE if self.dtype == INT4 else self.dtype
+
+    def check_states(self, key_states, value_states) -> None:
+        expected = f"(batch, {self.heads_kv}, tokens, {self.head_dim}) floats, the config's kv heads and head dim"
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point() or \
+                    t.shape[1] != self.heads_kv or t.shape[3] != self.head_dim:
+                fail(ValueError, name, getattr(t, "shape", type(t).__name__), expected)
+        if value_states.shape != key_states.shape:
+            fail(ValueError, "value_states", f"shape {tuple(value_states.shape)}",
+                 f"the shape of key_states {tuple(key_states.shape)}")
+
+    def place(self, device) -> None:
+        """Move the state to the pools' device (once, when the first layer is allocated)."""
+        if self.device is None:
+            self.device = device
+            for name in ("block_table", "seq_lengths", "pages_held", "free_pages", "free_count", "rows"):
+                setattr(self, name, getattr(self, name).to(device))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage: every layer's pools and scale pools (0 before the first forward)."""
+        return sum(layer.nbytes for layer in self.layers if layer.is_initialized)
+
+    # ---------------------------------------------------------------------------------- sequences
+
+    def add(self, count: int = 1) -> List[int]:
+        """Claim ``count`` free sequences (empty, no page yet); returns their ids."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            fail(ValueError, "count", repr(count), "a positive int")
+        free = [s for s in range(self.max_batch_size) if not self._claimed[s]]
+        if len(free) < count:
+            fail(ValueError, "max_batch_size", self.max_batch_size,
+                 f"room for {count} more sequences ({self.max_batch_size - len(free)} held): release finished ones")
+        for s in free[:count]:
+            self._claimed[s] = True
+        return free[:count]
+
+    def select(self, sequences: Sequence[int]) -> None:
+        """The sequences the rows of the next forwards are (row i is ``sequences[i]``)."""
+        rows = self._sequence_list("sequences", sequences)
+        if len(set(rows)) != len(rows):
+            fail(ValueError, "sequences", rows, "distinct sequence ids")
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    def release(self, sequences: Sequence[int]) -> None:
+        """Give the sequences' pages back to the pool; they leave the selection and may be claimed again."""
+        rows = self._sequence_list("sequences", sequences)
+        top = int(self.free_count[0])
+        for s in rows:
+            n = int(self.pages_held[s])
+            self.free_pages[top:top + n] = self.block_table[s, :n].flip(0)
+            top += n
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.free_count[0] = top
+        self.seq_lengths[index] = 0
+        self.pages_held[index] = 0
+        for s in rows:
+            self._claimed[s] = False
+        kept = [r for r in self.rows.tolist() if r not in rows]
+        self.rows = torch.tensor(kept, dtype=torch.int64, device=self.device)
+
+    def _sequence_list(self, name, sequences) -> List[int]:
+        if isinstance(sequences, torch.Tensor):
+            sequences = sequences.tolist()
+        try:
+            rows = [int(s) for s in sequences]
+        except (TypeError, ValueError):
+            fail(TypeError, name, type(sequences).__name__, "a sequence of int sequence ids")
+        bad = [s for s in rows if not 0 <= s < self.max_batch_size or not self._claimed[s]]
+        if bad:
+            fail(ValueError, name, f"sequence {bad[0]}", f"ids from add() (held: {self.sequences})")
+        return rows
+
+    @property
+    def sequences(self) -> List[int]:
+        """The claimed sequences."""
+        return [s for s in range(self.max_batch_size) if self._claimed[s]]
+
+    def lengths(self) -> List[int]:
+        """Tokens held by each selected row's sequence."""
+        return self.seq_lengths[self.rows].tolist()
+
+    # ------------------------------------------------------------------------------------ updates
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        if layer_idx == 0:
+            self._advance(key_states, value_states)
+        elif self._step is None:
+            fail(ValueError, "layer_idx", layer_idx, "0 first: a forward writes every layer in order")
+        slots = self._step[0]
+        for pool, scales, new in ((layer.keys, layer.k_scale, key_states), (layer.values, layer.v_scale, value_states)):
+            tokens = new.transpose(1, 2).reshape(-1, new.shape[1], new.shape[3])
+            if torch.compiler.is_compiling():
+                paged_store(pool, scales, slots, tokens)
+            else:
+                store(pool, slots, tokens, scale_cache=scales)
+        return layer.read, layer.read
+
+    def _advance(self, key_states, value_states) -> None:
+        """A new forward: check it, take pages, and lay out where its tokens go (nothing changes
+        unless every check passes)."""
+        self.check_states(key_states, value_states)
+        batch, q_len = key_states.shape[0], key_states.shape[2]
+        if self.rows.numel() == 0 and not torch.compiler.is_compiling():
+            self.select(self.add(batch))  # generate(): the batch's rows take free sequences
+        if batch != self.rows.shape[0]:
+            fail(ValueError, "key_states", f"a batch of {batch} rows",
+                 f"{self.rows.shape[0]}, the selected sequences (select() them)")
+        advance = paged_advance if torch.compiler.is_compiling() else _advance
+        self._step = advance(self.block_table, self.seq_lengths, self.pages_held, self.free_pages, self.free_count,
+                             self.rows, q_len, self.page_size, self.max_cache_len)
+
+    # ------------------------------------------------------------------------- transformers' Cache
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """Tokens held by the longest selected sequence (transformers places new positions after it);
+        a 0-d tensor while torch.compile traces (as a StaticCache's), else an int."""
+        if torch.compiler.is_compiling():
+            return self.seq_lengths[self.rows].amax()
+        return int(self.seq_lengths[self.rows].max()) if self.rows.numel() else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        return self.capacity, 0
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Release every sequence (the pools keep their memory)."""
+        self.release(self.sequences)
+        self._step = None
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("tileattn PagedCache does not reorder sequences (beam search): use greedy or "
+                                  "sampling, or a DynamicCache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("tileattn PagedCache does not crop (assisted decoding): use a DynamicCache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("tileattn PagedCache does not repeat sequences: give each row its own prompt")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("tileattn PagedCache: use select()/release() to change the batch")
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.shape[0]
+
+
+# ------------------------------------------------------------------------------ the step, as ops
+# A compiled forward calls these as custom ops (opaque nodes: they read values to take pages and to
+# check the new tokens); an eager one calls the functions directly.
+
+
+def _advance(block_table: torch.Tensor, seq_lengths: torch.Tensor, pages_held: torch.Tensor, free_pages: torch.Tensor,
+             free_count: torch.Tensor, rows: torch.Tensor, q_len: int, page_size: int,
+             max_cache_len: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take the pages the rows' next ``q_len`` tokens need and advance their lengths; returns the
+    tokens' flat slots (rows * q_len,), the rows' new lengths (int32) and their block table rows.
+    Checked first: nothing changes when a sequence would outgrow ``max_cache_len`` or the pool
+    has too few free pages."""
+    index = rows.tolist()
+    before = seq_lengths[rows]
+    held = pages_held[rows].tolist()
+    need = []
+    for s, length, h in zip(index, before.tolist(), held):
+        if length + q_len > max_cache_len:
+            fail(ValueError, "max_cache_len", max_cache_len,
+                 f"room for {q_len} more tokens of sequence {s}, which holds {length}")
+        need.append(-(-(length + q_len) // page_size) - h)
+    top = int(free_count[0])
+    if sum(need) > top:
+        fail(ValueError, "num_pages", free_pages.numel(),
+             f"{sum(need)} free pages for this forward ({top} free): release finished sequences")
+    for s, h, n in zip(index, held, need):
+        if n:
+            block_table[s, h:h + n] = free_pages[top - n:top].flip(0)
+            top -= n
+    free_count[0] = top
+    pages_held[rows] += torch.tensor(need, dtype=torch.int32, device=rows.device)
+    seq_lengths[rows] += q_len
+    table = block_table[rows]
+    positions = before.long()[:, None] + torch.arange(q_len, device=rows.device)
+    slots = table.long().gather(1, positions // page_size) * page_size + positions % page_size
+    return slots.flatten(), seq_lengths[rows], table
+
+
+@torch.library.custom_op("tileattn::paged_cache_advance",
+                         mutates_args=("block_table", "seq_lengths", "pages_held", "free_pages", "free_count"))
+def paged_advance(block_table: torch.Tensor, seq_lengths: torch.Tensor, pages_held: torch.Tensor,
+                  free_pages: torch.Tensor, free_count: torch.Tensor, rows: torch.Tensor, q_len: int, page_size: int,
+                  max_cache_len: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _advance(block_table, seq_lengths, pages_held, free_pages, free_count, rows, q_len, page_size,
+                    max_cache_len)
+
+
+@paged_advance.register_fake
+def _(block_table, seq_lengths, pages_held, free_pages, free_count, rows, q_len, page_size, max_cache_len):
+    batch = rows.shape[0]
+    return (rows.new_empty((batch * q_len,)), seq_lengths.new_empty((batch,)),
+            block_table.new_empty((batch, block_table.shape[1])))
+
+
+@torch.library.custom_op("tileattn::paged_cache_store", mutates_args=("pool", "scales"))
+def paged_store(pool: torch.Tensor, scales: Optional[torch.Tensor], slots: torch.Tensor, new: torch.Tensor) -> None:
+    store(pool, slots, new, scale_cache=scales)
+
+
+@paged_store.register_fake
+def _(pool, scales, slots, new):
+    return None
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def paged_attention(kv: PagedKV, query, attention_mask, *, scaling, softcap, sinks):
+    """The attention of ``query`` (B, H, q_len, D) over the layer's pools as stored: ``(out (B, q_len, H, D),
+    None)``. ``attention_mask``: transformers' bool (or additive) mask over the cache's capacity, or None."""
+    cache, layer = kv.cache, kv.layer
+    _, used, table = cache._step
+    mask = bias = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            mask = None if _plain_causal(cache, attention_mask, used) else attention_mask
+        else:
+            bias = attention_mask.to(query.dtype)
+    q = query.transpose(1, 2)
+    if layer.keys.dtype in _FLOATS and layer.keys.dtype != q.dtype:
+        q = q.to(layer.keys.dtype)  # a bf16/fp16 cache under an fp32 model: attention in the cache's dtype
+    out = flash_attention(q, layer.keys, layer.values, layout="BSND", block_table=table, seqused_k=used, causal=True,
+                          scale=scaling, softcap=softcap, mask=mask, bias=bias, sinks=sinks, k_scale=layer.k_scale,
+                          v_scale=layer.v_scale)
+    return out.to(query.dtype), None
+
+
+def _plain_causal(cache: PagedCache, mask: torch.Tensor, used: torch.Tensor) -> bool:
+    """Whether transformers' mask of a one-token step hides no key the rows hold (no padding, no
+    window): each row's causal reach then says it all. Decided once per mask (one per forward)."""
+    if torch.compiler.is_compiling() or mask.shape[-2] != 1:
+        return False
+    seen, plain = cache._mask_seen
+    if seen is not mask:
+        plain = bool(mask[..., : int(used.max())].all())
+        cache._mask_seen = (mask, plain)
+    return plain
