@@ -21,9 +21,11 @@ from tileattn import NoBackendError
 from tileattn.core import api
 from tileattn.core.dispatch import Capabilities, get_backend, list_backends
 from tileattn.core.engine import Backend
+from tileattn.core.functions import MaskMod, ScoreMod
 from tileattn.core.kernel_args import KernelArgs
-from tileattn.core.modifiers import (OP_INT, OP_TENSOR, Band, Dropout, Mask, Modifier, Softcap, fail,
-                                modifiers_from_keywords, variant_keywords)
+from tileattn.core.kvquant import KVQuant
+from tileattn.core.modifiers import (OP_INT, OP_TENSOR, Alibi, Band, Bias, Dropout, Mask, Modifier, Softcap, fail,
+                                modifier_types, modifiers_from_keywords, variant_keywords)
 from tileattn.core.spec import AttentionSpec, build_spec
 
 from conftest import CPU_BACKENDS, assert_matches_reference, make_qkv
@@ -105,6 +107,47 @@ def test_engines_support_exactly_the_modifier_types_they_declare():
         assert all(isinstance(t, type) and issubclass(t, Modifier) for t in b.capabilities.modifiers), b.name
 
 
+def _samples():
+    """One call per modifier type an engine may declare: (type, q, k, v, keywords)."""
+    q, k, v = make_qkv(b=1, hq=2, sq=9, sk=13, d=8, seed=5)
+    g = torch.Generator().manual_seed(6)
+    k8, v8 = (torch.randint(-100, 100, t.shape, generator=g, dtype=torch.int8) for t in (k, v))
+    plain = (q, k, v)
+    return [
+        (Softcap, *plain, dict(softcap=2.0)),
+        (Alibi, *plain, dict(alibi_slopes=torch.tensor([0.3, 0.1]))),
+        (Bias, *plain, dict(bias=torch.randn(1, 2, 9, 13, generator=g))),
+        (Band, *plain, dict(window=(4, 1))),
+        (Mask, *plain, dict(mask=torch.rand(9, 13, generator=g) > 0.3)),
+        (Dropout, *plain, dict(dropout_p=0.25, seed=3)),
+        (KVQuant, q, k8, v8, dict(k_scale=torch.full((1, 1, 1, 1), 0.01), v_scale=torch.full((1, 1, 1, 1), 0.02))),
+        (ScoreMod, *plain, dict(score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j).abs())),
+        (MaskMod, *plain, dict(mask_mod=lambda b, h, i, j: (i + j) % 3 != 0)),
+    ]
+
+
+def test_each_engine_lists_its_own_modifier_types_and_runs_each_of_them():
+    """No engine takes its modifier types from a set another engine uses (a type added for one engine
+    is granted to no other), but for an engine that is another's arithmetic (eager: the reference in
+    blocks). Every type a CPU engine lists runs there, within the accuracy rule of the reference."""
+    from tileattn.core import engine
+
+    assert not hasattr(engine, "BUILTIN_MODIFIERS")
+    engines = list_backends()
+    for a in engines:
+        for b in engines:
+            if a is not b and a.capabilities.modifiers is b.capabilities.modifiers:
+                assert isinstance(a, type(b)) or isinstance(b, type(a)), (a.name, b.name)
+    samples = _samples()
+    assert {cls for cls, *_ in samples} >= {t for b in engines for t in b.capabilities.modifiers}
+    for name in CPU_BACKENDS:
+        declared = get_backend(name).capabilities.modifiers
+        for cls, q, k, v, kwargs in samples:
+            if cls in declared:
+                assert tileattn.explain(q, k, v, **kwargs)[name] == [], (name, cls)
+                assert_matches_reference(name, q, k, v, grad=False, **kwargs)
+
+
 def _declarations(tree):
     """The nodes of an engine module's modifier declarations: the class attribute ``capabilities`` and
     module constants named ``*_MODIFIERS`` (where modifier types are data)."""
@@ -134,6 +177,34 @@ def test_no_engine_and_not_the_reference_look_a_modifier_up_by_name():
         # Band, as the geometry of the band kernel arguments (KernelArgs.band), may be used anywhere
         uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in imported and id(n) not in declared]
         assert not uses, f"{path.name} uses modifier types outside its capabilities: {sorted({n.id for n in uses})}"
+
+
+def test_no_module_switches_on_a_modifier_s_type():
+    """What differs by modifier type is asked of the modifier (its attributes and methods: how context
+    parallelism shards it, what ranks agree on, the band of keys it limits rows to, its kernel
+    arguments); outside the modifiers' own modules no code tests a modifier's type or kind. The
+    engines' capabilities name types as data (the check above); the user-function compiler's
+    ``kind`` is a program's ("score" / "mask"), not a modifier's."""
+    own = {"core/modifiers.py", "core/functions.py", "core/kvquant.py"}
+    types = {cls.__name__ for cls in modifier_types()}
+    kinds = {cls.kind for cls in modifier_types()}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in own or rel.startswith("programs/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+                if {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & types:
+                    found.append(f"{rel}:{node.lineno} isinstance")
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Attribute) and s.attr == "kind" for s in sides) and any(
+                        isinstance(c, ast.Constant) and c.value in kinds for s in sides for c in ast.walk(s)):
+                    found.append(f"{rel}:{node.lineno} .kind")
+                if any(isinstance(s, ast.Name) and s.id in types for s in sides):
+                    found.append(f"{rel}:{node.lineno} type")
+    assert not found, found
 
 
 # --------------------------------------------------------- a modifier type from outside the package

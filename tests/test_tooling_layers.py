@@ -19,8 +19,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "tileattn"
 TOOLING = ("tileattn.tools", "tileattn.__main__")
 #: Engines register with tileattn.core.engine, which dispatch imports too, so the registry is no cycle.
-#: No import cycle is left (the flash-attn dialect's interface and kvcache share checks.py).
-MAX_CYCLE = 1
+#: No import cycle is left (the flash-attn dialect's interface and kvcache share checks.py): the
+#: largest strongly connected component of the import graph has 0 modules.
+MAX_CYCLE = 0
 
 
 def _is_tooling(name: str) -> bool:
@@ -174,7 +175,8 @@ def test_core_modules_never_import_the_tooling():
 #: the layers (programs -> core -> engines -> dialects -> distributed -> tools; programs, the user
 #: functions' compiler, is the lowest and imports nothing else of tileattn). ``tileattn.serving``
 #: (writing quantised caches) sits on the core, and a dialect's cache (transformers' PagedCache)
-#: writes through it.
+#: writes through it. Never the package root itself: it imports every layer, so that arrow would
+#: climb back up (a dialect calls core.api).
 ALLOWED = {
     "tileattn.programs": ("tileattn.programs",),
     "tileattn.core": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
@@ -197,7 +199,7 @@ def test_each_layer_imports_only_the_layers_below_it():
         if not layer:
             continue
         for t in targets:
-            if t in ("tileattn", "tileattn._aliases") or _layer(t, ALLOWED[layer]):
+            if t == "tileattn._aliases" or _layer(t, ALLOWED[layer]):
                 continue
             wrong.append(f"{name} imports {t}")
     assert not wrong, "imports against the layering: " + "; ".join(sorted(wrong))

@@ -647,27 +647,49 @@ def test_paged_kv_gradients_refused_with_a_reason():
 
 
 def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_equal_one=False):
-    """Compile ``fn`` for sm_90. ``ints_equal_one``: every int argument that Triton would specialise
-    when it equals 1 (unit strides, group size 1, length 1, ...) becomes the constant 1, as at launch."""
+    """Compile ``fn`` for sm_90. Pointers are typed by ``pointer_types``; the argument groups of
+    :mod:`tileattn.backends.triton.arguments` by their fields' annotations (int: i32, float: fp32, any
+    other: an int32 index pointer); ``F`` is the Flags of ``constexprs``. ``ints_equal_one``: every int
+    argument that Triton would specialise when it equals 1 (unit strides, group size 1, length 1, ...)
+    becomes the constant 1, as at launch."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    floats = {"sm_scale", "softcap", "drop_scale"}
-    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-    signature = {}
-    for name in fn.arg_names:
-        if name in pointer_types or name in floats or name in constexprs:
-            continue
-        if ints_equal_one and name not in fn.do_not_specialize:
-            constexprs[name] = 1
-    for name in fn.arg_names:
-        if name in constexprs:
+    from tileattn.backends.triton import arguments
+
+    groups = {"st": arguments.ModifierStrides, "seqs": arguments.Sequences, "sizes": arguments.Sizes,
+              "sc": arguments.Scalars}
+    signature, constants = {}, {}
+
+    def integer(path):
+        if ints_equal_one and fn.arg_names[path[0]] not in fn.do_not_specialize:
+            constants[path] = 1
+            return "constexpr"
+        return "i32"
+
+    def group(cls, path):
+        types = []
+        for i, kind in enumerate(cls.__annotations__.values()):
+            if isinstance(kind, type) and issubclass(kind, tuple):
+                types.append(group(kind, path + (i,)))
+            else:
+                types.append(integer(path + (i,)) if kind is int else "fp32" if kind is float else "*i32")
+        return cls(*types)
+
+    for i, name in enumerate(fn.arg_names):
+        if name == "F":
+            constants[(i,)] = arguments.Flags(**{f: constexprs[f] for f in arguments.Flags._fields})
+            signature[name] = "constexpr"
+        elif name in constexprs:
+            constants[(i,)] = constexprs[name]
             signature[name] = "constexpr"
         elif name in pointer_types:
             signature[name] = pointer_types[name]
+        elif name in groups or name.endswith("_st"):
+            signature[name] = group(groups.get(name, arguments.Strides), (i,))
         else:
-            signature[name] = "fp32" if name in floats else "i32"
-    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+            signature[name] = integer((i,))
+    src = ASTSource(fn, signature, constexprs=constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
                                                                           "num_stages": num_stages})
 
@@ -675,16 +697,15 @@ def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_
 def _pointer_types(dtype: str) -> dict:
     data = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")}
     return dict(data, Lse2="*fp32", Delta="*fp32", DBias="*fp32", Mask="*u8", Bias="*fp32",
-                Slopes="*fp32", CuSeqQ="*i32", CuSeqK="*i32", SeqUsedK="*i32", BlockTable="*i32",
-                OutPart="*fp32", LsePart="*fp32")
+                Slopes="*fp32", OutPart="*fp32", LsePart="*fp32")
 
 
 @compiled_process
 def test_kernels_compile_for_sm90():
-    """Every kernel with every feature on (a flag a kernel does not take is dropped for it), through
-    ptxas for an H100/H200 (no GPU needed): bf16 for all kernels, fp32 (IEEE dots) for the forward and
-    decode ones, the prefill forward and the decode kernel also on a paged cache. Small blocks keep
-    ptxas to seconds."""
+    """Every kernel with every feature on that the launcher gives it (the decode kernels have no mask,
+    bias or dropout: those calls take the prefill kernel), through ptxas for an H100/H200 (no GPU
+    needed): bf16 for all kernels, fp32 (IEEE dots) for the forward and decode ones, the prefill
+    forward and the decode kernel also on a paged cache. Small blocks keep ptxas to seconds."""
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as exc:
@@ -695,7 +716,7 @@ def test_kernels_compile_for_sm90():
                  HAS_SOFTCAP=True, HAS_DROPOUT=True, HAS_SEQUSED=True, PAGED=False, BLOCK_D=64, BLOCK_DV=32)
     bf16, fp32 = dict(flags, DOT_PRECISION="tf32"), dict(flags, DOT_PRECISION="ieee")
     decode = dict(MIN_CHUNK=launch.DECODE_MIN_CHUNK, MAX_SPLITS=launch.DECODE_MAX_SPLITS, BLOCK_M=16,
-                  BLOCK_N=launch.DECODE_BLOCK_N)
+                  BLOCK_N=launch.DECODE_BLOCK_N, HAS_MASK=False, HAS_BIAS=False, HAS_DROPOUT=False)
     jobs = [
         (fwd.attention_forward_kernel, dict(bf16, BLOCK_M=64, BLOCK_N=32), "bf16"),
         (bwd.attention_backward_dkdv_kernel, dict(bf16, BLOCK_M=32, BLOCK_N=64), "bf16"),

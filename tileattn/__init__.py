@@ -11,16 +11,9 @@ from .core.merge import merge_attentions
 from .dialects.flex import flex_attention, patch_flex
 from .core.reference import reference
 from .core.spec import LAYOUTS
+from .dialects import flash_attn as _flash_attn
 from .dialects import npu
-from .dialects.flash_attn import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from .dialects.flash_attn import *  # noqa: F401,F403  (the flash-attn 2.x functions, its __all__)
 from .dialects.sdpa import patch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -40,13 +33,7 @@ __all__ = [
     "NoBackendError",
     "LAYOUTS",
     "npu",
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
+    *_flash_attn.__all__,
     "scaled_dot_product_attention",
     "patch_sdpa",
     "__version__",

@@ -17,7 +17,8 @@ from ..core.functions import MaskMod, ScoreMod
 from ..core.kvquant import KVQuant
 from ..core.modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from ..core.reference import reference_backward, reference_from_spec
-from ..core.spec import AttentionSpec, to_canonical
+from ..core.layouts import to_canonical
+from ..core.spec import AttentionSpec
 
 #: every modifier type the reference computes
 REFERENCE_MODIFIERS = frozenset((Softcap, Alibi, Bias, ScoreMod, Band, Mask, MaskMod, Dropout, KVQuant))

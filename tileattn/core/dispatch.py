@@ -21,7 +21,7 @@ from typing import Dict, List
 
 from . import engine as _engine
 from .engine import (  # noqa: F401  (the engine interface, importable from here as before)
-    ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register, registry_version,
+    ALL_DTYPES, Backend, Capabilities, Gradients, register, registry_version,
 )
 from .spec import AttentionSpec
 

@@ -13,12 +13,9 @@ from typing import Dict, FrozenSet, List, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from .spec import AttentionSpec
 
 ALL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
-#: The built-in modifier types an engine applies itself (sinks are merged above every engine).
-BUILTIN_MODIFIERS = frozenset((Softcap, Alibi, Bias, Band, Mask, Dropout))
 
 
 @dataclass(frozen=True)
@@ -29,8 +26,9 @@ class Capabilities:
     dtypes: FrozenSet[torch.dtype] = ALL_DTYPES
     max_head_dim: Optional[int] = None
     #: The modifier types the engine applies, exactly: a type not listed is refused (closed by
-    #: default). Sinks are applied above every engine (a merge of its (out, LSE) with the sink logit),
-    #: so engines never declare them.
+    #: default). Each engine lists its own (no shared set: a new type is granted engine by engine, as
+    #: its kernels learn it). Sinks are applied above every engine (a merge of its (out, LSE) with the
+    #: sink logit), so engines never declare them.
     modifiers: FrozenSet[type] = frozenset()
     varlen: bool = True
     seqused_k: bool = True

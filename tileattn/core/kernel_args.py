@@ -84,6 +84,17 @@ class KernelArgs:
         """A weight survives when the top 24 bits of its hash are >= this."""
         return dropout_threshold(self.dropout_p)
 
+    def numbers(self) -> Dict[str, object]:
+        """The static fields that are numbers (the scale, the alignment, the band sides, the softcap, the
+        dropout rate, and any field added here), by name: what the engines pass on to their kernels as
+        they are (the native record's fields of these names, Triton's ``Scalars``)."""
+        return {name: self.__dict__[name] for name in _defaults(type(self))[0]}
+
+    def is_set(self, name: str) -> bool:
+        """Whether field ``name`` differs from its default (a modifier set it)."""
+        value, default = self.__dict__[name], _defaults(type(self))[1][name]
+        return value is not None if default is None else value != default
+
     def bound(self, modifiers: Iterable[Modifier]) -> "KernelArgs":
         """This static record with the tensors and per-call values of ``modifiers`` (the same types
         it was lowered from). The static record itself when the call binds nothing."""
@@ -93,7 +104,7 @@ class KernelArgs:
         for m in modifiers:
             if m.binds:
                 values.update(m.bind())
-        copy = object.__new__(KernelArgs)
+        copy = object.__new__(type(self))
         copy.__dict__.update(self.__dict__)
         copy.__dict__.update(values)
         return copy
@@ -102,7 +113,7 @@ class KernelArgs:
         """The record without its per-call values (what a plan keeps)."""
         if not self.per_call:
             return self
-        copy = object.__new__(KernelArgs)
+        copy = object.__new__(type(self))
         copy.__dict__.update(self.__dict__)
         copy.__dict__.update({f.name: f.default for f in fields(KernelArgs) if f.name in PER_CALL_FIELDS})
         return copy
@@ -110,6 +121,17 @@ class KernelArgs:
 
 _STATIC_FIELDS = frozenset(f.name for f in fields(KernelArgs)) - set(PER_CALL_FIELDS) - {"scale", "bottom_right",
                                                                                           "shift", "per_call"}
+_DEFAULTS: Dict[type, tuple] = {}
+
+
+def _defaults(cls) -> tuple:
+    """(the static number fields of a record class, in order; each field's default), made once."""
+    known = _DEFAULTS.get(cls)
+    if known is None:
+        every = fields(cls)
+        known = _DEFAULTS[cls] = (tuple(f.name for f in every if f.name not in PER_CALL_FIELDS and f.name != "per_call"),
+                                  {f.name: f.default for f in every})
+    return known
 
 
 def lower(modifiers: Iterable[Modifier], scale: float, align) -> KernelArgs:

@@ -41,6 +41,7 @@ from typing import ClassVar, Mapping, Optional, Tuple
 
 import torch
 
+from .layouts import LAYOUT, to_canonical
 from .modifiers import OP_TENSOR, Modifier, fail
 
 #: The stored formats of a quantised cache (besides q's own dtype with descales).
@@ -96,7 +97,7 @@ class KVQuant(Modifier):
         return cls(k_scale, k_offset, v_scale, v_offset, q_scale)
 
     def check(self, spec) -> None:
-        if spec.layout in ("BSH", "SBH"):
+        if LAYOUT[spec.layout].fused:
             fail(ValueError, self._first_given(), f"a quantised or scaled cache with layout='{spec.layout}'",
                  "layout 'BNSD', 'BSND' or 'TND', or a paged cache (scales follow k's head axis)")
         q, k, v = spec.q, spec.k, spec.v
@@ -173,6 +174,19 @@ def quant_of(spec) -> Optional[KVQuant]:
     return KVQuant() if spec.k.dtype is not spec.q.dtype else None
 
 
+def with_cache_scales(found: tuple, q_dtype, k_dtype) -> tuple:
+    """The modifiers ``found`` of a call, with a :class:`KVQuant` of unit scales added when the cache's
+    dtype is not q's and none is given (a quantised cache read as stored)."""
+    if k_dtype == q_dtype or any(isinstance(m, KVQuant) for m in found):
+        return found
+    return tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))
+
+
+def without_cache_scales(modifiers: tuple) -> tuple:
+    """The modifiers of a call whose cache is dequantised already."""
+    return tuple(m for m in modifiers if not isinstance(m, KVQuant))
+
+
 def dequantise(x: torch.Tensor, scale: Optional[torch.Tensor], offset: Optional[torch.Tensor], dtype) -> torch.Tensor:
     """``(x + offset) * scale`` in ``dtype``, scale and offset broadcast along x's shape, their last
     dim (G channel groups) repeated over the groups' channels; an int4 cache unpacked first."""
@@ -199,10 +213,9 @@ def _has_batch_axis(m: KVQuant, k: torch.Tensor) -> bool:
 def canonical_scales(spec, args) -> dict:
     """The kernels' scale keywords from a call's kernel arguments: each scale in the cache's canonical
     order (a BSND cache's (B, Sk, Hkv, G) read as (B, Hkv, Sk, G), as its keys are)."""
-    swap = spec.layout == "BSND" and not spec.is_paged
     out = {}
     for name in _SCALE_NAMES:
-        t = getattr(args, name)
-        out[name] = t.transpose(1, 2) if swap and t is not None else t
+        t = getattr(args, name)  # a pool's scales stay in the pool's order, as its keys are read
+        out[name] = t if t is None or spec.is_paged else to_canonical(t, spec.layout, None)
     out["q_scale"] = args.q_scale
     return out

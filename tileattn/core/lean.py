@@ -38,6 +38,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .engine import registry_version
+from .layouts import kv_reader
 from .spec import tracing
 
 #: Lean plans by call key (None: a call shape the engine prepares nothing for). Bounded; the
@@ -188,11 +189,9 @@ class LeanPlan:
         self.engine, self.capabilities, self.prepared = engine, engine.capabilities, prepared
         self.forward = getattr(engine.forward, "__func__", None)
         paged = spec.is_paged
-        self.read_k = _reader(spec.layout, paged, spec.batch, spec.heads_kv, spec.head_dim,
-                              spec.block_size if paged else 0)
-        self.read_v = _reader(spec.layout, paged, spec.batch, spec.heads_kv, spec.head_dim_v,
-                              spec.block_size if paged else 0)
-        prepared.order = _stride_order(spec.layout, paged)
+        layout, batch, seq = ("paged", None, spec.block_size) if paged else (spec.layout, spec.batch, None)
+        self.read_k, prepared.order = kv_reader(layout, batch, spec.heads_kv, spec.head_dim, seq)
+        self.read_v = kv_reader(layout, batch, spec.heads_kv, spec.head_dim_v, seq)[0]
         self.out_shape, self.lse_shape = spec.out_shape(), spec.lse_shape()
         self.dtype, self.acc = spec.dtype, spec.acc_dtype()
         # q's shape and strides are in the call key: when q has the output's shape and its plain
@@ -227,49 +226,6 @@ class LeanPlan:
         return out, lse
 
 
-def _reader(layout: str, paged: bool, batch: int, heads: int, dim: int,
-            page_size: int) -> Callable[[torch.Tensor], Optional[tuple]]:
-    """A function of K (or V) giving ``(keys, strides)`` -- the key count (the page count of a
-    paged pool) and the tensor's own strides, which :func:`_stride_order` reads as (batch or page,
-    head, key or slot) -- or None when its shape is not this plan's (or its head dim is not
-    unit-stride: the full path copies it)."""
-    if paged:
-        def read(t):
-            s = t.shape
-            if len(s) == 4 and s[1] == page_size and s[2] == heads and s[3] == dim:
-                st = t.stride()
-                if st[3] == 1 or dim == 1:
-                    return s[0], st
-            return None
-    elif layout == "BNSD":
-        def read(t):
-            s = t.shape
-            if len(s) == 4 and s[0] == batch and s[1] == heads and s[3] == dim:
-                st = t.stride()
-                if st[3] == 1 or dim == 1:
-                    return s[2], st
-            return None
-    elif layout == "BSND":
-        def read(t):
-            s = t.shape
-            if len(s) == 4 and s[0] == batch and s[2] == heads and s[3] == dim:
-                st = t.stride()
-                if st[3] == 1 or dim == 1:
-                    return s[1], st
-            return None
-    else:  # BSH (B, S, H*D) and SBH (S, B, H*D): heads are D-wide slices of the last dim
-        seq, bat = (1, 0) if layout == "BSH" else (0, 1)
-
-        def read(t):
-            s = t.shape
-            if len(s) == 3 and s[bat] == batch and s[2] == heads * dim:
-                st = t.stride()
-                if st[2] == 1 or dim == 1:
-                    return s[seq], (st[bat], dim * st[2], st[seq])
-            return None
-    return read
-
-
 def _contiguous(shape) -> tuple:
     """The strides torch gives a contiguous tensor of ``shape``."""
     strides, step = [], 1
@@ -277,8 +233,3 @@ def _contiguous(shape) -> tuple:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def _stride_order(layout: str, paged: bool) -> tuple:
-    """Which of a reader's strides are the kernels' (batch or page, head, key or slot)."""
-    return (0, 2, 1) if paged or layout == "BSND" else (0, 1, 2)

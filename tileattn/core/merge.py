@@ -23,7 +23,7 @@ from typing import Sequence, Tuple
 import torch
 
 from .modifiers import fail
-from .spec import LAYOUTS
+from .layouts import LAYOUTS, row_factor
 
 
 def merge_weights(*lses: torch.Tensor) -> Tuple[Tuple[torch.Tensor, ...], torch.Tensor]:
@@ -63,18 +63,6 @@ def merge_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> Non
     lse.copy_(new)
 
 
-def _weights_to_out_layout(w: torch.Tensor, layout: str, out_dim: int) -> torch.Tensor:
-    """An LSE-shaped (B, H, S) / (H, T) tensor as a factor broadcasting against an output in ``layout``."""
-    if layout == "BNSD":
-        return w[..., None]
-    if layout == "TND":
-        return w.transpose(0, 1)[..., None]
-    if layout == "BSND":
-        return w.transpose(1, 2)[..., None]
-    per_head = w.transpose(1, 2) if layout == "BSH" else w.permute(2, 0, 1)  # (B, S, H) / (S, B, H)
-    return per_head.repeat_interleave(out_dim // per_head.shape[-1], dim=-1)
-
-
 def merge_attentions(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, layout: str = "BNSD",
                      out_dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge partial results ``(out_i, lse_i)`` over disjoint key sets into ``(out, lse)``.
@@ -100,6 +88,6 @@ def merge_attentions(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor],
     weights, lse = merge_weights(*(l.to(acc) for l in lses))
     out = None
     for o, w in zip(outs, weights):
-        term = _weights_to_out_layout(w, layout, o.shape[-1]) * o.to(acc)
+        term = row_factor(w, layout, o.shape[-1]) * o.to(acc)
         out = term if out is None else out + term
     return out.to(out_dtype or acc), lse

@@ -21,7 +21,10 @@ registers it (by :attr:`~Modifier.kind`). It implements, besides what it is:
   tensors and per-call values); engines read that record and never the modifier;
 * the exact reference, through the hooks below, applied in stage order: :meth:`~Modifier.scores`
   (and :meth:`~Modifier.scores_grad`), :meth:`~Modifier.visible`, :meth:`~Modifier.weights` (and
-  :meth:`~Modifier.weights_grad`), :meth:`~Modifier.extra_logits` (merged into the result).
+  :meth:`~Modifier.weights_grad`), :meth:`~Modifier.extra_logits` (merged into the result);
+* context parallelism (:mod:`tileattn.distributed`): how it is sharded
+  (:attr:`~Modifier.context_parallel`, :meth:`~Modifier.for_heads`, :meth:`~Modifier.check_shards`)
+  and what every rank must pass alike (:meth:`~Modifier.agreement`, :meth:`~Modifier.as_keywords`).
 
 Engines declare the modifier *types* they apply (:class:`tileattn.core.dispatch.Capabilities`); a type an
 engine does not list is refused by it with a reason, never ignored. Adding a modifier is one class
@@ -35,7 +38,8 @@ sequence (a key shard inside a longer sequence, as context parallelism needs).
 
 Flattening. A modifier crosses the ``torch.library`` op boundary as tensors, ints and floats; the
 field metadata below (``OP_TENSOR``, ``OP_INT``, ``OP_OPT_INT``, ``OP_FLOAT``) says how, so
-:func:`flatten` and :func:`unflatten` serve every modifier and nothing else counts argument slots.
+:func:`tileattn.core.ops.flatten` and :func:`~tileattn.core.ops.unflatten` serve every modifier and nothing
+else counts argument slots.
 """
 
 from __future__ import annotations
@@ -80,6 +84,18 @@ def tensor_metadata(t: torch.Tensor) -> Optional[tuple]:
 _FIELD_NAMES: Dict[type, Tuple[str, ...]] = {}
 
 
+def _check_per_head(name: str, t, spec, dtype_ok, kind: str, shapes: tuple, shown: str):
+    """A tensor of one of ``shapes`` on q's device whose dtype ``dtype_ok`` accepts (``kind``: what it
+    is, ``shown``: the shapes as a message names them)."""
+    if not isinstance(t, torch.Tensor) or not dtype_ok(t):
+        given = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        fail(TypeError, name, given, f"{kind} of shape {shown}")
+    if tuple(t.shape) not in shapes:
+        fail(ValueError, name, f"shape {tuple(t.shape)}", shown)
+    if t.device != spec.device:
+        fail(ValueError, name, f"device {t.device}", f"device {spec.device}, as q")
+
+
 def _check_dense(name: str, t: torch.Tensor):
     if t.layout != torch.strided or getattr(t, "is_nested", False):
         fail(TypeError, name, f"a {t.layout} tensor" if t.layout != torch.strided else "a nested tensor",
@@ -119,6 +135,11 @@ class Modifier:
     #: A user function (score_mod / mask_mod, :mod:`tileattn.core.functions`): its call takes the
     #: autograd function that returns the gradients of the tensors the function captures.
     user_function: ClassVar[bool] = False
+    #: How context parallelism applies it to the shards of a sequence, or None when it cannot (such a
+    #: call is refused, naming the modifier): "block" (every block call applies it as it is), "band"
+    #: (placed per block by the blocks' positions), "keys" (a ``tensor`` over (local rows, global
+    #: keys), cut to each block's rows and keys), "merge" (merged into the result once, after the walk).
+    context_parallel: ClassVar[Optional[str]] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -204,6 +225,34 @@ class Modifier:
         """The LSE of a partial result with output 0 that this modifier adds to every row (a sink's
         logit), broadcastable to ``lse`` (whose head axis is ``heads_axis``), or None. The caller
         merges it in with :func:`tileattn.core.merge.merge_weights`."""
+        return None
+
+    # Context parallelism.
+
+    @classmethod
+    def agreement(cls) -> Dict[str, str]:
+        """How the ranks of a context-parallel call compare each of its keywords (see
+        :mod:`tileattn.distributed.agreement`): "bool", "float", "tensor", "rows" (a tensor whose row
+        dim, sharded like q, may differ between ranks) or "window"; by default, a "keys" modifier's
+        tensors by their rows, other keywords by the type of their "absent" value."""
+        if cls.context_parallel == "keys":
+            return dict.fromkeys(cls.keywords, "rows")
+        return {name: {float: "float", bool: "bool"}.get(type(absent), "tensor") for name, absent in cls.keywords.items()}
+
+    def as_keywords(self) -> Dict[str, object]:
+        """The values of its keywords that make this modifier (one per field, in order, by default)."""
+        return {name: getattr(self, f.name) for name, f in zip(self.keywords, fields(self))}
+
+    def for_heads(self, heads: slice) -> "Modifier":
+        """This modifier for the query heads ``heads`` of the call alone (a Ulysses rank's share)."""
+        return self
+
+    def check_shards(self, varlen: bool) -> None:
+        """Raise NotImplementedError (naming the argument) for what context parallelism cannot shard."""
+
+    def keys_band(self) -> Optional["Band"]:
+        """The band of keys this modifier limits every row to (a :class:`Band`: its geometry gives key
+        ranges and flop counts), or None."""
         return None
 
 
@@ -335,6 +384,8 @@ class Softcap(Modifier):
         t = torch.tanh(s_before / self.cap)
         return ds * (1 - t * t)
 
+    context_parallel: ClassVar[Optional[str]] = "block"
+
 
 @dataclass(frozen=True)
 class Alibi(Modifier):
@@ -354,14 +405,19 @@ class Alibi(Modifier):
         return cls(slopes)
 
     def check(self, spec):
-        slopes, batch, heads_q = self.slopes, spec.batch, spec.heads_q
-        if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
-            given = f"dtype {slopes.dtype}" if isinstance(slopes, torch.Tensor) else type(slopes).__name__
-            fail(TypeError, "alibi_slopes", given, f"a float32 tensor of shape ({heads_q},) or ({batch}, {heads_q})")
-        if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
-            fail(ValueError, "alibi_slopes", f"shape {tuple(slopes.shape)}", f"({heads_q},) or ({batch}, {heads_q})")
-        if slopes.device != spec.device:
-            fail(ValueError, "alibi_slopes", f"device {slopes.device}", f"device {spec.device}, as q")
+        batch, heads_q = spec.batch, spec.heads_q
+        _check_per_head("alibi_slopes", self.slopes, spec, lambda t: t.dtype == torch.float32, "a float32 tensor",
+                        ((heads_q,), (batch, heads_q)), f"({heads_q},) or ({batch}, {heads_q})")
+
+    context_parallel: ClassVar[Optional[str]] = "block"
+
+    def for_heads(self, heads):
+        return Alibi(self.slopes[..., heads])
+
+    def check_shards(self, varlen):
+        if varlen and isinstance(self.slopes, torch.Tensor) and self.slopes.dim() == 2:
+            fail(NotImplementedError, "alibi_slopes", f"shape {tuple(self.slopes.shape)} with layout='TND'",
+                 "one slope per head, shape (Hq,): the varlen calls of a ring step regroup the sequences")
 
     def lower(self):
         return {}
@@ -410,6 +466,13 @@ class _ScoreShaped(Modifier):
     @property
     def view4(self) -> torch.Tensor:
         return to_4d(self.tensor)
+
+    context_parallel: ClassVar[Optional[str]] = "keys"
+
+    def check_shards(self, varlen):
+        if varlen:
+            fail(NotImplementedError, self.kind, "a tensor with layout='TND'",
+                 "None (as flash_attention: no bias or mask with varlen)")
 
     def lower(self):
         return {}
@@ -509,6 +572,18 @@ class Band(Modifier):
 
     def lower(self):
         return {"left": -1 if self.left is None else self.left, "right": -1 if self.right is None else self.right}
+
+    context_parallel: ClassVar[Optional[str]] = "band"
+
+    @classmethod
+    def agreement(cls):
+        return {"causal": "bool", "window": "window"}
+
+    def as_keywords(self):
+        return {"causal": False, "window": (self.left, self.right)}
+
+    def keys_band(self):
+        return self
 
     @property
     def is_causal(self) -> bool:
@@ -620,17 +695,17 @@ class Sinks(Modifier):
         return cls(sinks)
 
     def check(self, spec):
-        sinks, heads_q = self.tensor, spec.heads_q
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            given = f"dtype {sinks.dtype}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            fail(TypeError, "sinks", given, f"a float tensor of shape ({heads_q},), one logit per query head")
-        if tuple(sinks.shape) != (heads_q,):
-            fail(ValueError, "sinks", f"shape {tuple(sinks.shape)}", f"({heads_q},), one logit per query head")
-        if sinks.device != spec.device:
-            fail(ValueError, "sinks", f"device {sinks.device}", f"device {spec.device}, as q")
+        heads_q = spec.heads_q
+        _check_per_head("sinks", self.tensor, spec, lambda t: t.is_floating_point(), "a float tensor",
+                        ((heads_q,),), f"({heads_q},), one logit per query head")
 
     def grad_tensor(self):
         return self.tensor
+
+    context_parallel: ClassVar[Optional[str]] = "merge"
+
+    def for_heads(self, heads):
+        return Sinks(self.tensor[heads])
 
     def logits(self, heads_axis: int, ndim: int, dtype) -> torch.Tensor:
         """The sinks shaped to broadcast against an LSE whose head axis is ``heads_axis``."""
@@ -719,58 +794,3 @@ class Dropout(Modifier):
 
     def weights_grad(self, dp, block, heads_q):
         return dp * self.factor(block, heads_q)
-
-
-#: The built-in modifier classes by kind (extension types register themselves beside them).
-MODIFIER_TYPES = {cls.kind: cls for cls in (Softcap, Alibi, Bias, Band, Mask, Sinks, Dropout)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Flattening across the op boundary.
-
-
-_FLAT: Dict[type, tuple] = {}
-
-
-@torch._dynamo.assume_constant_result
-def _flat_fields(cls) -> tuple:
-    """((name, op kind), ...) of a modifier type's fields. Dynamo takes the answer as a constant:
-    it reads no field of a class, nor (once the traced model mutated a dict) the fields' metadata."""
-    layout = _FLAT.get(cls)
-    if layout is None:
-        layout = _FLAT[cls] = tuple((f.name, f.metadata["op"]) for f in fields(cls))
-    return layout
-
-
-def flatten(modifier: Modifier) -> Tuple[list, list, list]:
-    """(tensors, ints, floats) of a modifier, in field order."""
-    tensors, ints, floats = [], [], []
-    for name, op in _flat_fields(type(modifier)):
-        value = getattr(modifier, name)
-        if op == "tensor":
-            tensors.append(value)
-        elif op == "int":
-            ints.append(value)
-        elif op == "opt_int":
-            ints.append(-1 if value is None else value)
-        else:
-            floats.append(value)
-    return tensors, ints, floats
-
-
-def unflatten(kind: str, tensors, ints, floats) -> Modifier:
-    """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
-    cls = modifier_type(kind)
-    values = {}
-    for name, op in _flat_fields(cls):
-        if op == "tensor":
-            values[name] = next(tensors)
-        elif op == "int":
-            values[name] = next(ints)
-        elif op == "opt_int":
-            value = next(ints)
-            values[name] = None if value < 0 else value
-        else:
-            values[name] = next(floats)
-    return cls(**values)
-

@@ -29,22 +29,70 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import List, Optional, Tuple
+from dataclasses import fields
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .dispatch import Backend, Gradients, get_backend
 from .engine import WITH_MEMORY, storage_problem
+from .layouts import LAYOUT, empty_in_layout, to_canonical
 from .merge import merge_weights
-from .modifiers import fail, flatten, modifier_type, unflatten
+from .modifiers import Modifier, fail, modifier_type
 from .score_math import reduce_to_shape
-from .spec import AttentionSpec, check_sequence_values, empty_in_layout, to_canonical, tracing
+from .spec import AttentionSpec, check_sequence_values, tracing
 
 #: The op arguments of a modifier's one differentiable tensor (autograd only sees tensors passed
 #: directly): :attr:`tileattn.core.modifiers.Modifier.grad_slot`.
 _GRAD_SLOTS = ("bias", "sinks")
 _SEQUENCE_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
+
+
+_FLAT: Dict[type, tuple] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _flat_fields(cls) -> tuple:
+    """((name, op kind), ...) of a modifier type's fields. Dynamo takes the answer as a constant:
+    it reads no field of a class, nor (once the traced model mutated a dict) the fields' metadata."""
+    layout = _FLAT.get(cls)
+    if layout is None:
+        layout = _FLAT[cls] = tuple((f.name, f.metadata["op"]) for f in fields(cls))
+    return layout
+
+
+def flatten(modifier: Modifier) -> Tuple[list, list, list]:
+    """(tensors, ints, floats) of a modifier, in field order."""
+    tensors, ints, floats = [], [], []
+    for name, op in _flat_fields(type(modifier)):
+        value = getattr(modifier, name)
+        if op == "tensor":
+            tensors.append(value)
+        elif op == "int":
+            ints.append(value)
+        elif op == "opt_int":
+            ints.append(-1 if value is None else value)
+        else:
+            floats.append(value)
+    return tensors, ints, floats
+
+
+def unflatten(kind: str, tensors, ints, floats) -> Modifier:
+    """Rebuild a modifier of ``kind`` from iterators over the op's tensors, ints and floats."""
+    cls = modifier_type(kind)
+    values = {}
+    for name, op in _flat_fields(cls):
+        if op == "tensor":
+            values[name] = next(tensors)
+        elif op == "int":
+            values[name] = next(ints)
+        elif op == "opt_int":
+            value = next(ints)
+            values[name] = None if value < 0 else value
+        else:
+            values[name] = next(floats)
+    return cls(**values)
 
 
 def pack(spec: AttentionSpec, backend: str, partial: bool) -> tuple:
@@ -94,12 +142,9 @@ def unpack(q, k, v, bias, sinks, extras, ints, floats, config) -> Tuple[Attentio
         modifiers.append(unflatten(kind, iter([own[slot]]) if slot is not None else tensors, int_values, float_values))
     modifiers = tuple(modifiers)
     q_c = to_canonical(q, layout, heads_q)
-    if block_table is not None:
-        k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
-    else:
-        heads_kv = k.shape[2] // q_c.shape[-1] if layout in ("BSH", "SBH") else None
-        k_c = to_canonical(k, layout, heads_kv)
-        v_c = to_canonical(v, layout, heads_kv)
+    kv_layout = "paged" if block_table is not None else layout
+    heads_kv = k.shape[2] // q_c.shape[-1] if LAYOUT[kv_layout].fused else None
+    k_c, v_c = to_canonical(k, kv_layout, heads_kv), to_canonical(v, kv_layout, heads_kv)
     batch = cu_q.numel() - 1 if layout == "TND" else q_c.shape[0]
     spec = AttentionSpec(
         q=q, k=k, v=v, layout=layout, heads_q=heads_q, heads_kv=k_c.shape[1], batch=batch, seqlen_q=seqlen_q,
@@ -213,13 +258,12 @@ def run_backward(spec: AttentionSpec, engine: Backend, dout: Tensor, dlse: Optio
     dq = torch.empty(spec.q.shape, dtype=spec.dtype, device=spec.device)
     dk = torch.empty(spec.k.shape, dtype=spec.dtype, device=spec.device)
     dv = torch.empty(spec.v.shape, dtype=spec.dtype, device=spec.device)
-    heads_kv = spec.heads_kv if spec.layout in ("BSH", "SBH") else None
     bias = next((m for m in spec.modifiers if m.grad_slot == "bias"), None)
     dbias4 = torch.zeros(bias.view4.shape, dtype=acc, device=spec.device) if need_dbias else None
     dcaptures = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in captures]
     grads = Gradients(out=out_c, dout=dout_c, lse=lse, delta=delta, dlse=dlse,
-                      dq=to_canonical(dq, spec.layout, spec.heads_q), dk=to_canonical(dk, spec.layout, heads_kv),
-                      dv=to_canonical(dv, spec.layout, heads_kv), dbias=dbias4, captures=dcaptures)
+                      dq=to_canonical(dq, spec.layout, spec.heads_q), dk=to_canonical(dk, spec.layout, spec.heads_kv),
+                      dv=to_canonical(dv, spec.layout, spec.heads_kv), dbias=dbias4, captures=dcaptures)
     if dq.numel() and dk.numel():
         with _autocast_off(spec.device):
             engine.backward(spec.for_engines(), grads)

@@ -21,6 +21,7 @@ import math
 import torch
 
 from .kvquant import quant_of
+from .layouts import from_canonical
 from .merge import merge_weights
 from .score_math import ScoreBlock
 from .spec import AttentionSpec, SequenceSlice, build_spec, check_bool, dequantised_spec, sequence_views
@@ -179,17 +180,6 @@ def row_max(q, k, v, *, compute_dtype=torch.float32, **kwargs):
     if spec.is_varlen:
         return torch.cat(maxima, 1) if maxima else torch.zeros(spec.lse_shape(), dtype=compute_dtype)
     return torch.stack(maxima) if maxima else torch.zeros(spec.lse_shape(), dtype=compute_dtype)
-
-
-def from_canonical(out_c: torch.Tensor, layout: str) -> torch.Tensor:
-    """A canonical (B, H, S, D) tensor in ``layout`` (a copy for the flattened-head layouts)."""
-    if layout in ("BNSD", "TND"):
-        return out_c
-    if layout == "BSND":
-        return out_c.transpose(1, 2)
-    if layout == "BSH":
-        return out_c.transpose(1, 2).flatten(2)
-    return out_c.permute(2, 0, 1, 3).flatten(2)
 
 
 @torch.no_grad()

@@ -10,8 +10,9 @@ Conventions used everywhere below the public API:
 * ``B`` batch, ``Hq``/``Hkv`` query/key-value heads, ``Sq``/``Sk`` lengths, ``D`` head dim of q/k,
   ``Dv`` head dim of v.
 * The *canonical view* of a padded tensor is ``(B, H, S, D)``; it is a strided view of the user's
-  tensor (never a copy), whatever the layout. Varlen (``layout="TND"``) tensors are ``(T, H, D)``;
-  sequence ``b`` occupies rows ``cu_seqlens[b]:cu_seqlens[b+1]``. A paged KV cache is a pool of
+  tensor (never a copy), whatever the layout (:mod:`tileattn.core.layouts`, the one table of them).
+  Varlen (``layout="TND"``) tensors are ``(T, H, D)``; sequence ``b`` occupies rows
+  ``cu_seqlens[b]:cu_seqlens[b+1]``. A paged KV cache is a pool of
   blocks, canonically ``(num_blocks, Hkv, block_size, D)``; sequence ``b`` reads the blocks listed in
   ``block_table[b]``.
 * Sequence ``b`` has ``q_len`` queries and ``k_len`` keys (``seqused_k[b]`` when given) and a
@@ -30,25 +31,16 @@ import torch
 
 from . import functions  # noqa: F401  (registers score_mod= / mask_mod= / block_mask=)
 from .kernel_args import KernelArgs, lower
-from .kvquant import (INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, KVQuant, _has_batch_axis, _per_sequence, dequantise,
-                      head_width, quant_of)
+from .layouts import (  # noqa: F401  (LAYOUTS, empty_in_layout, user_shape: importable from here as before)
+    LAYOUT, LAYOUTS, empty_in_layout, from_canonical, to_canonical, user_shape,
+)
+from .kvquant import (INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, _has_batch_axis, _per_sequence, dequantise, head_width,
+                      quant_of, with_cache_scales, without_cache_scales)
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
-PADDED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
-LAYOUTS = PADDED_LAYOUTS + ("TND",)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ALIGNS = ("bottom_right", "top_left")
-
-_RANK = {"BNSD": 4, "BSND": 4, "BSH": 3, "SBH": 3, "TND": 3}
-_SHAPE_NAME = {
-    "BNSD": "(batch, heads, seqlen, head_dim)",
-    "BSND": "(batch, seqlen, heads, head_dim)",
-    "BSH": "(batch, seqlen, heads * head_dim)",
-    "SBH": "(seqlen, batch, heads * head_dim)",
-    "TND": "(total_tokens, heads, head_dim)",
-}
-_PAGED_SHAPE = "(num_blocks, block_size, kv_heads, head_dim)"
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _get_dispatch_mode = torch._C._get_dispatch_mode
@@ -65,35 +57,6 @@ def tracing() -> bool:
     without it. Costs one C call when no dispatch mode is active."""
     return torch.compiler.is_compiling() or (
         _dispatch_modes() > 0 and any(_get_dispatch_mode(key) is not None for key in _TRACING_MODES))
-
-
-def to_canonical(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torch.Tensor:
-    """Strided (B, H, S, D) view of a padded-layout tensor, or (T, H, D) for TND. Never copies."""
-    if layout == "BNSD" or layout == "TND":
-        return x
-    if layout == "BSND":
-        return x.transpose(1, 2)
-    width = x.shape[2]
-    x4 = x.unflatten(2, (num_heads, width // num_heads))
-    if layout == "BSH":
-        return x4.transpose(1, 2)
-    return x4.permute(1, 2, 0, 3)  # SBH: (S, B, N, D) -> (B, N, S, D)
-
-
-def user_shape(layout: str, b: int, h: int, s: int, d: int) -> tuple:
-    return {
-        "BNSD": (b, h, s, d),
-        "BSND": (b, s, h, d),
-        "BSH": (b, s, h * d),
-        "SBH": (s, b, h * d),
-        "TND": (s, h, d),
-    }[layout]
-
-
-def empty_in_layout(layout: str, b: int, h: int, s: int, d: int, dtype, device):
-    """Allocate a contiguous tensor in ``layout``; return ``(user_tensor, canonical_view)``."""
-    t = torch.empty(user_shape(layout, b, h, s, d), dtype=dtype, device=device)
-    return t, to_canonical(t, layout, h)
 
 
 @dataclass(frozen=True)
@@ -168,11 +131,8 @@ class AttentionSpec:
         spec = object.__new__(AttentionSpec)
         spec.__dict__.update(template)
         layout = template["layout"]
-        if block_table is not None:
-            k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            heads_kv = template["heads_kv"] if layout in ("BSH", "SBH") else None
-            k_c, v_c = to_canonical(k, layout, heads_kv), to_canonical(v, layout, heads_kv)
+        kv_layout, heads_kv = ("paged" if block_table is not None else layout), template["heads_kv"]
+        k_c, v_c = to_canonical(k, kv_layout, heads_kv), to_canonical(v, kv_layout, heads_kv)
         spec.__dict__.update(q=q, k=k, v=v, q_c=to_canonical(q, layout, template["heads_q"]), k_c=k_c, v_c=v_c,
                              modifiers=modifiers, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=seqused_k,
                              block_table=block_table)
@@ -221,8 +181,9 @@ class AttentionSpec:
     def band(self) -> Optional[Band]:
         """The call's band (causal / window), or None: the geometry flop counts and tuning read."""
         for m in self.modifiers:
-            if isinstance(m, Band):
-                return m
+            band = m.keys_band()
+            if band is not None:
+                return band
         return None
 
     @property
@@ -443,24 +404,23 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
                  f"one row per sequence of cu_seqlens_q ({cu_seqlens_q.numel() - 1}), or a paged pool with block_table")
         block_table = torch.arange(k.shape[0], dtype=torch.int32, device=k.device)[:, None]
     paged = block_table is not None
-    rank = _RANK[layout]
-    _check_tensor("q", q, rank, _SHAPE_NAME[layout], f" for layout='{layout}'")
+    lay, pool = LAYOUT[layout], LAYOUT["paged"]
+    _check_tensor("q", q, lay.rank, lay.shape_name, f" for layout='{layout}'")
     cache_dtypes = FLOAT_DTYPES + QUANT_DTYPES
     for name, t in (("k", k), ("v", v)):
         if paged:
-            _check_tensor(name, t, 4, _PAGED_SHAPE, " (a paged cache: block_table is given)", cache_dtypes)
+            _check_tensor(name, t, pool.rank, pool.shape_name, " (a paged cache: block_table is given)", cache_dtypes)
         else:
-            _check_tensor(name, t, rank, _SHAPE_NAME[layout], f" for layout='{layout}'", cache_dtypes)
+            _check_tensor(name, t, lay.rank, lay.shape_name, f" for layout='{layout}'", cache_dtypes)
     if k.dtype != v.dtype or (k.dtype != q.dtype and k.dtype not in QUANT_DTYPES):
         fail(TypeError, "k/v", f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}",
              f"one shared dtype (or k and v of one quantised dtype: {QUANT_NAMES})")
-    if k.dtype != q.dtype and not any(isinstance(m, KVQuant) for m in found):
-        found = tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))  # read with unit scales
+    found = with_cache_scales(found, q.dtype, k.dtype)
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
     device = q.device
 
-    if layout in ("BSH", "SBH"):
+    if lay.fused:
         if num_heads is None:
             fail(ValueError, "num_heads", None, f"the number of query heads (required for layout='{layout}')")
         num_heads = check_int("num_heads", num_heads, 1)
@@ -469,7 +429,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
         d = q.shape[2] // num_heads
         q_c = to_canonical(q, layout, num_heads)
         if paged:
-            k_c, v_c = k.transpose(1, 2), v.transpose(1, 2)
+            k_c, v_c = to_canonical(k, "paged", None), to_canonical(v, "paged", None)
         else:
             if k.shape[2] == 0 or k.shape[2] % d:
                 fail(ValueError, "k", f"width {k.shape[2]}", f"a positive multiple of the head dim {d} (q width / num_heads)")
@@ -481,7 +441,7 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
         if num_heads is not None:
             num_heads = check_int("num_heads", num_heads, 1)
         q_c = to_canonical(q, layout, None)
-        k_c, v_c = (t.transpose(1, 2) for t in (k, v)) if paged else (to_canonical(t, layout, None) for t in (k, v))
+        k_c, v_c = (to_canonical(t, "paged" if paged else layout, None) for t in (k, v))
 
     hq, hkv = q_c.shape[1], k_c.shape[1]
     batch = None if layout == "TND" else q_c.shape[0]
@@ -575,7 +535,7 @@ def dequantised_spec(spec, dtype):
             q = spec.q_c.to(dtype) * factor[:, :, None]
         else:
             q_c = spec.q_c.to(dtype) * factor[:, :, None, None]
-            q = q_c.transpose(1, 2) if spec.layout == "BSND" else q_c
+            q = from_canonical(q_c, spec.layout)
     else:
         q = q.to(dtype)
     k, v, block_table = spec.k, spec.v, spec.block_table
@@ -604,7 +564,7 @@ def dequantised_spec(spec, dtype):
                               None if offset is None else offset[owner, tokens], dtype)
 
         kd, vd = packed(k, m.k_scale, m.k_offset), packed(v, m.v_scale, m.v_offset)
-    others = tuple(x for x in spec.modifiers if not isinstance(x, KVQuant))
+    others = without_cache_scales(spec.modifiers)
     return spec_of(q, kd, vd, others, layout=spec.layout, scale=spec.scale, align=spec.align,
                    cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k, seqused_k=spec.seqused_k,
                    block_table=block_table, deterministic=spec.deterministic)

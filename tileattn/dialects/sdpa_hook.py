@@ -60,7 +60,7 @@ import warnings
 
 import torch
 
-import tileattn
+from ..core.api import attention_backward, flash_attention
 
 __all__ = ["IMPL_NAME", "hook_available", "register", "call_counts", "SdpaHookError"]
 
@@ -213,8 +213,8 @@ def _attention_kwargs(is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top
 
 def _attend(query, key, value, is_causal, attn_mask, scale, dropout_p=0.0, seed=None, top_left=True):
     """tileattn on (B, H, S, D) tensors: returns ``(out (B, Hq, Sq, D), lse (B, Hq, Sq))``."""
-    return tileattn.flash_attention(query, key, value, return_lse=True,
-                                    **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
+    return flash_attention(query, key, value, return_lse=True,
+                           **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
 
 
 def _torch_lse(lse, query, layout_bshd, dtype):
@@ -248,8 +248,8 @@ def _gradients(grad_out, query, key, value, out, logsumexp, is_causal, attn_mask
     torch's logsumexp holds 0 where tileattn's holds -inf (rows that see no key); every score of such
     a row is hidden, so its probabilities are 0 with either value.
     """
-    grads = tileattn.attention_backward(grad_out, query, key, value, out, logsumexp,
-                                        **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
+    grads = attention_backward(grad_out, query, key, value, out, logsumexp,
+                               **_attention_kwargs(is_causal, attn_mask, scale, dropout_p, seed, top_left))
     return grads.dq, grads.dk, grads.dv
 
 

@@ -71,16 +71,29 @@ def choice_field(name: str, value: str, choices: Sequence[str]) -> Field:
     return Field(name, (list(choices).index(value),), lambda row: repr(choices[row[0]]))
 
 
-def window_field(left: Optional[int], right: Optional[int]) -> Field:
-    """The window's sides, None = unbounded (a negative side and None are the same window)."""
+def window_field(name: str, window) -> Field:
+    """A window as given, ``(left, right)`` or None; None = unbounded (a negative side and None are
+    the same window)."""
     def show(row):
         if row[0] == 0:
             return "None"
         return repr(tuple(None if side == _NONE else side for side in row[1:3]))
 
+    left, right = (None, None) if window is None else (None if s is None or s < 0 else int(s) for s in window)
     if left is None and right is None:
-        return Field("window", (0,), show)
-    return Field("window", (1, _NONE if left is None else left, _NONE if right is None else right), show)
+        return Field(name, (0,), show)
+    return Field(name, (1, _NONE if left is None else left, _NONE if right is None else right), show)
+
+
+def rows_field(name: str, t) -> Field:
+    """A tensor whose row dim (its second to last: rows sharded like q) may differ between ranks."""
+    return tensor_field(name, t, t.dim() - 2 if t is not None and t.dim() >= 2 else None)
+
+
+#: The field of a modifier's keyword, by how its type compares it
+#: (:meth:`tileattn.core.modifiers.Modifier.agreement`).
+MODIFIER_FIELDS = {"bool": bool_field, "float": float_field, "tensor": tensor_field, "rows": rows_field,
+                   "window": window_field}
 
 
 def align_field(align) -> Field:

@@ -7,46 +7,29 @@ from typing import Optional
 
 import torch
 
-from ..core.modifiers import (Alibi, Band, Bias, Mask, Sinks, Softcap, check_keywords, fail, modifiers_from_keywords,
-                         to_4d)
-from ..core.spec import CALL_KEYWORDS, build_spec, check_bool, to_canonical
+from dataclasses import replace
+
+from ..core.modifiers import check_keywords, fail, modifier_types, modifiers_from_keywords, to_4d
+from ..core.layouts import LAYOUT, LAYOUTS, from_batched, to_batched
+from ..core.spec import CALL_KEYWORDS, build_spec, check_bool
 from . import ring as ring_mod
 from . import agreement, topology, ulysses
 from .plan import ShardPlan
 
-#: Dimension of the sequence in each layout.
-SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0, "TND": 0}
+#: Dimension of the sequence in each layout (public: what :func:`shard` is given as ``seq_dim``).
+SEQ_DIM = {name: LAYOUT[name].seq_dim for name in LAYOUTS}
 
 
 def _refuse(name, given, why):
     fail(NotImplementedError, name, given, why)
 
 
-def _internal(x: torch.Tensor, layout: str, heads: Optional[int]) -> torch.Tensor:
-    """A strided (B, H, S, D) view of a tensor in ``layout``; TND becomes (1, H, T, D)."""
-    if layout == "TND":
-        return x.transpose(0, 1).unsqueeze(0)
-    return to_canonical(x, layout, heads)
-
-
-def _external(y: torch.Tensor, layout: str) -> torch.Tensor:
-    """(B, H, S, D) -> a contiguous tensor in ``layout``."""
-    if layout == "BNSD":
-        return y
-    if layout == "TND":
-        return y[0].transpose(0, 1).contiguous()
-    if layout == "BSND":
-        return y.transpose(1, 2).contiguous()
-    if layout == "BSH":
-        return y.transpose(1, 2).flatten(2)
-    return y.permute(2, 0, 1, 3).flatten(2)  # SBH
-
-
-def _sharded_4d(name, t, batch, heads, rows, seq_len, dtype_ok, expected):
-    """A bias/mask as a 4-d (B|1, H|1, rows|1, S|1) view, or a clear error."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor) or not dtype_ok(t):
+def _sharded_4d(m, batch, heads, rows, seq_len):
+    """A modifier over (local rows, global keys) (a bias, a mask) with its tensor as a 4-d
+    (B|1, H|1, rows|1, S|1) view, or a clear error."""
+    t, name = m.tensor, m.kind
+    expected = f"{m.expected} broadcastable to (B, Hq, local rows, global keys)"
+    if not isinstance(t, torch.Tensor) or not m.accepts(t):
         fail(TypeError, name, type(t).__name__ if not isinstance(t, torch.Tensor) else f"dtype {t.dtype}", expected)
     t4 = to_4d(t)
     full = (batch, heads, rows, seq_len)
@@ -54,12 +37,16 @@ def _sharded_4d(name, t, batch, heads, rows, seq_len, dtype_ok, expected):
         fail(ValueError, name, f"shape {tuple(t.shape)}",
              f"a shape broadcastable to (B, Hq, local rows, global keys) = {full}: rows sharded like q, keys "
              "in global order")
-    return t4
+    return replace(m, tensor=t4)
 
 
-#: The modifier types context parallelism shards (by position: the band and ALiBi are placed per
-#: block, bias and mask columns are global keys; sinks are merged once after the walk).
-_SHARDED = (Softcap, Alibi, Bias, Band, Mask, Sinks)
+def _sharded_types() -> tuple:
+    """The modifier types context parallelism shards (:attr:`~tileattn.core.modifiers.Modifier.context_parallel`)."""
+    return tuple(cls for cls in modifier_types() if cls.context_parallel is not None)
+
+
+def _placed(found, how: str) -> list:
+    return [m for m in found if m.context_parallel == how]
 _OWN_KEYWORDS = ("group", "mode", "load_balance", "timeout", "return_lse", "backend")
 
 
@@ -114,21 +101,14 @@ def context_parallel_attention(
                 "of row/column numbers, which differ between a shard and the whole sequence)")
     found = modifiers_from_keywords(variants, modifiers)
     for m in found:
-        if type(m) not in _SHARDED:
+        if m.context_parallel is None:
             _refuse("modifiers", f"a {m.kind} modifier", "the modifiers context parallelism shards: "
-                    + ", ".join(cls.kind for cls in _SHARDED))
-    of_type = {type(m): m for m in found}
-    band = of_type.get(Band)
-    softcap = of_type[Softcap].cap if Softcap in of_type else 0.0
-    alibi_slopes = of_type[Alibi].slopes if Alibi in of_type else None
-    sinks = of_type[Sinks].tensor if Sinks in of_type else None
-    bias = of_type[Bias].tensor if Bias in of_type else None
-    mask = of_type[Mask].tensor if Mask in of_type else None
+                    + ", ".join(cls.kind for cls in _sharded_types()))
     for name, val in (("seqused_k", seqused_k), ("block_table", block_table)):
         if val is not None:
             _refuse(name, "a tensor", "None: a KV cache is not sequence-sharded; run flash_attention on each rank")
-    if not isinstance(layout, str) or layout.upper() not in SEQ_DIM:
-        fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in SEQ_DIM))
+    if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
+        fail(ValueError, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
     layout = layout.upper()
     varlen = layout == "TND"
     sd = SEQ_DIM[layout]
@@ -145,18 +125,14 @@ def context_parallel_attention(
         if not torch.equal(cu_seqlens_q.cpu(), cu_seqlens_k.cpu()):
             fail(ValueError, "cu_seqlens_k", "offsets different from cu_seqlens_q", "the same global offsets "
                  "(context parallelism is self-attention)")
-        for name, t in (("bias", bias), ("mask", mask)):
-            if t is not None:
-                _refuse(name, "a tensor with layout='TND'", "None (as flash_attention: no bias or mask with varlen)")
-        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2:
-            _refuse("alibi_slopes", f"shape {tuple(alibi_slopes.shape)} with layout='TND'",
-                    "one slope per head, shape (Hq,): the varlen calls of a ring step regroup the sequences")
+    for m in found:
+        m.check_shards(varlen)
     local = q.shape[sd] if q.dim() > sd else 0
     local_cu = torch.tensor([0, local], dtype=torch.int32, device=q.device) if varlen else None
     # The local call, validated as flash_attention would validate it (bias/mask: below, global keys).
     spec = build_spec(q, k, v, layout=layout, num_heads=num_heads, scale=scale, align=align,
                       cu_seqlens_q=local_cu, cu_seqlens_k=local_cu, deterministic=deterministic,
-                      modifiers=tuple(m for m in found if not isinstance(m, (Bias, Mask))))
+                      modifiers=tuple(m for m in found if m.context_parallel != "keys"))
     topo = topology.resolve(group, mode, timeout)
     if topo.U > 1 and spec.heads_q % topo.U:
         fail(ValueError, "q", f"{spec.heads_q} query heads for {topo.U} Ulysses ranks",
@@ -166,12 +142,8 @@ def context_parallel_attention(
     batch = 1 if varlen else spec.batch
 
     # Every rank must be making the same call; the global length follows from the local ones.
-    # causal and window as the user passed them; a Band passed as a modifier shows as its window
-    causal, window = variants.get("causal", False), variants.get("window")
-    if band is not None and "causal" not in variants and "window" not in variants:
-        window = (band.left, band.right)
-    fields = _call_fields(q, k, v, layout, mode, topo, load_balance, causal, window, spec.align, spec.scale, softcap,
-                          alibi_slopes, sinks, bias, mask, cu_seqlens_q if varlen else None)
+    fields = _call_fields(q, k, v, layout, mode, topo, load_balance, spec.align, spec.scale, found, variants,
+                          cu_seqlens_q if varlen else None)
     lengths = agreement.check_agreement(lambda t: topo.gather_all(t, "validate", "the check that every rank makes "
                                                                   "the same call"), fields, local, q.device)
     plan = agreement.check_lengths(
@@ -180,15 +152,11 @@ def context_parallel_attention(
         f"the varlen batch of cu_seqlens_q ({cu_seqlens_q.numel() - 1} sequences, {int(cu_seqlens_q[-1])} tokens)"
         if varlen else "")
     seq_len = sum(plan.lengths) if varlen else plan.lengths[0]
-    heads_arg = spec.heads_q if layout in ("BSH", "SBH") else None
-    bias4 = _sharded_4d("bias", bias, batch, spec.heads_q, local, seq_len, lambda t: t.is_floating_point(),
-                        "a float tensor broadcastable to (B, Hq, local rows, global keys)")
-    mask4 = _sharded_4d("mask", mask, batch, spec.heads_q, local, seq_len, lambda t: t.dtype == torch.bool,
-                        "a bool tensor (True = take part) broadcastable to (B, Hq, local rows, global keys)")
+    keyed = [_sharded_4d(m, batch, spec.heads_q, local, seq_len) for m in _placed(found, "keys")]
+    others = [m for m in found if m.context_parallel != "keys"]
 
-    qi = _internal(q, layout, heads_arg)
-    ki = _internal(k, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
-    vi = _internal(v, layout, spec.heads_kv if layout in ("BSH", "SBH") else None)
+    qi = to_batched(q, layout, spec.heads_q)
+    ki, vi = to_batched(k, layout, spec.heads_kv), to_batched(v, layout, spec.heads_kv)
     kwargs = dict(scale=spec.scale, deterministic=deterministic, backend=backend)
     if topo.U > 1:
         u = topo.ulysses_rank
@@ -199,48 +167,53 @@ def context_parallel_attention(
         if repeat > 1:
             ki, vi = ki.repeat_interleave(repeat, dim=1), vi.repeat_interleave(repeat, dim=1)
         qi, ki, vi = (ulysses.SeqToHeads.apply(ex, t, n) for t, n in ((qi, "q"), (ki, "k"), (vi, "v")))
-        bias4 = _ulysses_4d(ex, bias4, heads, spec.heads_q, local, "bias")
-        mask4 = _ulysses_4d(ex, mask4, heads, spec.heads_q, local, "mask")
-        if alibi_slopes is not None:
-            alibi_slopes = alibi_slopes[..., heads]
-        if sinks is not None:
-            sinks = sinks[heads]
-    # The modifiers every block applies as they are (the band is placed per block, bias and mask
-    # columns are cut per block, sinks are merged once after the walk).
-    block_modifiers = [of_type[Softcap]] if Softcap in of_type else []
-    if alibi_slopes is not None:
-        block_modifiers.append(Alibi(alibi_slopes))  # this Ulysses rank's heads
+        keyed = [replace(m, tensor=_ulysses_4d(ex, m.tensor, heads, spec.heads_q, local, m.kind)) for m in keyed]
+        others = [m.for_heads(heads) for m in others]
+    # Every block applies the "block" modifiers as they are; the band is placed per block, the keyed
+    # modifiers' columns are cut per block, the merged ones (sinks) are merged once after the walk.
+    band = next(iter(_placed(others, "band")), None)
+    merged = next(iter(_placed(others, "merge")), None)
     cfg = ring_mod.RingConfig(topo.ring, [plan.runs(list(topo.ring_members(i))) for i in range(topo.R)], varlen,
-                              band, off0, kwargs, tuple(block_modifiers), mask=mask4)
-    out, lse = ring_mod.RingAttention.apply(cfg, qi, ki, vi, bias4, sinks)
+                              band, off0, kwargs, tuple(_placed(others, "block")), tuple(keyed), merged)
+    out, lse = ring_mod.RingAttention.apply(cfg, qi, ki, vi, *ring_mod.grad_tensors(cfg))
     if topo.U > 1:
         out = ulysses.HeadsToSeq.apply(ex, out, "out")
         if return_lse:
             lse = ulysses.HeadsToSeq.apply(ex, lse.unsqueeze(-1), "lse").squeeze(-1)
-    out = _external(out, layout)
+    out = from_batched(out, layout)
     if not return_lse:
         return out
     return out, (lse[0] if varlen else lse)
 
 
-def _call_fields(q, k, v, layout, mode, topo, load_balance, causal, window, align, scale, softcap, alibi_slopes,
-                 sinks, bias, mask, cu_seqlens):
+def _call_fields(q, k, v, layout, mode, topo, load_balance, align, scale, found, variants, cu_seqlens):
     """What every rank must agree on, each field named after the user's argument and shown as the
     user passed it; shard lengths (the sequence dim of q/k/v, the row dim of bias/mask) may differ.
     The arguments are validated already (``build_spec``)."""
     sd = SEQ_DIM[layout]
-    rows = lambda t: t.dim() - 2 if t is not None and t.dim() >= 2 else None  # noqa: E731
-    sides = (None, None) if window is None else tuple(None if s is None or s < 0 else int(s) for s in window)
     return [
         agreement.tensor_field("q", q, sd), agreement.tensor_field("k", k, sd), agreement.tensor_field("v", v, sd),
-        agreement.choice_field("layout", layout, list(SEQ_DIM)), agreement.choice_field("mode", mode, topology.MODES),
+        agreement.choice_field("layout", layout, LAYOUTS), agreement.choice_field("mode", mode, topology.MODES),
         agreement.group_field(topo.U, topo.R), agreement.bool_field("load_balance", load_balance),
-        agreement.bool_field("causal", causal), agreement.window_field(*sides), agreement.align_field(align),
-        agreement.float_field("scale", scale), agreement.float_field("softcap", softcap),
-        agreement.tensor_field("alibi_slopes", alibi_slopes), agreement.tensor_field("sinks", sinks),
-        agreement.tensor_field("bias", bias, rows(bias)), agreement.tensor_field("mask", mask, rows(mask)),
+        agreement.align_field(align), agreement.float_field("scale", scale), *_modifier_fields(found, variants),
         agreement.offsets_field("cu_seqlens_q", cu_seqlens),
     ]
+
+
+def _modifier_fields(found, variants) -> list:
+    """The keywords of every modifier type context parallelism shards, present or not (every rank
+    compares the same fields), as the user passed them: a modifier passed as an object shows as the
+    keywords that make it (:meth:`~tileattn.core.modifiers.Modifier.as_keywords`)."""
+    out = []
+    for cls in _sharded_types():
+        given = next((m for m in found if type(m) is cls), None)
+        values = dict(cls.keywords)
+        if any(name in variants for name in cls.keywords):
+            values.update((name, variants[name]) for name in cls.keywords if name in variants)
+        elif given is not None:
+            values.update(given.as_keywords())
+        out += [agreement.MODIFIER_FIELDS[how](name, values[name]) for name, how in cls.agreement().items()]
+    return out
 
 
 def _ulysses_4d(ex, t4, heads: slice, heads_q: int, local: int, tag: str):

@@ -104,6 +104,11 @@ class Group:
         return Group(pg, dist.get_rank(pg), size, timeout, members)
 
 
+def place(group: Optional[Group]) -> Tuple[int, int]:
+    """(this rank, ranks) of ``group``; None stands for a group of one rank."""
+    return (0, 1) if group is None else (group.rank, group.size)
+
+
 class Pending:
     """Works in flight, waited for together under the group's timeout. Holds the tensors they read
     and write until then (a temporary send buffer must outlive an asynchronous transfer)."""

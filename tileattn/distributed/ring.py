@@ -26,7 +26,7 @@ into one varlen call, since ``align`` is one int per call.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -34,7 +34,7 @@ import torch
 
 from ..core.api import attention_backward, attention_partial, flash_attention
 from ..core.merge import merge_into, merge_sink
-from ..core.modifiers import Band, Bias, Mask, Modifier, Sinks, TileState
+from ..core.modifiers import Band, Modifier, TileState
 from . import comm
 from .plan import Run, split_sizes
 
@@ -198,16 +198,13 @@ class RingConfig:
     align: int
     kwargs: dict  # scale, deterministic, backend
     modifiers: Tuple[Modifier, ...]  # applied by every block as they are (softcap, ALiBi)
-    mask: Optional[torch.Tensor] = None  # 4-d (B|1, H|1, rows|1, S|1), bool
+    #: over (local rows, global keys), their tensors 4-d (B|1, H|1, rows|1, S|1): cut per block (bias, mask)
+    keyed: Tuple[Modifier, ...] = ()
+    merged: Optional[Modifier] = None  # merged once after the walk (sinks)
     calls: Optional[Dict[Tuple[int, int], List[Call]]] = None
 
-    @property
-    def size(self) -> int:
-        return 1 if self.group is None else self.group.size
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.group is None else self.group.rank
+    def __post_init__(self):
+        self.rank, self.size = comm.place(self.group)
 
     def block_rows(self, src: int) -> int:
         return sum(r.length for r in self.runs[src])
@@ -278,10 +275,15 @@ def _take_4d(t: Optional[torch.Tensor], rows: Sel, cols: torch.Tensor) -> Option
     return t
 
 
+def grad_tensors(cfg: RingConfig) -> tuple:
+    """The tensors of the keyed and merged modifiers: what :class:`RingAttention` differentiates."""
+    return tuple(m.tensor for m in cfg.keyed) + ((cfg.merged.tensor,) if cfg.merged is not None else ())
+
+
 class _Block:
     """The tensors of one call, in the layout the engine is called with."""
 
-    def __init__(self, cfg: RingConfig, call: Call, q, k, v, bias):
+    def __init__(self, cfg: RingConfig, call: Call, q, k, v):
         self.cfg, self.call = cfg, call
         kw = dict(cfg.kwargs, align=call.off)
         modifiers = list(cfg.modifiers)
@@ -294,18 +296,15 @@ class _Block:
             self.k, self.v = self.tnd(k, call.k), self.tnd(v, call.k)
         else:
             self.q, self.k, self.v = _take(q, 2, call.q), _take(k, 2, call.k), _take(v, 2, call.k)
-            self.bias = _take_4d(bias, call.q, call.k_pos)
-            if self.bias is not None:
-                modifiers.append(Bias(self.bias))
-            mask = _take_4d(cfg.mask, call.q, call.k_pos)
-            if mask is not None:
-                modifiers.append(Mask(mask))
+            modifiers += [replace(m, tensor=_take_4d(m.tensor, call.q, call.k_pos)) for m in cfg.keyed]
         self.kwargs, self.modifiers = kw, modifiers
 
-    def call_kwargs(self, bias: Optional[torch.Tensor] = None) -> dict:
-        """The keywords of this block's attention_partial / attention_backward call; ``bias``
-        replaces the block's bias (a leaf for its gradient)."""
-        modifiers = [Bias(bias) if bias is not None and isinstance(m, Bias) else m for m in self.modifiers]
+    def call_kwargs(self, bias_grad: bool = False) -> dict:
+        """The keywords of this block's attention_partial / attention_backward call; with
+        ``bias_grad`` the modifier whose gradient the call returns as ``dbias`` holds a leaf copy of
+        its block."""
+        modifiers = [replace(m, tensor=m.tensor.detach().requires_grad_()) if bias_grad and m.grad_slot == "bias"
+                     else m for m in self.modifiers]
         return dict(self.kwargs, modifiers=tuple(modifiers))
 
     @staticmethod
@@ -384,7 +383,7 @@ class _Pieces:
             self.pending = None
 
 
-def ring_forward(cfg: RingConfig, q, k, v, bias, sinks):
+def ring_forward(cfg: RingConfig, q, k, v):
     """(out fp32 (B, Hq, S, Dv), lse (B, Hq, S)) of this rank's queries over every rank's keys,
     merged in place into one accumulator."""
     world, rank = cfg.size, cfg.rank
@@ -396,7 +395,7 @@ def ring_forward(cfg: RingConfig, q, k, v, bias, sinks):
         for step in range(world):
             kc, vc = pieces.start(step, j)
             for call in cfg.calls_for((rank - step) % world, j, q.device):
-                blk = _Block(cfg, call, q, kc, vc, bias)
+                blk = _Block(cfg, call, q, kc, vc)
                 o, l = attention_partial(blk.q, blk.k, blk.v, **blk.call_kwargs())
                 if cfg.varlen:  # (T', H, Dv), (H, T') -> gathered rows of the (1, H, T, .) accumulators
                     rows_o, rows_l = _take(out[0], 1, call.q), _take(lse[0], 1, call.q)
@@ -408,8 +407,8 @@ def ring_forward(cfg: RingConfig, q, k, v, bias, sinks):
                     merge_into(_take(out, 2, call.q), _take(lse, 2, call.q), o, l, scratch=True)
                 del o, l
             pieces.finish()
-    if sinks is not None:
-        merge_sink(out, lse, sinks)
+    if cfg.merged is not None:
+        merge_sink(out, lse, cfg.merged.tensor)
     return out, lse
 
 
@@ -459,14 +458,16 @@ class _Gradients:
             dst.narrow(2, a, rows).copy_(part)
 
 
-def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_grad: bool, sinks):
+def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias_grad: bool):
     """(dq fp32, dk, dv in k's dtype, dbias, dsinks) of this rank's shards, from the global ``out``
-    and ``lse``."""
+    and ``lse``; ``dbias`` (with ``bias_grad``) is the gradient of the keyed modifier whose gradient
+    the op returns as ``dbias`` (a bias), ``dsinks`` that of the merged one (sinks)."""
     world, rank = cfg.size, cfg.rank
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias_grad else None
+    bias = next((m.tensor for m in cfg.keyed if m.grad_slot == "bias"), None) if bias_grad else None
+    dbias = torch.zeros(bias.shape, dtype=acc, device=q.device) if bias is not None else None
     pieces = _Pieces(cfg, k, v, "backward")
     grads = _Gradients(cfg, pieces, acc, dk, dv)
     for j in range(cfg.pieces):
@@ -474,11 +475,11 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
             kc, vc = pieces.start(step, j)
             dk_piece, dv_piece = grads.open(step, j)
             for call in cfg.calls_for((rank - step) % world, j, q.device):
-                blk = _Block(cfg, call, q, kc, vc, bias)
+                blk = _Block(cfg, call, q, kc, vc)
                 # attention_backward returns dbias for a bias that requires grad
-                leaf = blk.bias.detach().requires_grad_() if bias_grad else None
                 g = attention_backward(blk.rows(dout), blk.q, blk.k, blk.v, blk.rows(out), blk.lse_rows(lse),
-                                       dlse=None if dlse is None else blk.lse_rows(dlse), **blk.call_kwargs(leaf))
+                                       dlse=None if dlse is None else blk.lse_rows(dlse),
+                                       **blk.call_kwargs(dbias is not None))
                 if cfg.varlen:
                     dq[0].index_add_(1, call.q, g.dq.transpose(0, 1).to(acc))
                     dk_piece[0].index_add_(1, call.k, g.dk.transpose(0, 1).to(acc))
@@ -493,24 +494,25 @@ def ring_backward(cfg: RingConfig, dout, dlse, q, k, v, out, lse, bias, bias_gra
             grads.close(step, j)
             pieces.finish()
     dsinks = None
-    if sinks is not None:
-        dsinks = _sink_gradient(dout, dlse, out, lse, sinks, acc)
+    if cfg.merged is not None:
+        dsinks = _sink_gradient(dout, dlse, out, lse, cfg.merged, acc)
     return dq, dk, dv, dbias, dsinks
 
 
-def _sink_gradient(dout, dlse, out, lse, sinks, acc) -> torch.Tensor:
+def _sink_gradient(dout, dlse, out, lse, sinks: Modifier, acc) -> torch.Tensor:
     """d loss / d sinks of this rank's rows, computed a piece of rows at a time (no fp32 copy of
     the whole output)."""
     rows = out.shape[2]
     chunk = max(1, -(-rows // _pieces(rows)))
-    total = torch.zeros(sinks.shape, dtype=acc, device=out.device)
+    total = torch.zeros(sinks.tensor.shape, dtype=acc, device=out.device)
+    in_acc = replace(sinks, tensor=sinks.tensor.to(acc))
     for a in range(0, rows, chunk):
         n = min(chunk, rows - a)
         delta = (dout.narrow(2, a, n).to(acc) * out.narrow(2, a, n).to(acc)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.narrow(2, a, n).to(acc)
-        total += Sinks(sinks.to(acc)).result_grad(lse.narrow(2, a, n).to(acc), delta, heads_axis=1)
-    return total.to(sinks.dtype)
+        total += in_acc.result_grad(lse.narrow(2, a, n).to(acc), delta, heads_axis=1)
+    return total.to(sinks.tensor.dtype)
 
 
 def _add_4d(dst: torch.Tensor, rows: Sel, cols: torch.Tensor, value: torch.Tensor) -> None:
@@ -522,7 +524,7 @@ def _add_4d(dst: torch.Tensor, rows: Sel, cols: torch.Tensor, value: torch.Tenso
         target.add_(value.to(dst.dtype))
 
 
-def whole_forward(cfg: RingConfig, q, k, v, bias, sinks):
+def whole_forward(cfg: RingConfig, q, k, v):
     """(out in q's dtype, lse) when one ring rank holds every key (Ulysses alone) and its queries and
     keys make one call: the engine writes the output directly, no fp32 accumulator. None otherwise."""
     rows = cfg.block_rows(0)
@@ -532,27 +534,34 @@ def whole_forward(cfg: RingConfig, q, k, v, bias, sinks):
     calls = plan_calls(cfg.runs[0], cfg.runs[0], cfg.band, cfg.align, positional, False, q.device)
     if len(calls) != 1 or calls[0].q != slice(0, rows) or calls[0].k != slice(0, rows):
         return None
-    blk = _Block(cfg, calls[0], q, k, v, bias)
-    return flash_attention(blk.q, blk.k, blk.v, return_lse=True, sinks=sinks, **blk.call_kwargs())
+    blk = _Block(cfg, calls[0], q, k, v)
+    kwargs = blk.call_kwargs()
+    kwargs["modifiers"] += (cfg.merged,) if cfg.merged is not None else ()  # sinks, merged by the operator
+    return flash_attention(blk.q, blk.k, blk.v, return_lse=True, **kwargs)
 
 
 class RingAttention(torch.autograd.Function):
-    """Autograd around :func:`ring_forward` / :func:`ring_backward`; tensors in (B, H, S, D)."""
+    """Autograd around :func:`ring_forward` / :func:`ring_backward`; tensors in (B, H, S, D), then
+    the tensors of the keyed and merged modifiers (:func:`grad_tensors`), which the blocks read from
+    ``cfg``."""
 
     @staticmethod
-    def forward(ctx, cfg: RingConfig, q, k, v, bias, sinks):
-        out, lse = whole_forward(cfg, q, k, v, bias, sinks) or ring_forward(cfg, q, k, v, bias, sinks)
+    def forward(ctx, cfg: RingConfig, q, k, v, *modifier_tensors):
+        out, lse = whole_forward(cfg, q, k, v) or ring_forward(cfg, q, k, v)
         out = out.to(q.dtype)
         ctx.cfg = cfg
-        ctx.bias_grad = bias is not None and bias.requires_grad
-        ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, bias, sinks = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        cfg = ctx.cfg
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dbias, dsinks = ring_backward(ctx.cfg, dout, dlse, q, k, v, out, lse, bias, ctx.bias_grad, sinks)
-        return (None, dq.to(q.dtype), dk, dv, None if dbias is None else dbias.to(bias.dtype), dsinks)
+        wanted = ctx.needs_input_grad[4:4 + len(cfg.keyed)]
+        bias_grad = any(w and m.grad_slot == "bias" for w, m in zip(wanted, cfg.keyed))
+        dq, dk, dv, dbias, dsinks = ring_backward(cfg, dout, dlse, q, k, v, out, lse, bias_grad)
+        keyed = [dbias.to(m.tensor.dtype) if dbias is not None and m.grad_slot == "bias" else None for m in cfg.keyed]
+        return (None, dq.to(q.dtype), dk, dv, *keyed, *((dsinks,) if cfg.merged is not None else ()))

@@ -30,25 +30,14 @@ class Topology:
     ulysses: Optional[comm.Group]  # None: one Ulysses rank
     timeout: float
 
-    @property
-    def U(self) -> int:
-        return 1 if self.ulysses is None else self.ulysses.size
-
-    @property
-    def R(self) -> int:
-        return 1 if self.ring is None else self.ring.size
+    def __post_init__(self):
+        # this process's ring and Ulysses ranks, and how many of each (R, U)
+        self.ring_rank, self.R = comm.place(self.ring)
+        self.ulysses_rank, self.U = comm.place(self.ulysses)
 
     @property
     def world(self) -> int:
         return self.U * self.R
-
-    @property
-    def ring_rank(self) -> int:
-        return 0 if self.ring is None else self.ring.rank
-
-    @property
-    def ulysses_rank(self) -> int:
-        return 0 if self.ulysses is None else self.ulysses.rank
 
     @property
     def rank(self) -> int:

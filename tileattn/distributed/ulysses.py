@@ -97,26 +97,24 @@ def heads_to_seq(ex: Exchange, y: torch.Tensor, tag: str) -> torch.Tensor:
     return out.to(y.dtype)
 
 
-class SeqToHeads(torch.autograd.Function):
-    @staticmethod
+def _differentiable(name: str, there, back) -> type:
+    """An autograd function ``apply(ex, x, tag)`` running the all-to-all ``there``; its gradient
+    travels the other way, through ``back``."""
+
     def forward(ctx, ex: Exchange, x: torch.Tensor, tag: str):
         ctx.ex, ctx.tag = ex, tag
-        return seq_to_heads(ex, x, tag)
+        return there(ex, x, tag)
 
-    @staticmethod
     def backward(ctx, grad):
-        return None, heads_to_seq(ctx.ex, grad.contiguous(), "grad_" + ctx.tag), None
+        return None, back(ctx.ex, grad.contiguous(), "grad_" + ctx.tag), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                                                   "__module__": __name__})
 
 
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ex: Exchange, y: torch.Tensor, tag: str):
-        ctx.ex, ctx.tag = ex, tag
-        return heads_to_seq(ex, y, tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, seq_to_heads(ctx.ex, grad.contiguous(), "grad_" + ctx.tag), None
+#: (B, H, S_local, X) -> (B, H/U, S_group, X) and back, differentiable.
+SeqToHeads = _differentiable("SeqToHeads", seq_to_heads, heads_to_seq)
+HeadsToSeq = _differentiable("HeadsToSeq", heads_to_seq, seq_to_heads)
 
 
 def kv_repeats(heads_kv: int, ulysses: int) -> int:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .measure import Step, TimingStats, peak_memory, time_interleaved
+from .measure import Outcome, Step, TimingStats, peak_memory, time_interleaved
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 #: FLOPs of a mode relative to the forward pass (FlashAttention's convention: backward = 2.5x).
@@ -209,15 +208,12 @@ def make_step(forward: Callable, case: Case, q, k, v, dout):
 # Benchmark driver.
 
 
-class Status(str, Enum):
+class Status(Outcome):
     """How a provider fared on a case; the value is the ``status`` field of CSV and JSON rows."""
 
     OK = "ok"
     UNSUPPORTED = "unsupported"  # the provider cannot run this case: ``note`` says why
     ERROR = "error"  # the provider raised: ``note`` holds the first line of the error
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

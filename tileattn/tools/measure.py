@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -54,6 +55,14 @@ def spread_pct(samples: Sequence[float]) -> Optional[float]:
     if len(samples) < 2:
         return None
     return 100.0 * (max(samples) - min(samples)) / statistics.median(samples)
+
+
+class Outcome(str, Enum):
+    """What became of a timed thing (a bench provider's case, a tuning candidate): its value is what
+    tables, CSV and JSON show."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class TimingStats:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Callable, List, Optional, Tuple
 
 from .bench import describe_error, make_step
-from .measure import Step, TimingStats, l2_per_core, time_interleaved
+from .measure import Outcome, Step, TimingStats, l2_per_core, time_interleaved
 from ..core.tunecache import lookup, overriding, store
 
 
@@ -193,7 +192,7 @@ SPACES = {
 # The search.
 
 
-class Verdict(str, Enum):
+class Verdict(Outcome):
     """Where a candidate ended; the value is what the table and ``--json`` show."""
 
     PENDING = "pending"  # not yet judged
@@ -201,9 +200,6 @@ class Verdict(str, Enum):
     WRONG = "wrong"  # fails the accuracy rule
     ERROR = "error"  # the engine raised
     TIMED = "timed"  # survived and was timed
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

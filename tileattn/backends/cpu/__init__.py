@@ -15,8 +15,9 @@ from functools import partial
 
 import torch
 
-from ...core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...core.engine import ALL_DTYPES, Backend, Capabilities, Gradients, register
 from ...core.kvquant import KVQuant, quant_of
+from ...core.modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from ...core.spec import AttentionSpec, dequantised_spec, sequence_views
 from . import kernels
 from .parallel import planned_workers, run_tasks
@@ -78,7 +79,8 @@ class CpuBackend(Backend):
     name = "cpu"
     priority = 20
     #: A quantised cache is dequantised into a copy in q's dtype first (the native engine reads it as stored).
-    capabilities = Capabilities(devices=frozenset(("cpu",)), dtypes=ALL_DTYPES, modifiers=BUILTIN_MODIFIERS | {KVQuant})
+    capabilities = Capabilities(devices=frozenset(("cpu",)), dtypes=ALL_DTYPES,
+                                modifiers=frozenset((Softcap, Alibi, Bias, Band, Mask, Dropout, KVQuant)))
     #: Set by ``tileattn tune`` or tests to force a configuration.
     config_override = None
 

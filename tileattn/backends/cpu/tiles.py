@@ -66,43 +66,12 @@ class SequenceProblem:
 
     def __post_init__(self):
         self.band: Optional[Band] = self.args.band
-
-    @property
-    def scale(self) -> float:
-        return self.args.scale
-
-    @property
-    def heads_q(self):
-        return self.q.shape[0]
-
-    @property
-    def heads_kv(self):
-        return self.k.shape[0]
-
-    @property
-    def group(self):
-        return self.heads_q // self.heads_kv
-
-    @property
-    def sq(self):
-        return self.q.shape[1]
-
-    @property
-    def sk(self):
-        return self.k.shape[1]
-
-    @property
-    def head_dim(self):
-        return self.q.shape[2]
-
-    @property
-    def dropout_p(self) -> float:
-        return self.args.dropout_p
-
-    @property
-    def plain(self) -> bool:
-        """No score modifier between the GEMM and the softmax: fold scale*log2(e) into q."""
-        return self.args.plain
+        # The sizes (prepare() converts k and v, keeping their shapes) and the kernel arguments read
+        # per tile; plain: no score modifier between the GEMM and the softmax (scale*log2(e) folds into q).
+        self.heads_q, self.sq, self.head_dim = self.q.shape
+        self.heads_kv, self.sk = self.k.shape[:2]
+        self.group = self.heads_q // self.heads_kv
+        self.scale, self.dropout_p, self.plain = self.args.scale, self.args.dropout_p, self.args.plain
 
     @property
     def q_factor(self) -> float:

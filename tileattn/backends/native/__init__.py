@@ -18,9 +18,10 @@ import warnings
 
 import torch
 
-from ...core.engine import ALL_DTYPES, BUILTIN_MODIFIERS, Backend, Capabilities, Gradients, register
+from ...core.engine import ALL_DTYPES, Backend, Capabilities, Gradients, register
 from ...core.functions import MaskMod, ScoreMod
 from ...core.kvquant import KVQuant, canonical_scales, quant_of
+from ...core.modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from ...core.spec import AttentionSpec
 from ...core.tunecache import lookup
 from . import kernels, prepared
@@ -35,9 +36,11 @@ class NativeBackend(Backend):
     priority = 15
     capabilities = Capabilities(
         devices=frozenset(("cpu",)), dtypes=frozenset(kernels.CAPABILITIES["dtypes"]) & ALL_DTYPES,
-        # a quantised cache in the formats the kernels read as stored (kernels.CAPABILITIES["kv_formats"]);
-        # user functions compiled into tile functions the kernels call (tileattn.programs)
-        modifiers=BUILTIN_MODIFIERS | {KVQuant, ScoreMod, MaskMod}, compiled_functions=True,
+        # the kernels' score pipeline (csrc/tile.h); a quantised cache in the formats they read as stored
+        # (kernels.CAPABILITIES["kv_formats"]); user functions compiled into tile functions the kernels
+        # call (tileattn.programs)
+        modifiers=frozenset((Softcap, Alibi, Bias, Band, Mask, Dropout, KVQuant, ScoreMod, MaskMod)),
+        compiled_functions=True,
     )
     _warned = False
 
@@ -123,18 +126,17 @@ class NativeBackend(Backend):
     @staticmethod
     def _call_arguments(spec: AttentionSpec) -> dict:
         """The kernels' keywords for a validated call: its kernel arguments (the modifiers lowered,
-        :class:`tileattn.core.kernel_args.KernelArgs`) and the tuned tiles; index tensors made contiguous (a
+        :class:`tileattn.core.kernel_args.KernelArgs`: its numbers by name, which fill the record's
+        fields of those names, and its tensors) and the tuned tiles; index tensors made contiguous (a
         caller's ``t[::2]`` is valid input, the kernels read plain arrays)."""
         tuned = lookup("native", spec) or {}
         a = spec.kernel_args
         quant = canonical_scales(spec, a) if "k_scale" in a.per_call else {}
-        return dict(**quant,scale=a.scale, left=a.left, right=a.right, bottom_right=a.bottom_right, shift=a.shift,
-                    cu_seqlens_q=kernels.contiguous_index(spec.cu_seqlens_q),
+        return dict(**quant, **a.numbers(), cu_seqlens_q=kernels.contiguous_index(spec.cu_seqlens_q),
                     cu_seqlens_k=kernels.contiguous_index(spec.cu_seqlens_k),
-                    seqused_k=kernels.contiguous_index(spec.seqused_k),
-                    block_table=spec.block_table, softcap=a.softcap, alibi_slopes=a.alibi_slopes, mask=a.mask,
-                    bias=a.bias, dropout_p=a.dropout_p, seed=a.seed, block_m=tuned.get("block_m", 0),
-                    block_n=tuned.get("block_n", 0))
+                    seqused_k=kernels.contiguous_index(spec.seqused_k), block_table=spec.block_table,
+                    alibi_slopes=a.alibi_slopes, mask=a.mask, bias=a.bias, seed=a.seed,
+                    block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0))
 
     @staticmethod
     def _interruptible(spec: AttentionSpec):

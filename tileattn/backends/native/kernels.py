@@ -6,9 +6,13 @@ Interface (stable; the backend calls exactly this)::
             cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
             softcap=0.0, alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0,
             block_m=0, block_n=0, num_threads=None, cancel=None, options=0, validate=True,
-            k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None) -> None
+            k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, **fields) -> None
 
     backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, <the same keywords>, dbias=None) -> None
+
+``fields``: further fields of the record's core section (``csrc/ta.h``), by name, as they are: a
+kernel argument the header declares reaches the kernels with no change here (the engine passes every
+number of :class:`tileattn.core.kernel_args.KernelArgs` by name); a name it does not is refused.
 
 ``validate=False`` skips the argument checks below: only for arguments validated already (the
 native engine's calls, validated once by the spec and the modifiers).
@@ -546,11 +550,11 @@ def _bcast4(t, full):
 
 def _core(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
           seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
-          cancel, options, user, backward=None):
-    """Fill every section but the backward ones and the quantised cache's, by field name (``backward``:
-    core fields of the backward pass, which may replace any other). Returns the full (B, Hq, Sq, Sk) shape and
-    whether the call is varlen. A padded call without mask, bias or ALiBi (a decode step) fills the
-    core section alone."""
+          cancel, options, user, extra, backward=None):
+    """Fill every section but the backward ones and the quantised cache's, by field name (``extra``:
+    further core fields as they are; ``backward``: core fields of the backward pass, which may replace
+    any other). Returns the full (B, Hq, Sq, Sk) shape and whether the call is varlen. A padded call
+    without mask, bias or ALiBi (a decode step) fills the core section alone."""
     varlen, paged = cu_seqlens_q is not None, block_table is not None
     qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
     if varlen:
@@ -593,7 +597,7 @@ def _core(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, 
                      drop_threshold=int(round(dropout_p * (1 << 24))), seed=seed & (2**63 - 1), block_m=block_m,
                      block_n=block_n, num_threads=torch.get_num_threads() if num_threads is None else num_threads,
                      varlen=1 if varlen else 0, paged=1 if paged else 0, options=options | lib.default_options,
-                     scale=scale, softcap=softcap, dropout_p=dropout_p)
+                     scale=scale, softcap=softcap, dropout_p=dropout_p, **extra)
     fields.update(backward or {})
     lib.fill["core"](loc.args, **fields)
     return full, varlen
@@ -733,11 +737,12 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
             cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0, alibi_slopes=None, mask=None,
             bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0, num_threads=None, cancel=None,
             options=0, validate=True, k_scale=None, k_offset=None, v_scale=None, v_offset=None,
-            q_scale=None, user=None) -> None:
+            q_scale=None, user=None, **fields) -> None:
     """Attention forward into ``out`` and ``lse`` (see the module docstring; a quantised cache and
     its scales: "Quantised K/V" there; ``user``: a :class:`UserCall`). ``validate=False`` skips the
     argument checks: only for arguments validated already (the engine's calls); the scales of a
-    quantised cache are always checked."""
+    quantised cache are always checked. ``fields``: other fields of the record's core section, by
+    name (a kernel argument the header declares; a name it does not is refused)."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
     quant = k_scale is not None or k_offset is not None or v_scale is not None or v_offset is not None or \
@@ -752,7 +757,7 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
         options |= _KV_QUANT
     _core(lib, loc, q, k, v, out, lse, scale, left, right, bottom_right, shift, cu_seqlens_q, cu_seqlens_k,
           seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed, block_m, block_n, num_threads,
-          cancel, options, user)
+          cancel, options, user, fields)
     status = lib.forward_fn(loc.args_addr)
     if status != OK:
         _raise(loc, status)
@@ -763,9 +768,9 @@ def forward(q, k, v, out, lse, *, scale, left=-1, right=-1, bottom_right=True, s
 def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, right=-1, bottom_right=True, shift=0,
              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None, softcap=0.0,
              alibi_slopes=None, mask=None, bias=None, dropout_p=0.0, seed=0, block_m=0, block_n=0,
-             num_threads=None, cancel=None, options=0, dbias=None, validate=True, user=None) -> None:
+             num_threads=None, cancel=None, options=0, dbias=None, validate=True, user=None, **fields) -> None:
     """Gradients into ``dq``, ``dk``, ``dv`` (overwritten), ``dbias`` and the user record's capture
-    gradient buffers (added to)."""
+    gradient buffers (added to); ``fields`` as :func:`forward`'s."""
     lib = _state.get("lib") or _library()
     loc = lib.buffers()
     if validate:
@@ -776,7 +781,7 @@ def backward(q, k, v, out, dout, lse, delta, dq, dk, dv, *, scale, left=-1, righ
     # out is not read: dout takes its place in the forward-shaped fields, the backward pointers follow
     full, varlen = _core(lib, loc, q, k, v, dout, lse, scale, left, right, bottom_right, shift, cu_seqlens_q,
                          cu_seqlens_k, seqused_k, block_table, softcap, alibi_slopes, mask, bias, dropout_p, seed,
-                         block_m, block_n, num_threads, cancel, options, user,
+                         block_m, block_n, num_threads, cancel, options, user, fields,
                          dict(out=0, dout=dout.data_ptr(), delta=delta.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),
                               dv=dv.data_ptr(), dbias=0 if dbias is None else dbias.data_ptr()))
     strides = [(0, g.stride(1), g.stride(0)) if varlen else tuple(g.stride()[:3]) for g in (dout, dq, dk, dv)]

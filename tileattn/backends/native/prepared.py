@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ...core.layouts import output_strides
 from . import kernels
 
 #: A sequence with at most this many query rows per kv head (q_len * Hq / Hkv) takes the split-KV
@@ -110,7 +111,7 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
     if spec.dtype not in kernels._DTYPES or spec.seqused_k is not None and not spec.seqused_k.is_contiguous():
         return None  # the engine passes a contiguous copy of a strided seqused_k; a plan has no copy to pass
     acc = kernels.accumulation_dtype(spec.dtype)
-    ost = _output_strides(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v)
+    ost = output_strides(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v)
     lst = (spec.heads_q * spec.seqlen_q, spec.seqlen_q, 1)
     qst = spec.q_c.stride()
     paged = spec.is_paged
@@ -121,19 +122,8 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
     template = bytearray(lib.size)
     lib.fill["core"](template, B=spec.batch, Hq=spec.heads_q, Hkv=spec.heads_kv, Sq=spec.seqlen_q, Sk=spec.seqlen_k,
                      D=spec.head_dim, Dv=spec.head_dim_v, q_st=qst[:3], o_st=ost, lse_st=lst,
-                     dtype=kernels._DTYPES[spec.dtype], out_dtype=kernels._DTYPES[spec.dtype], left=args.left,
-                     right=args.right, bottom_right=1 if args.bottom_right else 0, shift=args.shift, num_threads=1,
-                     paged=1 if paged else 0, options=lib.default_options, scale=args.scale, softcap=args.softcap)
+                     dtype=kernels._DTYPES[spec.dtype], out_dtype=kernels._DTYPES[spec.dtype], num_threads=1,
+                     paged=1 if paged else 0, options=lib.default_options, **args.numbers())
     if paged:
         lib.fill["paged"](template, page_size=page_size, max_pages=max_pages, bt_st=spec.block_table.stride() + (0,))
     return PreparedForward(lib, bytes(template), rows * acc.itemsize, paged, (interruptible_work - 1) // rows)
-
-
-def _output_strides(layout: str, batch: int, heads: int, rows: int, dim: int) -> tuple:
-    """(batch, head, row) strides of the canonical view of an output allocated contiguous in
-    ``layout`` (:func:`tileattn.core.spec.empty_in_layout`), without allocating one."""
-    if layout == "BNSD":
-        return heads * rows * dim, rows * dim, dim
-    if layout == "SBH":  # (S, B, H*D)
-        return heads * dim, dim, batch * heads * dim
-    return rows * heads * dim, dim, heads * dim  # BSND (B, S, H, D) and BSH (B, S, H*D)

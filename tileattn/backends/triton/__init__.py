@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ...core.engine import BUILTIN_MODIFIERS, Backend, Capabilities, register
+from ...core.engine import Backend, Capabilities, register
+from ...core.modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from ...core.spec import AttentionSpec
 from . import launch
 
@@ -30,7 +31,7 @@ class TritonBackend(Backend):
     priority = 10
     capabilities = Capabilities(
         devices=frozenset(("cuda", "cpu")), dtypes=frozenset((torch.float16, torch.bfloat16, torch.float32)),
-        max_head_dim=launch.MAX_HEAD_DIM, modifiers=BUILTIN_MODIFIERS,
+        max_head_dim=launch.MAX_HEAD_DIM, modifiers=frozenset((Softcap, Alibi, Bias, Band, Mask, Dropout)),
     )
 
     def unavailable_reason(self):

@@ -2,10 +2,11 @@
 
 The kernels know nothing of the public API. This layer turns an :class:`~tileattn.core.spec.AttentionSpec`
 and its kernel arguments (:class:`~tileattn.core.kernel_args.KernelArgs`, the modifiers lowered) into
-pointers, strides and flags (:func:`_common`, shared by every kernel of a call): canonical strided
-views are passed as they are (a transposed BSND or SBH tensor is read in place, never copied),
-broadcast masks and biases become stride-0 dimensions, and packed (TND) problems pass
-``stride_b = 0`` plus their ``cu_seqlens``.
+pointers and the argument groups of :mod:`.arguments` (:func:`_common`, shared by every kernel of a
+call): canonical strided views are passed as they are (a transposed BSND or SBH tensor is read in
+place, never copied), broadcast masks and biases become stride-0 dimensions, and packed (TND)
+problems pass a batch stride of 0 plus their ``cu_seqlens``. Every kernel is launched by
+:func:`_launch`, with a fixed, cached or autotuned configuration.
 
 Interpreter or compiler
 -----------------------
@@ -36,6 +37,7 @@ import triton.language as tl
 from ...core.score_math import reduce_to_shape
 from ...core.spec import AttentionSpec
 from ...core.tunecache import lookup, seqlen_bucket
+from .arguments import Flags, ModifierStrides, Scalars, Sequences, Sizes, Strides
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
@@ -101,8 +103,9 @@ DKDV_SPACE = (KernelConfig(32, 128, 4, 3), KernelConfig(64, 128, 8, 3), KernelCo
               KernelConfig(32, 64, 4, 2))
 DQ_SPACE = (KernelConfig(128, 32, 4, 3), KernelConfig(128, 64, 8, 3), KernelConfig(64, 64, 4, 3),
             KernelConfig(64, 32, 4, 2))
-_TUNE_KEY = ["tune_bucket", "BLOCK_D", "BLOCK_DV", "HAS_LEFT", "HAS_RIGHT", "BOTTOM_RIGHT", "IS_VARLEN", "HAS_MASK",
-             "HAS_BIAS", "HAS_ALIBI", "HAS_SOFTCAP", "HAS_DROPOUT", "HAS_SEQUSED", "PAGED", "DOT_PRECISION"]
+#: What the autotuner keys a kernel's choice on (besides its tensors' dtypes): the length bucket, the
+#: head dims' blocks, the call's flags (``F``) and the dots' precision.
+_TUNE_KEY = ["tune_bucket", "BLOCK_D", "BLOCK_DV", "F", "DOT_PRECISION"]
 
 
 def use_fixed_config() -> bool:
@@ -116,13 +119,13 @@ def _autotuned(name, kernel, space):
     if name not in _state["tuned"]:
         configs = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
                                  num_stages=c.num_stages) for c in space]
-        key = [flag for flag in _TUNE_KEY if flag in kernel.arg_names]  # PAGED is the forward kernel's alone
-        _state["tuned"][name] = triton.autotune(configs=configs, key=key)(kernel)
+        _state["tuned"][name] = triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
     return _state["tuned"][name]
 
 
 def _launch(name, kernel, space, grid_of, args, flags, cached: KernelConfig = None):
-    """Launch with a fixed, cached or autotuned configuration; ``grid_of(block_m, block_n)``."""
+    """Launch ``kernel`` on ``args`` (positional) and ``flags`` (keywords) with a fixed, cached or
+    autotuned configuration (``cached``: this one, never tuned); ``grid_of(block_m, block_n)``."""
     if use_fixed_config() or cached is not None:
         cfg = cached or FIXED_CONFIG
         grid = grid_of(cfg.block_m, cfg.block_n)
@@ -151,38 +154,55 @@ def _block_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _strides4(t: torch.Tensor, varlen: bool):
+def _strides(t: torch.Tensor, varlen: bool) -> Strides:
     """(batch, head, seq, dim) strides of a canonical view; packed (T, H, D) has no batch stride."""
     if varlen:
-        return (0, t.stride(1), t.stride(0), t.stride(2))
-    return tuple(t.stride())
+        return Strides(0, t.stride(1), t.stride(0), t.stride(2))
+    return Strides(*t.stride())
 
 
-def _kv_strides(spec: AttentionSpec, t: torch.Tensor):
+def _kv_strides(spec: AttentionSpec, t: torch.Tensor) -> Strides:
     """Strides of a canonical K/V view: (page, head, row in page, dim) for a paged pool, else as q's."""
-    return tuple(t.stride()) if spec.is_paged else _strides4(t, spec.is_varlen)
+    return Strides(*t.stride()) if spec.is_paged else _strides(t, spec.is_varlen)
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> Strides:
+    return Strides(0, lse.stride(0), lse.stride(1), 0) if varlen else Strides(*lse.stride(), 0)
 
 
 @dataclass
 class _Args:
-    """What every kernel of a call shares: tensors, strides, scalars and constexpr flags."""
+    """What every kernel of a call shares: the modifiers' tensors (dummies where absent) and the
+    argument groups of :mod:`.arguments`, as keywords of the kernels (``F`` and the head dims' blocks
+    are constexprs)."""
 
     mask: torch.Tensor
     bias: torch.Tensor
     slopes: torch.Tensor
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    seqused_k: torch.Tensor
-    table: torch.Tensor
-    mask_strides: tuple
-    bias_strides: tuple
-    slope_strides: tuple
-    scalars: tuple
-    flags: dict
+    groups: dict
+    seeds: tuple
+    bucket: int
+    constexprs: dict
+
+
+def _scalars(a) -> Scalars:
+    """The :class:`.arguments.Scalars` of kernel arguments ``a``: each field the kernel argument of
+    its name, in the form the kernels take (unbounded band sides and no softcap as harmless numbers,
+    which the flags switch off)."""
+    taken = dict(softcap=a.softcap if a.softcap else 1.0, left=max(a.left, 0), right=max(a.right, 0),
+                 drop_threshold=a.dropout_threshold, drop_scale=1.0 / (1.0 - a.dropout_p))
+    return Scalars(*(taken[name] if name in taken else getattr(a, name) for name in Scalars._fields))
+
+
+def _flags(a, **given) -> Flags:
+    """The :class:`.arguments.Flags` of a call: those ``given``, and for each other flag ``HAS_<NAME>``
+    whether the kernel argument ``<name>`` is set (a band side, a mask, a bias, a softcap, or a field
+    added to both)."""
+    return Flags(**{f: given[f] if f in given else a.is_set(f[len("HAS_"):].lower()) for f in Flags._fields})
 
 
 def _common(spec: AttentionSpec) -> _Args:
-    """Pointer arguments, strides, scalars and flags shared by every kernel of a call, from its
+    """Pointer arguments, argument groups and flags shared by every kernel of a call, from its
     kernel arguments."""
     a = spec.kernel_args
     dev = spec.device
@@ -192,43 +212,33 @@ def _common(spec: AttentionSpec) -> _Args:
     # Broadcast masks and biases as stride-0 views: no copy, no materialised mask.
     mask_t = a.mask.view(torch.uint8).expand(full) if a.mask is not None else dummy
     bias_t = a.bias.expand(full) if a.bias is not None else dummy
-    mask_strides = mask_t.stride() if a.mask is not None else (0, 0, 0, 0)
-    bias_strides = bias_t.stride() if a.bias is not None else (0, 0, 0, 0)
+    none = Strides(0, 0, 0, 0)
     slopes = a.alibi_slopes if a.alibi_slopes is not None else dummy
     if a.alibi_slopes is None:
-        slope_strides = (0, 0)
+        slope_strides = none
     else:
-        slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else tuple(slopes.stride())
+        slope_strides = Strides(0, slopes.stride(0), 0, 0) if slopes.dim() == 1 else Strides(*slopes.stride(), 0, 0)
     # The kernels read index tensors as plain arrays (a block table by its row stride alone): a
     # caller's t[::2] is valid input, so it is made contiguous here (a few ints).
-    cu_q = spec.cu_seqlens_q.contiguous() if spec.is_varlen else no_index
-    cu_k = spec.cu_seqlens_k.contiguous() if spec.cu_seqlens_k is not None else no_index
-    scalars = (
-        a.scale, a.softcap if a.softcap else 1.0, max(a.left, 0), max(a.right, 0), a.shift,
-        a.seed & 0xFFFFFFFF, (a.seed >> 32) & 0xFFFFFFFF, a.dropout_threshold,
-        1.0 / (1.0 - a.dropout_p), seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)),
-    )
-    flags = dict(
-        HAS_LEFT=a.left >= 0, HAS_RIGHT=a.right >= 0, BOTTOM_RIGHT=a.bottom_right,
-        IS_VARLEN=spec.is_varlen, HAS_MASK=a.mask is not None, HAS_BIAS=a.bias is not None,
-        HAS_ALIBI=a.alibi_slopes is not None, HAS_SOFTCAP=a.softcap > 0,
-        HAS_DROPOUT=a.dropout_p > 0, HAS_SEQUSED=spec.seqused_k is not None,
-        BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
+    table = spec.block_table.contiguous() if spec.is_paged else no_index.view(1, 2)
+    seqs = Sequences(
+        spec.cu_seqlens_q.contiguous() if spec.is_varlen else no_index,
+        spec.cu_seqlens_k.contiguous() if spec.cu_seqlens_k is not None else no_index,
+        spec.seqused_k.contiguous() if spec.seqused_k is not None else no_index,
+        table, table.stride(0), spec.block_size if spec.is_paged else 1)
+    flags = _flags(a, BOTTOM_RIGHT=a.bottom_right, IS_VARLEN=spec.is_varlen, HAS_SEQUSED=spec.seqused_k is not None,
+                   PAGED=spec.is_paged, HAS_ALIBI=a.alibi_slopes is not None, HAS_DROPOUT=a.dropout_p > 0)
+    st = ModifierStrides(Strides(*mask_t.stride()) if a.mask is not None else none,
+                         Strides(*bias_t.stride()) if a.bias is not None else none, slope_strides)
+    sizes = Sizes(spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v)
+    constexprs = dict(
+        F=flags, BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
         # fp32 inputs must not be rounded to TF32 inside tl.dot: the accuracy rule is fp32's.
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
     )
-    return _Args(mask_t, bias_t, slopes, cu_q, cu_k,
-                 spec.seqused_k.contiguous() if spec.seqused_k is not None else no_index,
-                 spec.block_table.contiguous() if spec.is_paged else no_index.view(1, 2),
-                 tuple(mask_strides), tuple(bias_strides), tuple(slope_strides), scalars, flags)
-
-
-def _lse_strides(lse: torch.Tensor, varlen: bool):
-    return (0, lse.stride(0), lse.stride(1)) if varlen else tuple(lse.stride())
-
-
-def _sizes(spec: AttentionSpec) -> tuple:
-    return spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v
+    return _Args(mask_t, bias_t, slopes, dict(st=st, seqs=seqs, sizes=sizes, sc=_scalars(a)),
+                 (a.seed & 0xFFFFFFFF, (a.seed >> 32) & 0xFFFFFFFF), seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)),
+                 constexprs)
 
 
 #: Flash-decoding (:mod:`.decode_kernel`) serves calls whose query rows per kv head (seqlen_q * group)
@@ -278,18 +288,17 @@ def forward(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None
 
 
 def _prefill(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None:
-    fwd, _ = kernels()[:2]
+    fwd, _, _ = kernels()
     a = _common(spec)
     v = spec.is_varlen
-    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, a.mask, a.bias, a.slopes, a.cu_q, a.cu_k, a.seqused_k, a.table,
-            *_strides4(spec.q_c, v), *_kv_strides(spec, spec.k_c), *_kv_strides(spec, spec.v_c),
-            *_strides4(out_c, v), *_lse_strides(lse, v), *a.mask_strides, *a.bias_strides, *a.slope_strides,
-            a.table.stride(0), *_sizes(spec), spec.block_size if spec.is_paged else 1, *a.scalars)
+    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, a.mask, a.bias, a.slopes, _strides(spec.q_c, v),
+            _kv_strides(spec, spec.k_c), _kv_strides(spec, spec.v_c), _strides(out_c, v), _lse_strides(lse, v),
+            *a.groups.values(), *a.seeds, a.bucket)
 
     def grid(block_m, block_n):
         return (triton.cdiv(max(spec.seqlen_q, 1), block_m), spec.heads_q, spec.batch)
 
-    _launch("forward", fwd.attention_forward_kernel, FORWARD_SPACE, grid, args, dict(a.flags, PAGED=spec.is_paged),
+    _launch("forward", fwd.attention_forward_kernel, FORWARD_SPACE, grid, args, a.constexprs,
             _cached_forward_config(spec))
 
 
@@ -301,32 +310,26 @@ def _decode(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None
     # One tile of rows whatever the call (tl.dot takes M >= 16): a row's arithmetic never depends on
     # how many rows its neighbours fill. The grid has the longest sequence's splits; the programs of
     # chunks a shorter sequence does not have return at once.
-    rows = DECODE_ROWS
     splits = decode_splits(spec.seqlen_k)
-    block_dv = a.flags["BLOCK_DV"]
-    part_lse = torch.empty((spec.batch, spec.heads_kv, splits, rows), dtype=torch.float32, device=spec.device)
+    block_dv = a.constexprs["BLOCK_DV"]
+    part_lse = torch.empty((spec.batch, spec.heads_kv, splits, DECODE_ROWS), dtype=torch.float32, device=spec.device)
     part_out = torch.empty(part_lse.shape + (block_dv,), dtype=torch.float32, device=spec.device)
-    sm_scale, softcap, left, right, shift = a.scalars[:5]
-    shape = (spec.seqlen_q, spec.seqlen_k, spec.group_size)
-    chunking = dict(MIN_CHUNK=DECODE_MIN_CHUNK, MAX_SPLITS=DECODE_MAX_SPLITS, BLOCK_M=rows, BLOCK_N=DECODE_BLOCK_N)
-    flags = {name: a.flags[name] for name in ("HAS_LEFT", "HAS_RIGHT", "BOTTOM_RIGHT", "IS_VARLEN", "HAS_ALIBI",
-                                              "HAS_SOFTCAP", "HAS_SEQUSED", "BLOCK_D", "BLOCK_DV", "DOT_PRECISION")}
-    dec.attention_decode_kernel[(splits, spec.heads_kv, spec.batch)](
-        spec.q_c, spec.k_c, spec.v_c, part_out, part_lse, a.slopes, a.cu_q, a.cu_k, a.seqused_k, a.table,
-        *_strides4(spec.q_c, v), *_kv_strides(spec, spec.k_c), *_kv_strides(spec, spec.v_c),
-        *part_lse.stride(), *a.slope_strides, a.table.stride(0),
-        *shape, spec.head_dim, spec.head_dim_v, spec.block_size if spec.is_paged else 1,
-        sm_scale, softcap, left, right, shift, PAGED=spec.is_paged, **flags, **chunking, **DECODE_CONFIG)
-    dec.attention_decode_merge_kernel[(spec.heads_kv, spec.batch)](
-        part_out, part_lse, out_c, lse, a.cu_q, a.cu_k, a.seqused_k,
-        *_strides4(out_c, v), *_lse_strides(lse, v), *part_lse.stride(), *shape, spec.head_dim_v,
-        IS_VARLEN=v, HAS_SEQUSED=a.flags["HAS_SEQUSED"], PAGED=spec.is_paged, BLOCK_DV=block_dv, **chunking,
-        **DECODE_CONFIG)
+    part_st = Strides(*part_lse.stride())
+    config = KernelConfig(DECODE_ROWS, DECODE_BLOCK_N, **DECODE_CONFIG)
+    chunking = dict(MIN_CHUNK=DECODE_MIN_CHUNK, MAX_SPLITS=DECODE_MAX_SPLITS)
+    groups = a.groups
+    _launch("decode", dec.attention_decode_kernel, (), lambda bm, bn: (splits, spec.heads_kv, spec.batch),
+            (spec.q_c, spec.k_c, spec.v_c, part_out, part_lse, a.slopes, _strides(spec.q_c, v),
+             _kv_strides(spec, spec.k_c), _kv_strides(spec, spec.v_c), part_st, *groups.values()),
+            dict(a.constexprs, **chunking), config)
+    _launch("decode-merge", dec.attention_decode_merge_kernel, (), lambda bm, bn: (spec.heads_kv, spec.batch),
+            (part_out, part_lse, out_c, lse, _strides(out_c, v), _lse_strides(lse, v), part_st, groups["seqs"],
+             groups["sizes"], groups["sc"]), dict(F=a.constexprs["F"], BLOCK_DV=block_dv, **chunking), config)
 
 
 def backward(spec: AttentionSpec, grads) -> None:
     """dq, dk, dv (and the reduced bias gradient) of a :class:`~tileattn.core.dispatch.Gradients` bundle."""
-    _, bwd = kernels()[:2]
+    _, bwd, _ = kernels()
     v = spec.is_varlen
     # Base-2 LSE; rows that saw no key get +inf so every recomputed probability is exactly 0.
     lse2 = (grads.lse.float() * LOG2E).masked_fill_(grads.lse == -math.inf, math.inf)
@@ -337,31 +340,27 @@ def backward(spec: AttentionSpec, grads) -> None:
         # Keys past a sequence's seqused_k get no gradient; the kernels only write the keys in use.
         grads.dk.zero_()
         grads.dv.zero_()
-    extra = (*a.mask_strides, *a.bias_strides, *a.slope_strides, *_sizes(spec), *a.scalars)
-    lse_strides = _lse_strides(lse2, v)
-    q_strides, k_strides, v_strides = _strides4(spec.q_c, v), _strides4(spec.k_c, v), _strides4(spec.v_c, v)
-    g_strides = _strides4(grads.dout, v)
-    dkdv_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dk, grads.dv, a.mask, a.bias, a.slopes,
-                 a.cu_q, a.cu_k, a.seqused_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
-                 *_strides4(grads.dk, v), *_strides4(grads.dv, v), *extra)
+    inputs = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta)
+    strides = (_strides(spec.q_c, v), _strides(spec.k_c, v), _strides(spec.v_c, v), _strides(grads.dout, v),
+               _lse_strides(lse2, v))
+    rest = (*a.groups.values(), *a.seeds, a.bucket)
     _launch("dkdv", bwd.attention_backward_dkdv_kernel, DKDV_SPACE,
             lambda bm, bn: (triton.cdiv(max(spec.seqlen_k, 1), bn), spec.heads_kv, spec.batch),
-            dkdv_args, a.flags)
+            (*inputs, grads.dk, grads.dv, a.mask, a.bias, a.slopes, *strides, _strides(grads.dk, v),
+             _strides(grads.dv, v), *rest), a.constexprs)
 
     need_dbias = grads.dbias is not None
     if need_dbias:
         # dS is written densely (B, Hq, Sq, Sk) in fp32, then reduced over the bias's broadcast dims.
         dbias_full = torch.zeros((spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k), dtype=torch.float32,
                                  device=spec.device)
-        dbias_strides = dbias_full.stride()[:3]
+        dbias_strides = Strides(*dbias_full.stride())
     else:
         dbias_full = torch.empty(1, dtype=torch.float32, device=spec.device)
-        dbias_strides = (0, 0, 0)
-    dq_args = (spec.q_c, spec.k_c, spec.v_c, grads.dout, lse2, delta, grads.dq, dbias_full, a.mask, a.bias, a.slopes,
-               a.cu_q, a.cu_k, a.seqused_k, *q_strides, *k_strides, *v_strides, *g_strides, *lse_strides,
-               *_strides4(grads.dq, v), *dbias_strides, *extra)
+        dbias_strides = Strides(0, 0, 0, 0)
     _launch("dq", bwd.attention_backward_dq_kernel, DQ_SPACE,
             lambda bm, bn: (triton.cdiv(max(spec.seqlen_q, 1), bm), spec.heads_q, spec.batch),
-            dq_args, dict(a.flags, WRITE_DBIAS=need_dbias))
+            (*inputs, grads.dq, dbias_full, a.mask, a.bias, a.slopes, *strides, _strides(grads.dq, v), dbias_strides,
+             *rest), dict(a.constexprs, WRITE_DBIAS=need_dbias))
     if need_dbias:
         grads.dbias.add_(reduce_to_shape(dbias_full, grads.dbias.shape))

@@ -1,11 +1,21 @@
-"""Device helpers shared by the forward and backward kernels: one score pipeline, written once.
+"""Device helpers shared by the kernels: the prologue every kernel opens with, and one score
+pipeline, written once. The kernels' arguments come in the groups of :mod:`.arguments`.
 
-Both passes must turn ``q . k^T`` into the *same* base-2 logits, or the backward differentiates a
-different function than the forward computed. So the whole pipeline of :mod:`tileattn.core.modifiers`
+The prologue
+------------
+Every kernel finds its sequence (:func:`sequence`: packed offsets, keys in use, the diagonal) and,
+per query head, what the score pipeline reads (:func:`head_scores`), and addresses its rows through
+:func:`head_base` / :func:`kv_base` in 64-bit offsets.
+
+The score pipeline
+------------------
+The forward and backward passes must turn ``q . k^T`` into the *same* base-2 logits, or the backward
+differentiates a different function than the forward computed. So the whole pipeline of
+:mod:`tileattn.core.modifiers`
 
     s = scale * q.k^T -> softcap -> + ALiBi + bias -> band (causal/window) and bool mask
 
-lives in :func:`score_tile`, and both kernels call it. Its ``rows``/``cols`` arguments are index
+lives in :func:`score_tile`, and every kernel calls it. Its ``rows``/``cols`` arguments are index
 tensors that broadcast against the tile, so the same code serves a ``(rows, cols)`` tile (forward,
 dQ pass) and a transposed ``(cols, rows)`` tile (dK/dV pass): every formula below is elementwise.
 
@@ -14,6 +24,9 @@ Everything here is ``@triton.jit`` and inlined into the kernels by the compiler.
 
 import triton
 import triton.language as tl
+
+from .arguments import ScoreHead, Sequence
+
 
 # log2(e): the kernels work in base 2 (exp2 is one hardware instruction, exp is exp2 plus a multiply).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -90,41 +103,37 @@ def band_keep(rows, cols, offset, q_len, k_len, window_left, window_right,
 
 
 @triton.jit
-def score_tile(
-    qk, rows, cols, offset, q_len, k_len,
-    sm_scale, softcap, slope, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-    window_left, window_right,
-    APPLY_BAND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-):
+def score_tile(qk, rows, cols, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.constexpr):
     """Base-2 logits of a tile (-inf where hidden) and, with a softcap, its tanh (for the backward).
+    ``hd``: the tile's :class:`ScoreHead`; ``sc``: the call's :class:`Scalars`; ``st``: its
+    :class:`ModifierStrides`.
 
     ``APPLY_BAND`` is False for tiles the launcher's block ranges proved fully visible: the interior
     of a causal or windowed problem pays for no masking at all.
     """
-    PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS)
+    PLAIN: tl.constexpr = not (F.HAS_SOFTCAP or F.HAS_ALIBI or F.HAS_BIAS)
     t = qk
     if PLAIN:
         # One multiply: the softmax scale and the change to base 2 folded together.
-        s = qk * (sm_scale * LOG2E)
+        s = qk * (sc.scale * LOG2E)
     else:
-        s = qk * sm_scale
-        if HAS_SOFTCAP:
-            t = tanh(s / softcap)
-            s = softcap * t
-        if HAS_ALIBI:
-            s = s - slope * tl.abs(rows + offset - cols).to(tl.float32)
-        if HAS_BIAS:
-            inside = (rows < q_len) & (cols < k_len)
-            b = tl.load(bias_base + rows * stride_bq + cols * stride_bk, mask=inside, other=0.0)
+        s = qk * sc.scale
+        if F.HAS_SOFTCAP:
+            t = tanh(s / sc.softcap)
+            s = sc.softcap * t
+        if F.HAS_ALIBI:
+            s = s - hd.slope * tl.abs(rows + hd.offset - cols).to(tl.float32)
+        if F.HAS_BIAS:
+            inside = (rows < hd.q_len) & (cols < hd.k_len)
+            b = tl.load(hd.bias + rows * st.bias.s + cols * st.bias.d, mask=inside, other=0.0)
             s = s + b.to(tl.float32)
         s = s * LOG2E
     if APPLY_BAND:
-        s = tl.where(band_keep(rows, cols, offset, q_len, k_len, window_left, window_right,
-                               HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-    if HAS_MASK:
-        inside = (rows < q_len) & (cols < k_len)
-        m = tl.load(mask_base + rows * stride_mq + cols * stride_mk, mask=inside, other=0)
+        s = tl.where(band_keep(rows, cols, hd.offset, hd.q_len, hd.k_len, sc.left, sc.right,
+                               F.HAS_LEFT, F.HAS_RIGHT), s, float("-inf"))
+    if F.HAS_MASK:
+        inside = (rows < hd.q_len) & (cols < hd.k_len)
+        m = tl.load(hd.mask + rows * st.mask.s + cols * st.mask.d, mask=inside, other=0)
         s = tl.where(m != 0, s, float("-inf"))
     return s, t
 
@@ -158,19 +167,11 @@ def visible_key_blocks(i0, q_len, k_len, offset, window_left, window_right,
 def visible_query_blocks(j0, q_len, k_len, offset, window_left, window_right,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """The transpose of :func:`visible_key_blocks`: query-block ranges for keys [j0, j0 + BLOCK_N)."""
-    j_last = tl.minimum(j0 + BLOCK_N, k_len) - 1
-    lo = 0
-    hi = q_len
-    full_lo = 0
-    full_hi = q_len
-    if HAS_RIGHT:
-        lo = tl.maximum(j0 - offset - window_right, 0)
-        full_lo = tl.maximum(j_last - offset - window_right, 0)
-    if HAS_LEFT:
-        hi = tl.minimum(j_last - offset + window_left + 1, q_len)
-        full_hi = tl.minimum(j0 - offset + window_left + 1, q_len)
-    return _split_blocks(lo, hi, full_lo, full_hi, BLOCK_M)
+    """The transpose of :func:`visible_key_blocks`: query-block ranges for keys [j0, j0 + BLOCK_N).
+    Key j is seen by the queries i with ``j - off - right <= i <= j - off + left``: the band of the
+    transposed problem, offset negated and sides swapped."""
+    return visible_key_blocks(j0, k_len, q_len, -offset, window_right, window_left, BLOCK_N, BLOCK_M,
+                              HAS_RIGHT, HAS_LEFT)
 
 
 @triton.jit
@@ -246,3 +247,121 @@ def sequence_bounds(cu_seqlens, batch, seqlen, IS_VARLEN: tl.constexpr):
         start = tl.load(cu_seqlens + batch)
         length = tl.load(cu_seqlens + batch + 1) - start
     return start, length
+
+
+# ------------------------------------------------------------------------ the kernels' prologue
+
+
+@triton.jit
+def sequence(seqs, sizes, sc, batch, F: tl.constexpr):
+    """The :class:`Sequence` of sequence ``batch``."""
+    q_start, q_len = sequence_bounds(seqs.cu_q, batch, sizes.seqlen_q, F.IS_VARLEN)
+    k_start, k_len = key_bounds(seqs.cu_k, seqs.used_k, batch, sizes.seqlen_k, F.IS_VARLEN, F.HAS_SEQUSED, F.PAGED)
+    return Sequence(q_start, q_len, k_start, k_len, diagonal_offset(q_len, k_len, sc.shift, F.BOTTOM_RIGHT))
+
+
+@triton.jit
+def head_base(ptr, st, batch, head):
+    """``ptr`` at (batch, head) of a tensor with strides ``st``, in 64-bit offsets (B * H * S * D
+    overflows int32 on large problems)."""
+    return ptr + batch.to(tl.int64) * st.b + head.to(tl.int64) * st.h
+
+
+@triton.jit
+def row_base(ptr, st, batch, head, row):
+    """``ptr`` at (batch, head, row) (:func:`head_base`)."""
+    return head_base(ptr, st, batch, head) + row.to(tl.int64) * st.s
+
+
+@triton.jit
+def kv_base(ptr, st, batch, kv_head, k_start, PAGED: tl.constexpr):
+    """K or V at the sequence's first key of ``kv_head``; a pool's pages are addressed per key
+    (:func:`key_slots`), so for a paged cache only the head."""
+    base = ptr + kv_head.to(tl.int64) * st.h
+    if not PAGED:
+        base += batch.to(tl.int64) * st.b + k_start.to(tl.int64) * st.s
+    return base
+
+
+@triton.jit
+def head_scores(seq, Mask, Bias, Slopes, st, seed_lo, seed_hi, batch, head, F: tl.constexpr):
+    """The :class:`ScoreHead` of query head ``head`` of sequence ``seq``."""
+    slope = 0.0
+    if F.HAS_ALIBI:
+        slope = tl.load(Slopes + batch * st.slopes.b + head * st.slopes.h)
+    drop_key = 0
+    if F.HAS_DROPOUT:
+        drop_key = dropout_head_key(seed_lo, seed_hi, batch, head)
+    return ScoreHead(seq.offset, seq.q_len, seq.k_len, slope, head_base(Mask, st.mask, batch, head),
+                     head_base(Bias, st.bias, batch, head), drop_key)
+
+
+@triton.jit
+def block_indices(start, length, BLOCK: tl.constexpr):
+    """The indices of the block at ``start`` (a multiple of BLOCK) and which of them are below ``length``."""
+    idx = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
+    return idx, idx < length
+
+
+@triton.jit
+def query_program(seqs, sizes, sc, F: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program of a (query blocks, query heads, sequences) grid: ``(batch, head, its sequence, the
+    block's first row)``."""
+    batch = tl.program_id(2)
+    return batch, tl.program_id(1), sequence(seqs, sizes, sc, batch, F), tl.program_id(0) * BLOCK_M
+
+
+@triton.jit
+def stage_blocks(stage: tl.constexpr, start, mid_lo, mid_hi, end):
+    """The blocks of one stage of a sweep over the visible blocks: 0 the masked head, 1 the unmasked
+    interior (no band code), 2 the masked tail."""
+    lo, hi = start, mid_lo
+    if stage == 1:
+        lo, hi = mid_lo, mid_hi
+    if stage == 2:
+        lo, hi = mid_hi, end
+    return lo, hi
+
+
+@triton.jit
+def load_rows(base, offsets, valid, cols, col_stride, width, TRANSPOSED: tl.constexpr):
+    """The rows at ``offsets`` from ``base`` (those ``valid``), columns ``cols`` below ``width`` (the
+    padding of a head dim loads 0): a (rows, cols) tile, or its transpose."""
+    if TRANSPOSED:  # a constexpr branch: one return, whose shape the branch decides
+        at = base + offsets[None, :] + cols[:, None] * col_stride
+        inside = valid[None, :] & (cols[:, None] < width)
+    else:
+        at = base + offsets[:, None] + cols[None, :] * col_stride
+        inside = valid[:, None] & (cols[None, :] < width)
+    return tl.load(at, mask=inside, other=0.0)
+
+
+@triton.jit
+def store_rows(base, offsets, valid, cols, col_stride, width, value):
+    """Store a (rows, cols) tile in the element type of ``base``, as :func:`load_rows` reads it."""
+    tl.store(base + offsets[:, None] + cols[None, :] * col_stride, value.to(base.dtype.element_ty),
+             mask=valid[:, None] & (cols[None, :] < width))
+
+
+# ------------------------------------------------------------------------ the online softmax
+
+
+@triton.jit
+def softmax_step(m_i, l_i, s):
+    """One tile of the online softmax in base 2 (``s``: base-2 logits): ``(p, alpha, m, l)``, the
+    tile's weights, the factor that rescales the rows' earlier state, the new maxima and sums. A row
+    that has seen no visible key keeps m = -inf: subtracting 0 instead keeps -inf - -inf = NaN away."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def finish_rows(m_i, l_i):
+    """``(1 / l, lse2)`` of rows with maxima ``m_i`` and sums ``l_i``: rows that saw no key (l == 0)
+    get 0 (their output is 0) and lse2 = -inf."""
+    saw_keys = l_i > 0
+    l_safe = tl.where(saw_keys, l_i, 1.0)
+    return tl.where(saw_keys, 1.0 / l_safe, 0.0), tl.where(saw_keys, m_i + tl.log2(l_safe), float("-inf"))

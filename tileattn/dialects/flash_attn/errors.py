@@ -2,7 +2,7 @@
 through a ``torch.library`` op schema, both of which raise RuntimeError; Python callers catch
 ValueError/TypeError, so every argument error here is both. What tileattn's core raises under a
 dialect call (its validation, :class:`tileattn.NoBackendError`) leaves it as these classes too
-(:func:`core_errors`): ``except RuntimeError`` catches it as with flash-attn, and tileattn's own
+(:class:`core_errors`): ``except RuntimeError`` catches it as with flash-attn, and tileattn's own
 ``except ValueError`` / ``except tileattn.NoBackendError`` still do."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...core.dispatch import NoBackendError
+from .. import CoreErrors
 
 
 class FlashAttnArgumentError(ValueError, RuntimeError):
@@ -25,30 +26,15 @@ class FlashAttnNoBackendError(NoBackendError, RuntimeError):
     which flash-attn raises for a call its kernels do not take."""
 
 
-class core_errors:
+class core_errors(CoreErrors):
     """Re-raise what tileattn's core raises as the dialect's class (also a RuntimeError), the message
-    kept and prefixed with the function's name. (A class, not a generator context: a decode step
-    enters it on every call.)"""
+    kept and prefixed with the function's name."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is None or issubclass(kind, (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError)):
-            return False
-        prefix = f"tileattn.compat.flash_attn.{self.fn}: {e}"
-        if issubclass(kind, NoBackendError):
-            raise FlashAttnNoBackendError(prefix) from e
-        if issubclass(kind, TypeError):
-            raise FlashAttnTypeError(prefix) from e
-        if issubclass(kind, ValueError):
-            raise FlashAttnArgumentError(prefix) from e
-        return False
+    __slots__ = ()
+    prefix = "tileattn.compat.flash_attn"
+    kept = (FlashAttnArgumentError, FlashAttnTypeError, FlashAttnNoBackendError)
+    classes = ((NoBackendError, FlashAttnNoBackendError), (TypeError, FlashAttnTypeError),
+               (ValueError, FlashAttnArgumentError))
 
 
 def _fail(fn, arg, given, expected, exc=FlashAttnArgumentError):

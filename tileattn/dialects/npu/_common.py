@@ -8,12 +8,13 @@ was given and what would work, and is raised before any compute.
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import warnings
 from typing import List, Optional
 
 import torch
+
+from .. import CoreErrors
 
 #: torch_npu's "no limit" for pre/next tokens.
 UNBOUNDED = 2147483647
@@ -116,15 +117,11 @@ def band_side(value: int) -> Optional[int]:
     return None if value >= UNBOUNDED else int(value)
 
 
-@contextlib.contextmanager
-def core_errors(fn):
+class core_errors(CoreErrors):
     """Re-raise a ``ValueError``/``TypeError`` from tileattn's validation as the dialect's class
     (also a ``RuntimeError``), keeping the message."""
-    try:
-        yield
-    except (NpuValueError, NpuTypeError, NotImplementedError):
-        raise
-    except TypeError as e:
-        raise NpuTypeError(f"tileattn.npu.{fn}: {e}") from e
-    except ValueError as e:
-        raise NpuValueError(f"tileattn.npu.{fn}: {e}") from e
+
+    __slots__ = ()
+    prefix = "tileattn.npu"
+    kept = (NpuValueError, NpuTypeError, NotImplementedError)
+    classes = ((TypeError, NpuTypeError), (ValueError, NpuValueError))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import List
 
-from .common import (CliError, check_memory, check_writable, fmt_bytes, fmt_num, format_table, int_arg, parse_device,
-                     parse_dtype, parse_names, parse_positive_ints, pyplot, tensor_bytes, write_csv, write_json)
+from .common import (CliError, add_measure_outputs, check_memory, check_writable, fmt_bytes, fmt_num, format_table,
+                     int_arg, parse_device, parse_dtype, parse_names, parse_positive_ints, pyplot, tensor_bytes,
+                     write_csv, write_json)
 
 HELP = "time tileattn against SDPA, naive attention and others"
 
@@ -57,12 +58,8 @@ def add_parser(subparsers):
     p.add_argument("--warmup", type=int_arg(0), help="untimed repetitions before timing")
     p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement call")
-    p.add_argument("--csv", metavar="PATH", help="write one row per provider and cell")
-    p.add_argument("--json", metavar="PATH", help="write the run's settings, machine and results")
-    p.add_argument("--plot", metavar="PATH.png", help="plot throughput against sequence length")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
-    return p
+    return add_measure_outputs(p, run, "provider and cell", "the run's settings, machine and results",
+                               "throughput against sequence length")
 
 
 def settings_from_args(args) -> dict:

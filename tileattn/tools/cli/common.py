@@ -96,6 +96,17 @@ def parse_names(text: str, option: str, known: Sequence[str]) -> List[str]:
     return list(dict.fromkeys(names))
 
 
+def add_measure_outputs(p: argparse.ArgumentParser, run, rows: str, saved: str, plotted: str) -> argparse.ArgumentParser:
+    """The options a measuring command ends with (--csv with one row per ``rows``, --json with what
+    it ``saved``, --plot of what it ``plotted``, --quiet), and ``run`` as its function."""
+    p.add_argument("--csv", metavar="PATH", help=f"write one row per {rows}")
+    p.add_argument("--json", metavar="PATH", help=f"write {saved}")
+    p.add_argument("--plot", metavar="PATH.png", help=f"plot {plotted}")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
 def parse_device(name: Optional[str]) -> str:
     import torch
 

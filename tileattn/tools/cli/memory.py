@@ -17,8 +17,9 @@ import os
 import subprocess
 import sys
 
-from .common import (check_memory, check_writable, fmt_bytes, format_table, int_arg, parse_device, parse_dtype,
-                     parse_names, parse_positive_ints, positive_float_arg, pyplot, tensor_bytes, write_csv, write_json)
+from .common import (add_measure_outputs, check_memory, check_writable, fmt_bytes, format_table, int_arg, parse_device,
+                     parse_dtype, parse_names, parse_positive_ints, positive_float_arg, pyplot, tensor_bytes, write_csv,
+                     write_json)
 
 HELP = "measure peak extra memory of naive attention vs tileattn"
 #: Predicted naive peak in score matrices: scores + probabilities forward; plus their gradients.
@@ -38,12 +39,8 @@ def add_parser(subparsers):
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma-separated subset of fwd, fwd+bwd")
     p.add_argument("--cap-gib", type=positive_float_arg, default=4.0, help="skip naive where its predicted peak exceeds this (default 4)")
     p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
-    p.add_argument("--csv", metavar="PATH", help="write one row per length, mode and provider")
-    p.add_argument("--json", metavar="PATH", help="write the settings and rows as JSON")
-    p.add_argument("--plot", metavar="PATH.png", help="plot peak memory against sequence length")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
-    return p
+    return add_measure_outputs(p, run, "length, mode and provider", "the settings and rows as JSON",
+                               "peak memory against sequence length")
 
 
 def child() -> None:

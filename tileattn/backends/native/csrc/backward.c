@@ -583,7 +583,7 @@ int FN(backward)(const ta_args *a) {
     int64_t lanes = a->block_m > 0 ? a->block_m : 128;
     P.bmq = lanes / G > 0 ? lanes / G : 1;
     P.bn = a->block_n > 0 ? a->block_n : 256;
-    P.mods = a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a);
+    P.mods = ta_transforms(a) || ta_user_scores(a);
     P.bgroup = (a->dbias && a->dbias_st[0] == 0) ? a->B : 1;
     P.hgroup = (a->dbias && a->dbias_st[1] == 0) ? a->Hkv : 1;
     P.nkb_max = (a->Sk + P.bn - 1) / P.bn;

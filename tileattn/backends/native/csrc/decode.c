@@ -276,7 +276,7 @@ static void dec_pv_rows(int64_t kd, const dec_groups *gv, real *acc, int64_t Dvp
 
 /* Whether a row's scores go through the pipeline (raw scores in, base-2 logits out) rather than
  * arriving as base-2 logits from the dot products. */
-static int dec_plain(const ta_args *a) { return !(a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a)); }
+static int dec_plain(const ta_args *a) { return !(ta_transforms(a) || ta_user_scores(a)); }
 
 /* Step 2 for one row: raw scores in srow to base-2 logits through the score pipeline; -inf for
  * hidden keys and for the padding up to a multiple of VW. User functions (user.h) read the keys'
@@ -285,29 +285,7 @@ static void dec_logits(const ta_args *a, const ta_seq *s, int64_t n, int64_t j0,
                        const int32_t *kv, uint8_t *vis) {
     const int plain = dec_plain(a);
     const int64_t nv = ta_round_up(n, VW);
-    if (!plain) {
-        /* one loop per modifier, each over whole vectors (the padding lanes are hidden below) */
-        if (a->softcap > 0) {
-            const real cap = (real)a->softcap, inv_cap = (real)(1.0 / a->softcap);
-            for (int64_t j = 0; j < nv; j += VW) vstore(srow + j, vtanh(vload(srow + j) * inv_cap) * cap);
-        }
-        if (a->alibi) {
-            const real slope = ((const float *)a->alibi)[s->b * a->alibi_st[0] + h * a->alibi_st[1]];
-            const real dist0 = (real)(i + s->off - j0); /* the distance to key j0 + j is |dist0 - j| */
-            for (int64_t j = 0; j < n; j++) {
-                const real d = dist0 - (real)j;
-                srow[j] -= slope * (d < 0 ? -d : d);
-            }
-        }
-        if (a->bias)
-            for (int64_t j = 0; j < n; j++)
-                srow[j] += (real)ta_load1(ta_at(a->bias, s->b * a->bias_st[0] + h * a->bias_st[1] +
-                                                             i * a->bias_st[2] + (j0 + j) * a->bias_st[3],
-                                                 a->bias_dtype),
-                                          a->bias_dtype);
-        if (!ta_user_scores(a))
-            for (int64_t j = 0; j < n; j++) srow[j] *= (real)TA_LOG2E;
-    }
+    if (!plain) ta_row_transform(a, s->b, h, i, s->off, srow, j0, n);
     if (a->user) {
         ta_user_decode_row(a, s, h, i, srow, n, j0, kv, vis);
         if (!plain && ta_user_scores(a))

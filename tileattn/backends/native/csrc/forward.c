@@ -517,7 +517,7 @@ static void fwd_tiling(const ta_args *a, int64_t G, int64_t nthreads, fwd_plan *
 static int prefill(const ta_args *a) {
     int64_t G = a->Hq / a->Hkv;
     fwd_plan P;
-    P.mods = a->softcap > 0 || a->alibi || a->bias || ta_user_scores(a);
+    P.mods = ta_transforms(a) || ta_user_scores(a);
     P.engine = FWD_F32;
 #ifdef TA_HAVE_BF16DOT
     if (a->dtype == TA_BF16 && (a->options & TA_OPT_BF16DOT) && !(a->options & TA_OPT_NO_BF16DOT))

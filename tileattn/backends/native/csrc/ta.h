@@ -79,6 +79,10 @@ typedef struct ta_args {
     TA_FIELDS(TA_FIELD_DECL)
 } ta_args;
 
+/* Whether a call's scores take the built-in transforms between the GEMM and the softmax (softcap,
+ * ALiBi, bias: tile.h's ta_score_transform and ta_row_transform); a new transform's field joins here. */
+static inline int ta_transforms(const ta_args *a) { return a->softcap > 0 || a->alibi || a->bias; }
+
 /* User functions (score_mod / mask_mod compiled by tileattn.programs, see programs/codegen.py for
  * their signatures) and a block map, read through ta_args.user. Score functions work on the
  * kernels' `real` (the program was compiled for the call's working precision). Indices passed to

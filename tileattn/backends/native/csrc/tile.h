@@ -309,6 +309,33 @@ TA_INLINE void ta_score_transform(const ta_args *a, const ta_rows *R, int64_t p,
     }
 }
 
+/* The same transforms on the raw scores srow[0 .. n) of one query row (keys j0 + j of head h of
+ * sequence b; row i aligned with key i + off): the decode kernel's rows, one loop per transform so
+ * each vectorises (srow holds n rounded up to VW; the caller hides the padding lanes). Then the step
+ * to base-2 logits, unless a score_mod follows (it takes the transformed raw scores). */
+static void ta_row_transform(const ta_args *a, int64_t b, int64_t h, int64_t i, int64_t off, real *srow, int64_t j0,
+                             int64_t n) {
+    if (a->softcap > 0) {
+        const real cap = (real)a->softcap, inv_cap = (real)(1.0 / a->softcap);
+        for (int64_t j = 0; j < n; j += VW) vstore(srow + j, vtanh(vload(srow + j) * inv_cap) * cap);
+    }
+    if (a->alibi) {
+        const real slope = ((const float *)a->alibi)[b * a->alibi_st[0] + h * a->alibi_st[1]];
+        const real dist0 = (real)(i + off - j0); /* the distance to key j0 + j is |dist0 - j| */
+        for (int64_t j = 0; j < n; j++) {
+            const real d = dist0 - (real)j;
+            srow[j] -= slope * (d < 0 ? -d : d);
+        }
+    }
+    if (a->bias)
+        for (int64_t j = 0; j < n; j++)
+            srow[j] += (real)ta_load1(ta_at(a->bias, b * a->bias_st[0] + h * a->bias_st[1] + i * a->bias_st[2] +
+                                                         (j0 + j) * a->bias_st[3], a->bias_dtype),
+                                      a->bias_dtype);
+    if (!ta_user_scores(a))
+        for (int64_t j = 0; j < n; j++) srow[j] *= (real)TA_LOG2E;
+}
+
 /* The masks of key j0 + j and the step to base-2 logits (with TA_TILE_MODS; without, the GEMM's
  * epilogue scaled already), folding the column max into cmax. `vis`: the user's visibility of the
  * column (PW lanes), or NULL. */
@@ -363,7 +390,7 @@ static void ta_score_mods(const ta_args *a, const ta_rows *R, int64_t p, real *S
         return;
     }
     if (U && ta_user_scores(a) && (flags & TA_TILE_MODS)) {
-        if (a->softcap > 0 || a->alibi || a->bias)
+        if (ta_transforms(a))
             for (int64_t j = 0; j < n; j++)
                 ta_score_transform(a, R, p, S + j * PW, j0 + j, tanh_out ? tanh_out + j * PW : NULL);
         ta_user_score(a, R, p, S, n, U->kv, U->pre);

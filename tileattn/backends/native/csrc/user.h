@@ -192,7 +192,7 @@ typedef struct {
 /* Whether the forward's score pipeline is the score_mod alone (no softcap, ALiBi, bias or bool mask):
  * then one fused sweep per panel does it all (ta_user_logits). */
 static inline int ta_user_fused(const ta_args *a) {
-    return ta_user_scores(a) && !(a->softcap > 0 || a->alibi || a->bias || a->mask);
+    return ta_user_scores(a) && !(ta_transforms(a) || a->mask);
 }
 
 /* Key indices j0 .. j0 + n - 1 into kv. */
