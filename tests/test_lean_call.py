@@ -14,6 +14,7 @@ from tileattn.core import lean
 from tileattn.core.dispatch import get_backend
 from tileattn.core.modifiers import Alibi, variant_keywords
 from tileattn.core.testing import judge
+from tileattn.flex import create_block_mask
 
 native = get_backend("native")
 pytestmark = pytest.mark.skipif(bool(native.unavailable_reason()), reason="native kernels unavailable here")
@@ -267,8 +268,8 @@ _UNSERVED_VALUES = {
     "q_scale": lambda: torch.full((1, 2), 2.0),
     "score_mod": lambda: lambda score, b, h, qi, ki: score + 0.01 * ki,
     "mask_mod": lambda: lambda b, h, qi, ki: ki % 3 != 0,
-    "block_mask": lambda: tileattn.flex.create_block_mask(lambda b, h, qi, ki: ki % 3 != 0, None, None, 96, 96,
-                                                         BLOCK_SIZE=32),
+    "block_mask": lambda: create_block_mask(lambda b, h, qi, ki: ki % 3 != 0, None, None, 96, 96,
+                                            BLOCK_SIZE=32),
 }
 
 
