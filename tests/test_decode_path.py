@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.core import api
+from tileattn.core import plans
 from tileattn.sdpa import scaled_dot_product_attention as sdpa
 from tileattn.core.testing import judge
 
@@ -27,18 +27,18 @@ def _check(got, q, k, v, **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_repeated_decode_calls_with_seqused_k_are_served_by_the_plan_and_stay_exact(dtype):
-    api._PLANS.clear()
+    plans.clear()
     k, v = _rand(3, 2, 300, 32, seed=1, dtype=dtype), _rand(3, 2, 300, 32, seed=2, dtype=dtype)
     for step, lengths in enumerate(([5, 300, 0], [6, 1, 299], [300, 300, 300])):
         q = _rand(3, 8, 1, 32, seed=10 + step, dtype=dtype)
         used = torch.tensor(lengths, dtype=torch.int32)
         got = tileattn.flash_attention(q, k, v, seqused_k=used)
-        assert len(api._PLANS) == 1  # one plan for the call shape; the values change every step
+        assert plans.count("full") == 1  # one plan for the call shape; the values change every step
         _check(got, q, k, v, seqused_k=used)
 
 
 def test_a_plan_checks_the_values_of_seqused_k_and_block_table_again():
-    api._PLANS.clear()
+    plans.clear()
     q, k, v = _rand(2, 4, 1, 16), _rand(2, 2, 64, 16, seed=1), _rand(2, 2, 64, 16, seed=2)
     tileattn.flash_attention(q, k, v, seqused_k=torch.tensor([3, 64], dtype=torch.int32))
     with pytest.raises(ValueError, match="seqused_k"):
@@ -52,7 +52,7 @@ def test_a_plan_checks_the_values_of_seqused_k_and_block_table_again():
 
 
 def test_repeated_paged_decode_calls_read_each_calls_block_table():
-    api._PLANS.clear()
+    plans.clear()
     pool_k, pool_v = _rand(8, 16, 2, 16, seed=3), _rand(8, 16, 2, 16, seed=4)
     for step, rows in enumerate(([[0, 1, 2], [3, 4, 5]], [[7, 6, 5], [1, 0, 2]])):
         q = _rand(2, 4, 1, 16, seed=20 + step)
@@ -64,7 +64,7 @@ def test_repeated_paged_decode_calls_read_each_calls_block_table():
             k = pool_k[table[b]].flatten(0, 1)[:n].transpose(0, 1)[None]
             v = pool_v[table[b]].flatten(0, 1)[:n].transpose(0, 1)[None]
             _check(got[b:b + 1], q[b:b + 1], k, v)
-    assert len(api._PLANS) == 1
+    assert plans.count("full") == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

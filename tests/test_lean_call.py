@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.core import lean
+from tileattn.core import lean, plans
 from tileattn.core.dispatch import get_backend
 from tileattn.core.modifiers import Alibi, variant_keywords
 from tileattn.core.testing import judge
@@ -27,7 +27,7 @@ def _rand(*shape, seed=0, dtype=torch.float32):
 @pytest.fixture
 def served(monkeypatch):
     """Counts the calls the lean path served (its plans' non-None answers)."""
-    lean.clear()
+    plans.clear()
     count = [0]
     real = lean.LeanPlan.run
 
@@ -38,7 +38,7 @@ def served(monkeypatch):
 
     monkeypatch.setattr(lean.LeanPlan, "run", run)
     yield count
-    lean.clear()
+    plans.clear()
 
 
 def _layout(x, layout):
@@ -116,7 +116,7 @@ def test_a_growing_cache_is_served_by_one_plan_bitwise(served):
         got = tileattn.flash_attention(q, k[:, :, :n], v[:, :, :n])
         with lean.bypassed():
             _equal(got, tileattn.flash_attention(q, k[:, :, :n], v[:, :, :n]))
-    assert served[0] == 6 and len([p for p in lean.PLANS.values() if p is not None]) == 1
+    assert served[0] == 6 and len([p for p in plans.entries("lean") if p is not None]) == 1
 
 
 def test_a_paged_cache_is_served_bitwise(served):

@@ -18,7 +18,7 @@ import torch
 
 import tileattn
 from tileattn import NoBackendError
-from tileattn.core import api
+from tileattn.core import plans
 from tileattn.core.dispatch import Capabilities, get_backend, list_backends
 from tileattn.core.engine import Backend
 from tileattn.core.functions import MaskMod, ScoreMod
@@ -260,13 +260,13 @@ class HeadShift(Modifier):
 @pytest.fixture
 def declared(monkeypatch):
     """The engines of the CPU tests declare the two types; the reference and Triton engines do not."""
-    api._PLANS.clear()  # plans remember engine choices, which a changed declaration changes
+    plans.clear()  # plans remember engine choices, which a changed declaration changes
     for name in CPU_BACKENDS:
         engine = get_backend(name)
         monkeypatch.setattr(engine, "capabilities", replace(
             engine.capabilities, modifiers=engine.capabilities.modifiers | {RecentKeys, HeadShift}))
     yield CPU_BACKENDS
-    api._PLANS.clear()
+    plans.clear()
 
 
 def test_the_reference_applies_a_modifier_type_of_its_own_by_its_hooks():
@@ -307,7 +307,7 @@ def test_engines_that_do_not_declare_it_refuse_it_with_a_reason(declared):
 
 
 def test_an_undeclared_modifier_type_is_refused_by_every_engine():
-    api._PLANS.clear()
+    plans.clear()
     q, k, v = make_qkv(b=1, hq=2, sq=8, d=8)
     with pytest.raises(NoBackendError) as info:
         tileattn.flash_attention(q, k, v, modifiers=[RecentKeys(3)])

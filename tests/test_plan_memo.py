@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tileattn
-from tileattn.core import api, lean
+from tileattn.core import api, lean, plans
 from tileattn.core.dispatch import get_backend
 
 
@@ -58,7 +58,7 @@ def _steps(kind: str, step: int):
 
 @pytest.mark.parametrize("kind", ["plain", "seqused_k", "paged", "modifiers"])
 def test_a_growing_decode_cache_leaves_nothing_alive_in_the_plans(kind):
-    api._PLANS.clear()
+    plans.clear()
     refs = []
     for step in range(12):
         tensors, kwargs = _steps(kind, step)
@@ -67,18 +67,18 @@ def test_a_growing_decode_cache_leaves_nothing_alive_in_the_plans(kind):
                 tileattn.flash_attention(*tensors, **kwargs)
         refs += [weakref.ref(t) for t in list(tensors) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
         del tensors, kwargs
-    assert len(api._PLANS) == (3 if kind == "paged" else 12)  # a pool grows by whole pages
-    assert all(isinstance(plan, api.Plan) for plan in api._PLANS.values())
+    assert plans.count("full") == (3 if kind == "paged" else 12)  # a pool grows by whole pages
+    assert all(isinstance(plan, api.Plan) for plan in plans.entries("full"))
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} tensors of earlier calls are still alive"
-    for plan in api._PLANS.values():
+    for plan in plans.entries("full"):
         assert not _tensors_reachable(plan)
 
 
 @pytest.mark.parametrize("kind", ["plain", "seqused_k", "paged", "modifiers"])
 def test_the_lean_calls_of_a_growing_decode_cache_share_one_plan_that_holds_no_tensor(kind):
-    lean.clear()
+    plans.clear()
     refs = []
     for step in range(12):
         tensors, kwargs = _steps(kind, step)
@@ -86,21 +86,47 @@ def test_the_lean_calls_of_a_growing_decode_cache_share_one_plan_that_holds_no_t
             tileattn.flash_attention(*tensors, **kwargs)
         refs += [weakref.ref(t) for t in list(tensors) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
         del tensors, kwargs
-    plans = [plan for plan in lean.PLANS.values() if plan is not None]
+    kept = [plan for plan in plans.entries("lean") if plan is not None]
     # one plan whatever the cache length (a block table, whose width is in the key, grows by whole
     # pages); none for modifiers that bind tensors per call (mask, bias, ALiBi, sinks), and none
     # where the native engine, the one that prepares calls, cannot be built
     native = not get_backend("native").unavailable_reason()
-    assert len(plans) == ({"paged": 3, "modifiers": 0}.get(kind, 1) if native else 0)
+    assert len(kept) == ({"paged": 3, "modifiers": 0}.get(kind, 1) if native else 0)
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} tensors of earlier calls are still alive"
-    for plan in plans:
+    for plan in kept:
         assert not _tensors_reachable(plan)
 
 
+def test_one_bounded_memo_holds_every_kind_of_plan_and_no_tensor(monkeypatch):
+    """The lean call's prepared plans, the full path's plans and the modifiers' lowered arguments
+    live in one memo (tileattn.core.plans) with one bound: the oldest entry goes first, whatever
+    its kind, and no entry of any kind reaches a tensor."""
+    plans.clear()
+    monkeypatch.setattr(plans, "LIMIT", 6)
+    g = torch.Generator().manual_seed(0)
+    for n in range(20, 30):  # decode steps (which the lean call serves) and prefills
+        q = torch.randn(1, 2, 1 if n % 2 else n, 16, generator=g)
+        k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(2))
+        slopes = torch.rand(2, generator=g)
+        for _ in range(2):
+            tileattn.flash_attention(q, k, v, causal=True)
+            tileattn.flash_attention(q, k, v, alibi_slopes=slopes)
+        assert sum(plans.count(kind) for kind in ("lean", "full", "lowered")) <= 6
+    kinds = {kind: list(plans.entries(kind)) for kind in ("lean", "full", "lowered")}
+    assert kinds["full"] and kinds["lowered"], kinds
+    assert any(isinstance(plan, lean.LeanPlan) for plan in kinds["lean"]) == \
+        (not get_backend("native").unavailable_reason())
+    for entries in kinds.values():
+        for plan in entries:
+            assert not _tensors_reachable(plan)
+    plans.clear()
+    assert not any(plans.count(kind) for kind in kinds)
+
+
 def test_training_steps_of_varying_lengths_leave_nothing_alive():
-    api._PLANS.clear()
+    plans.clear()
     refs = []
     for step, n in enumerate((33, 48, 57, 64, 80)):
         g = torch.Generator().manual_seed(step)
@@ -113,7 +139,7 @@ def test_training_steps_of_varying_lengths_leave_nothing_alive():
         del q, k, v, bias, out
     gc.collect()
     assert all(r() is None for r in refs)
-    assert api._PLANS and not any(_tensors_reachable(plan) for plan in api._PLANS.values())
+    assert plans.count("full") and not any(_tensors_reachable(plan) for plan in plans.entries("full"))
 
 
 _RSS_SCRIPT = textwrap.dedent("""

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tileattn
 from tileattn.tools import decode_bench, measure
-from tileattn.core import lean
+from tileattn.core import lean, plans
 from tileattn.core.dispatch import get_backend
 from tileattn.core.testing import judge
 from _hub import check, pick
@@ -118,7 +118,7 @@ def counting_run(self, *args):
 
 
 lean.LeanPlan.run = counting_run
-lean.clear()
+plans.clear()
 outs = [tileattn.flash_attention(q, k, v) for _ in range(3)]
 with lean.bypassed():
     full = tileattn.flash_attention(q, k, v)
@@ -217,7 +217,7 @@ if NATIVE:
 # tensor: K and V of earlier steps are freed as soon as the caller drops them.
 
 # %%
-lean.clear()
+plans.clear()
 refs = []
 steps = pick(8, 64)
 buffer_k = torch.randn(B, HKV, KEYS + steps, D, generator=gen)
@@ -232,7 +232,7 @@ for step in range(steps):
     if not same:
         break
     del k_step, v_step
-plans = [p for p in lean.PLANS.values() if p is not None]
+plans = [p for p in plans.entries("lean") if p is not None]
 print(f"  {steps} steps of a growing cache: {len(plans)} lean plan(s)")
 check(same, "every step of the growing cache: lean and full paths bitwise equal")
 if NATIVE:

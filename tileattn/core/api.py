@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import lean, ops
+from . import lean, ops, plans
 from .dispatch import explain as _explain, registry_version, select
 from .modifiers import fail, modifiers_from_keywords
 from .spec import AttentionSpec, build_spec, check_bool, check_sequence_values, spec_of, tracing
@@ -149,7 +149,7 @@ def flash_attention(
     key = _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, found, seqused_k, block_table,
                     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     try:
-        plan = _PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+        plan = plans.get(key, _UNSEEN) if key is not None else _UNSEEN
     except TypeError:  # an unhashable argument: the full path decides
         key, plan = None, _UNSEEN
     if plan is not None and plan is not _UNSEEN:
@@ -163,12 +163,10 @@ def flash_attention(
                        deterministic=deterministic)
         engine = select(spec, backend, backward=_needs_grad(spec))
         if key is not None:
-            if plan is _UNSEEN and len(_PLANS) >= _PLAN_LIMIT:
-                _PLANS.pop(next(iter(_PLANS)))
             # A shape gets its plan when it comes back: a growing KV cache, whose shape is new every
             # step, pays nothing for plans it would never use.
-            _PLANS[key] = None if plan is _UNSEEN else Plan(spec, engine)
-    if lean_key is not None and lean_key not in lean.PLANS:  # the front looked the call up and found no plan
+            plans.put(key, None if plan is _UNSEEN else Plan(spec, engine))
+    if lean_key is not None and plans.get(lean_key, _UNSEEN) is _UNSEEN:  # the front found no plan
         lean.remember(lean_key, spec, engine)
     out, lse = _execute(spec, engine, partial=False)
     return (out, lse) if return_lse else out
@@ -199,11 +197,9 @@ class Plan:
         return spec
 
 
-#: Validated call shapes (:class:`Plan`; None for a shape seen once), for padded calls (a decode loop
-#: or a training step repeats the same shape thousands of times). Bounded; the oldest entry goes
-#: first. Holds no tensor.
-_PLANS: dict = {}
-_PLAN_LIMIT = 256
+#: this module's kind of entry in :mod:`tileattn.core.plans`: validated call shapes (:class:`Plan`;
+#: None for a shape seen once) of padded calls
+KIND = "full"
 _UNSEEN = object()
 
 
@@ -239,7 +235,7 @@ def _plan_key(q, k, v, layout, num_heads, scale, align, deterministic, backend, 
     if None in mods:
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+    return (KIND, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
             v.dtype, v.device, layout, type(num_heads), num_heads, type(scale), scale, type(align), align,
             type(deterministic), deterministic, backend, os.environ.get("TILEATTN_BACKEND"), grad, registry_version(),
             *index, mods)

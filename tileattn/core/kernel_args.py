@@ -17,6 +17,7 @@ from typing import Dict, FrozenSet, Iterable, Optional
 
 import torch
 
+from . import plans
 from .modifiers import Band, Modifier, fail
 from .score_math import dropout_threshold
 
@@ -140,21 +141,19 @@ def lower(modifiers: Iterable[Modifier], scale: float, align) -> KernelArgs:
     plan keys: the calls of a growing KV cache (a new shape, so no plan, every step) lower once."""
     modifiers = tuple(modifiers)
     keys = tuple(m.plan_key() for m in modifiers)
-    key = None if None in keys else (keys, type(scale), scale, type(align), align)
-    known = _LOWERED.get(key) if key is not None else None
+    key = None if None in keys else (KIND, keys, type(scale), scale, type(align), align)
+    known = plans.get(key) if key is not None else None
     if known is not None:
         return known
     lowered = _lower(modifiers, scale, align)
     if key is not None:
-        if len(_LOWERED) >= _LOWERED_LIMIT:
-            _LOWERED.pop(next(iter(_LOWERED)))
-        _LOWERED[key] = lowered
+        plans.put(key, lowered)
     return lowered
 
 
-#: Static kernel arguments by the plan keys of their modifiers, scale and alignment (values only).
-_LOWERED: Dict[tuple, KernelArgs] = {}
-_LOWERED_LIMIT = 256
+#: this module's kind of entry in :mod:`tileattn.core.plans`: static kernel arguments by the plan
+#: keys of their modifiers, scale and alignment (values only)
+KIND = "lowered"
 
 
 def _lower(modifiers, scale, align) -> KernelArgs:

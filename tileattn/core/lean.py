@@ -33,18 +33,19 @@ from __future__ import annotations
 import inspect
 import linecache
 import os
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
+from . import plans
 from .engine import registry_version
 from .layouts import kv_reader
 from .spec import tracing
 
-#: Lean plans by call key (None: a call shape the engine prepares nothing for). Bounded; the
-#: oldest entry goes first. Holds no tensor.
-PLANS: Dict[tuple, Optional["LeanPlan"]] = {}
-_LIMIT = 64
+#: this module's kind of entry in :mod:`tileattn.core.plans` (None: a call shape the engine
+#: prepares nothing for)
+KIND = "lean"
+_get = plans.get
 
 
 def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, seqused_k, block_table,
@@ -63,14 +64,14 @@ def lookup(q, k, v, layout, num_heads, scale, causal, window, align, softcap, se
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         return None, None
     try:
-        key = (q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout, num_heads,
+        key = (KIND, q.shape, q.stride(), q.dtype, q.device, k.dtype, k.device, v.dtype, v.device, layout, num_heads,
                scale, causal, None if window is None else (window, tuple(map(type, window))), align, softcap,
                deterministic, backend,
                _ENVIRON.get(_BACKEND_VARIABLE) if _FAST_ENVIRON else os.environ.get("TILEATTN_BACKEND"),
                registry_version(),
                None if seqused_k is None else _index_meta(seqused_k),
                None if block_table is None else _index_meta(block_table))
-        return key, PLANS.get(key)
+        return key, _get(key)
     except (TypeError, RuntimeError, AttributeError):  # not tensors, a nested q, an unhashable value
         return None, None
 
@@ -153,13 +154,7 @@ def remember(key: tuple, spec, engine) -> None:
     """Make the plan of a call the full path just validated and dispatched (or note that its engine
     prepares nothing for it)."""
     prepared = engine.prepare(spec)
-    if len(PLANS) >= _LIMIT:
-        PLANS.pop(next(iter(PLANS)))
-    PLANS[key] = None if prepared is None else LeanPlan(spec, engine, prepared)
-
-
-def clear() -> None:
-    PLANS.clear()
+    plans.put(key, None if prepared is None else LeanPlan(spec, engine, prepared))
 
 
 _BYPASSED = False
