@@ -72,7 +72,24 @@ _MISREAD = "computes attention itself on transformers' mask; the SDPA-style mask
 _BY_NAME = ("picks its attention class from a table keyed by implementation name (KeyError('tileattn') before "
             "register() gave the name eager's class there); that class computes attention itself")
 
-#: Architectures tested with transformers 5.24 (``tests/test_transformers_models.py`` builds a tiny
+def _transformers_release() -> tuple:
+    """The installed transformers' (major, minor), (0, 0) when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(part) for part in re.findall(r"\d+", version("transformers"))[:2])
+    except PackageNotFoundError:
+        return (0, 0)
+
+
+#: Falcon's attention called transformers' AttentionInterface from release 5.25 on; before, its
+#: classes came from a table keyed by implementation name and computed attention themselves.
+_FALCON = (Architecture("Falcon", "falcon", True, "routed", "calls the interface since transformers 5.25 (refused "
+                        "before: its attention classes came from a table keyed by name and computed attention "
+                        "themselves)")
+           if _transformers_release() >= (5, 25) else Architecture("Falcon", "falcon", False, "refused", _BY_NAME))
+
+#: Architectures tested with transformers 5.24 and 5.25 (``tests/test_transformers_models.py`` builds a tiny
 #: random model of each from its config and checks the claim of its row: routed ones call tileattn
 #: and match eager; refused ones raise at their first forward and, with the opt-out, match eager).
 ARCHITECTURES = (
@@ -103,7 +120,7 @@ ARCHITECTURES = (
                  "hybrid: its lightning (linear) attention layers are its own and take no such mask"),
     Architecture("OLMo hybrid", "olmo_hybrid", True, "routed", "hybrid: gated delta (linear) layers of its own"),
     Architecture("GPT-Neo", "gpt_neo", False, "refused", _BY_NAME),
-    Architecture("Falcon", "falcon", False, "refused", _BY_NAME),
+    _FALCON,
     Architecture("BLOOM", "bloom", False, "refused", _MISREAD + "1.0-1.2, also without padding); ALiBi"),
     Architecture("XGLM", "xglm", False, "refused", _MISREAD + "0.8-0.9, also without padding)"),
     Architecture("TrOCR (decoder)", "trocr", False, "refused", _MISREAD + "1.0-1.2, also without padding)"),
