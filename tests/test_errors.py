@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,6 +122,10 @@ MODIFIER_ARGUMENT_CASES = [
     ("alibi wrong shape", bnsd, {"alibi_slopes": torch.ones(2)}, ValueError, "alibi_slopes"),
     ("alibi wrong batch", bnsd, {"alibi_slopes": torch.ones(3, 4)}, ValueError, "alibi_slopes"),
     ("alibi 3-d", bnsd, {"alibi_slopes": torch.ones(2, 4, 1)}, ValueError, "alibi_slopes"),
+    # arrays where tensors go: named, not "the truth value of an array is ambiguous"
+    ("alibi a numpy array", bnsd, {"alibi_slopes": np.ones(4, dtype=np.float32)}, TypeError, "alibi_slopes"),
+    ("mask a numpy array", bnsd, {"mask": np.ones((8, 8), dtype=bool)}, TypeError, "mask"),
+    ("bias a numpy array", bnsd, {"bias": np.zeros((8, 8), dtype=np.float32)}, TypeError, "bias"),
     ("TND without cu_seqlens", tnd, {"layout": "TND"}, ValueError, "cu_seqlens_q"),
     ("TND without cu_seqlens_k", tnd, {"layout": "TND", "cu_seqlens_q": CU_Q}, ValueError, "cu_seqlens_k"),
     ("cu_seqlens int64", tnd, {"layout": "TND", "cu_seqlens_q": CU_Q.long(), "cu_seqlens_k": CU_K}, TypeError,

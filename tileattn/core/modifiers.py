@@ -309,11 +309,13 @@ def modifiers_from_keywords(values: Mapping[str, object], extra: Iterable = ()) 
     else:
         given = tuple(map(values.get, names, defaults))
     found = []
-    if given != defaults or tuple(map(type, given)) != default_types:
+    if any(map(operator.is_not, given, defaults)):
         owners = []  # the slices of the keywords given a value other than their "absent" one
         for i in itertools.compress(range(len(given)), map(operator.is_not, given, defaults)):
             value = given[i]
-            if value != defaults[i] or type(value) is not default_types[i]:
+            # the type first: a tensor or an array is never an absent value, and comparing one with
+            # None costs a tensor 11 us and gives an array an ambiguous truth value
+            if type(value) is not default_types[i] or value != defaults[i]:
                 if not owners or owners[-1] != owner_of[i]:
                     owners.append(owner_of[i])
         for cls, first, last in owners:
