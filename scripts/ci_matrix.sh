@@ -42,17 +42,7 @@ SUBPROCESS_ONLY=(
 )
 
 # The builds to add: those this CPU and compiler can run, other than the one the engine picks anyway.
-ISAS=$("$PY" - <<'EOF'
-from tileattn.backends.native import build, kernels
-ok, why = kernels.available()
-if not ok:
-    raise SystemExit(0)  # no native engine here: the cpu engine serves, and stage 1 has nothing to add
-cc, default = tuple(build.find_compiler()), kernels.build_info()["isa"]
-for isa in ("avx2", "generic"):
-    if isa != default and isinstance(build._variant(cc, isa), tuple):
-        print(isa)
-EOF
-)
+ISAS=$("$PY" scripts/other_native_builds.py)
 if [ -z "$ISAS" ]; then
     echo "[ci_matrix] no other native build to test on this machine"
 fi
