@@ -366,9 +366,10 @@ def test_a_call_that_fails_leaves_the_caches_byte_identical(monkeypatch, case):
         assert torch.equal(now.contiguous().view(torch.uint8), then.contiguous().view(torch.uint8))
 
 
-def test_an_interrupted_call_takes_the_new_keys_out_again(monkeypatch):
+@pytest.mark.parametrize("batch", [1, 3])  # one sequence writes through a slice, more through index ops
+def test_an_interrupted_call_takes_the_new_keys_out_again(monkeypatch, batch):
     """Even a KeyboardInterrupt during the attention (after the write) leaves the caches as they were."""
-    q, k_cache, v_cache, k_new, v_new = _inputs(seed=12)
+    q, k_cache, v_cache, k_new, v_new = _inputs(batch=batch, seed=12)
     before = k_cache.clone(), v_cache.clone()
 
     def interrupted(*args, **kwargs):
@@ -379,3 +380,23 @@ def test_an_interrupted_call_takes_the_new_keys_out_again(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=5)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("new", [1, 4])
+def test_one_sequence_whose_v_cache_cannot_be_written_keeps_both_caches(new):
+    """A single sequence's new keys go in through a slice of the cache: when v_cache refuses the write
+    after k_cache took it, k_cache is put back byte for byte, and the keys of a good call land where
+    the index path puts them."""
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, new, 4, 16, generator=g)
+    k_cache, v_cache = torch.randn(1, 24, 2, 16, generator=g), torch.randn(1, 24, 2, 16, generator=g)
+    k_new, v_new = torch.randn(1, new, 2, 16, generator=g), torch.randn(1, new, 2, 16, generator=g)
+    with torch.inference_mode():  # not writable in place outside inference mode
+        frozen = v_cache.clone()
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, frozen, k_new, v_new, cache_seqlens=7)
+    assert torch.equal(k_cache.view(torch.uint8), before.view(torch.uint8))
+    flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=7)
+    assert torch.equal(k_cache[0, 7:7 + new], k_new[0]) and torch.equal(v_cache[0, 7:7 + new], v_new[0])
+    assert torch.equal(k_cache[0, :7], before[0, :7]) and torch.equal(k_cache[0, 7 + new:], before[0, 7 + new:])

@@ -186,6 +186,18 @@ class _Cache:
         if self.table is None and self.rows is None and flat_k is not None and flat_v is not None:
             # the common step: rows 0..B-1 of a contiguous cache, the flat slots computed on the host
             cap = self.k.shape[1]
+            if batch == 1:
+                # one sequence: its new slots are one run, and a slice's copies cost a third of the
+                # index ops below (10 us against 25 us: a decode step's whole write)
+                run = slice(lengths[0], lengths[0] + new)
+                saved = (run, flat_k[run].clone(), flat_v[run].clone())
+                try:
+                    flat_k[run].copy_(k_new[0])
+                    flat_v[run].copy_(v_new[0])
+                except BaseException:
+                    self.restore(saved)
+                    raise
+                return saved
             index = torch.tensor([b * cap + n + i for b, n in enumerate(lengths) for i in range(new)],
                                  device=self.k.device)
             saved = (index, flat_k.index_select(0, index), flat_v.index_select(0, index))
@@ -226,7 +238,10 @@ class _Cache:
     def restore(self, saved):
         """Undo :meth:`write`: the caches byte-identical to what they were before it."""
         index, old_k, old_v = saved
-        if isinstance(index, tuple):
+        if isinstance(index, slice):  # one sequence's run of slots
+            _slots(self.k)[index].copy_(old_k)
+            _slots(self.v)[index].copy_(old_v)
+        elif isinstance(index, tuple):
             self.k.index_put_(index, old_k)
             self.v.index_put_(index, old_v)
         else:
