@@ -400,3 +400,66 @@ def test_one_sequence_whose_v_cache_cannot_be_written_keeps_both_caches(new):
     flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=7)
     assert torch.equal(k_cache[0, 7:7 + new], k_new[0]) and torch.equal(v_cache[0, 7:7 + new], v_new[0])
     assert torch.equal(k_cache[0, :7], before[0, :7]) and torch.equal(k_cache[0, 7 + new:], before[0, 7 + new:])
+
+
+def _step_inputs(seed=14, batch=2, cap=40, new=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, new, 4, 16, generator=g)
+    caches = torch.randn(batch, cap, 2, 16, generator=g), torch.randn(batch, cap, 2, 16, generator=g)
+    k_new, v_new = torch.randn(batch, new, 2, 16, generator=g), torch.randn(batch, new, 2, 16, generator=g)
+    return q, caches, k_new, v_new
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=False, return_softmax_lse=True),
+                                     dict(causal=True, window_size=(5, 0), softcap=3.0, softmax_scale=0.2)])
+def test_a_repeated_step_skips_the_checks_and_gives_the_checked_steps_bits(monkeypatch, batch, options):
+    """The second step of a shape takes the fast path (no argument check runs again), and its caches,
+    output and LSE are bitwise those of the checked path on a copy of the same state."""
+    from tileattn.core import plans
+    plans.clear()
+    q, (k_cache, v_cache), k_new, v_new = _step_inputs(batch=batch)
+    lens = torch.tensor([7, 30, 0][:batch], dtype=torch.int32)
+    flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, **options)
+    assert plans.count(kvcache.KIND) == 1
+    twin = k_cache.clone(), v_cache.clone()
+    checked = []
+    real = kvcache._checked
+    monkeypatch.setattr(kvcache, "_checked", lambda *a: checked.append(1) or real(*a))
+    fast = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens + 1, **options)
+    assert checked == []
+    plans.clear()  # the same step on the copy, every check run
+    slow = flash_attn.flash_attn_with_kvcache(q, *twin, k_new, v_new, cache_seqlens=lens + 1, **options)
+    assert checked == [1]
+    for a, b in zip(fast if isinstance(fast, tuple) else (fast,), slow if isinstance(slow, tuple) else (slow,)):
+        assert torch.equal(a, b)
+    assert torch.equal(k_cache, twin[0]) and torch.equal(v_cache, twin[1])
+
+
+@pytest.mark.parametrize("lengths, name", [([-1, 3], "cache_seqlens"), ([40, 3], "cache_seqlens")])
+def test_a_repeated_step_with_bad_lengths_raises_the_checked_error_and_writes_nothing(lengths, name):
+    """The fast path checks the values: a negative length or one leaving no room for the new key goes
+    to the checked path, which names the argument; the caches keep their bytes."""
+    from tileattn.core import plans
+    plans.clear()
+    q, (k_cache, v_cache), k_new, v_new = _step_inputs()
+    good = torch.tensor([3, 4], dtype=torch.int32)
+    flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=good)
+    assert plans.count(kvcache.KIND) == 1
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match=f"argument '{name}'"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                           cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_options_of_another_type_are_another_step():
+    """True and 1, 0.0 and 0: the key holds the options' types, so a value the checks refuse is never
+    served by a plan made for the value they accept."""
+    from tileattn.core import plans
+    plans.clear()
+    q, (k_cache, v_cache), k_new, v_new = _step_inputs()
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True)
+    with pytest.raises((TypeError, ValueError), match="'causal'"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=1)

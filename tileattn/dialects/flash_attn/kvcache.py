@@ -35,6 +35,7 @@ import numbers
 
 import torch
 
+from ...core import plans
 from ...core.api import flash_attention
 from . import descale as _descale
 from .checks import _as_int, _check_alibi, _check_options, _check_rank
@@ -284,6 +285,59 @@ def _left_padded(cache, batch, pads, used, used_t, pads_t):
     return pool_k, pool_v, dict(block_table=table.to(torch.int32), seqused_k=used_t)
 
 
+# ---------------------------------------------------------------------------------------------
+# The repeated decode step: a call whose arguments have the shapes, strides, dtypes and option
+# values of one that passed every check before (no rotary, leftpad, block table, cache_batch_idx,
+# ALiBi or fp8 descales; cache_seqlens an int32 tensor) skips the checks that read nothing else.
+# What it still checks are the values: the lengths (>= 0, room for the new keys); any doubt, and
+# the call takes the full path below, which raises the error. Its entries (kind "kvcache" of
+# tileattn.core.plans) hold the window the options gave, no tensor.
+
+KIND = "kvcache"
+_DENSE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _meta(t) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _step_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap, num_splits,
+              return_softmax_lse):
+    """The plan key of a step the fast path may serve, or None."""
+    tensors = (q, k_cache, v_cache, cache_seqlens) if k is None else (q, k_cache, v_cache, k, v, cache_seqlens)
+    if any(type(t) is not torch.Tensor for t in tensors) or q.dtype not in _DENSE or torch.compiler.is_compiling():
+        return None
+    # options of plain Python types only: their values go into the key (never a tensor)
+    if type(causal) is not bool or type(return_softmax_lse) is not bool or type(num_splits) is not int or \
+            type(softcap) not in (float, int) or type(window_size) is not tuple or \
+            any(type(w) is not int for w in window_size) or \
+            (softmax_scale is not None and type(softmax_scale) not in (float, int)):
+        return None
+    return (KIND, tuple(_meta(t) for t in tensors), k is None, type(softmax_scale), softmax_scale, causal,
+            window_size, type(softcap), softcap, num_splits, return_softmax_lse)
+
+
+def _step(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window, softcap, return_softmax_lse):
+    """The full path's arithmetic for a step whose checks passed before; None when a value needs them."""
+    lengths = cache_seqlens.tolist()
+    new = 0 if k is None else k.shape[1]
+    if min(lengths) < 0 or max(lengths) + new > k_cache.shape[1]:
+        return None
+    cache = _Cache(q, k_cache, v_cache, None, None)
+    saved = None if k is None else cache.write(cache_seqlens, k, v, lengths)
+    try:
+        used_t = cache_seqlens + new if new else cache_seqlens
+        with core_errors(_FN):
+            out, lse = flash_attention(q, k_cache, v_cache, seqused_k=used_t, layout="BSND", scale=softmax_scale,
+                                       causal=causal, window=window, softcap=float(softcap), alibi_slopes=None,
+                                       return_lse=True)
+    except BaseException:
+        if saved is not None:
+            cache.restore(saved)
+        raise
+    return (out, lse) if return_softmax_lse else out
+
+
 @torch.no_grad()
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
@@ -310,6 +364,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     / fp16 / fp32, with ``q_descale``, ``k_descale``, ``v_descale`` fp32 (batch, nheads_k), None = 1;
     the cache is read as stored, never dequantised into a copy (:mod:`.descale`).
     """
+    key = None
+    if rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None and \
+            block_table is None and alibi_slopes is None and q_descale is None and k_descale is None and \
+            v_descale is None and cache_seqlens is not None and (k is None) == (v is None):
+        key = _step_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                        num_splits, return_softmax_lse)
+        window = plans.get(key) if key is not None else None
+        if window is not None:
+            served = _step(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window, softcap,
+                           return_softmax_lse)
+            if served is not None:
+                return served
+    result = _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                      alibi_slopes, num_splits, return_softmax_lse, q_descale, k_descale, v_descale)
+    if key is not None:  # every check passed for this shape: its next call takes _step
+        plans.put(key, _check_options(_FN, 0.0, softmax_scale, causal, window_size, softcap, False,
+                                      return_softmax_lse, "return_softmax_lse"))
+    return result
+
+
+def _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+             return_softmax_lse, q_descale, k_descale, v_descale):
+    """flash_attn_with_kvcache with every check (the docstring above)."""
     _check_rank(_FN, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_rank(_FN, "k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_rank(_FN, "v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
