@@ -18,7 +18,7 @@ Python loop over batch items or tokens.
   whose batch and sequence dims cannot be merged into one strided dim (a slice of a longer buffer)
   has its valid rows gathered into a contiguous copy instead.
 * New keys/values (``k``, ``v``) are written in place with one ``index_put_`` per cache at computed
-  (row, position) or (page, slot) indices; rotary embedding (GPT-J interleaved or GPT-NeoX halves) is
+  (row, position) or (page, slot) indices (one sequence's through a slice of its row); rotary embedding (GPT-J interleaved or GPT-NeoX halves) is
   applied to them and to q in fp32 by gathering the cos/sin rows of every (sequence, token) at once.
   Every argument is checked before the write; the slots it overwrites are copied first (S_new per
   sequence) and put back if anything fails after it, so the caches are byte-identical after any error.
@@ -26,6 +26,8 @@ Python loop over batch items or tokens.
   is validated and not used: tileattn's decode paths (native split-KV, Triton flash-decoding) choose
   the chunks from the problem shape alone, so a result is bitwise the same whatever the hint, the
   batch around it or the number of threads.
+* A repeated step (the shapes, strides, dtypes and options of one that passed every check) skips the
+  checks that read nothing else; its lengths are checked again (:func:`_step`).
 """
 
 from __future__ import annotations
