@@ -2,14 +2,16 @@
 calls that repeat it (a decode loop, a training step: the same shape thousands of times).
 
 One bounded store with one eviction rule (the oldest entry goes first) and one :func:`clear`. Its
-entries are of three kinds, the first element of their key:
+entries are of four kinds, the first element of their key:
 
 - ``"lean"`` (:mod:`tileattn.core.lean`): a :class:`~tileattn.core.lean.LeanPlan`, the engine's
   prepared kernel call, keyed without K/V's key length so that a growing cache finds one entry;
 - ``"full"`` (:mod:`tileattn.core.api`): a :class:`~tileattn.core.api.Plan`, the validated spec's
   template with its engine and lowered :class:`~tileattn.core.kernel_args.KernelArgs`;
 - ``"lowered"`` (:mod:`tileattn.core.kernel_args`): the static ``KernelArgs`` of a set of modifiers,
-  which the calls of a growing cache (a new shape each step, so no full plan) lower once.
+  which the calls of a growing cache (a new shape each step, so no full plan) lower once;
+- ``"kvcache"`` (:mod:`tileattn.dialects.flash_attn.kvcache`): the window of a ``flash_attn_with_kvcache``
+  step whose arguments passed every check, so that its repeats skip them.
 
 A value of None marks a key seen once whose plan is made when it comes back, or one for which
 there is nothing to keep. Keys hold shapes, strides, dtypes, devices and flags; entries hold no
