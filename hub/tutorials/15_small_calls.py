@@ -232,12 +232,53 @@ for step in range(steps):
     if not same:
         break
     del k_step, v_step
-plans = [p for p in plans.entries("lean") if p is not None]
-print(f"  {steps} steps of a growing cache: {len(plans)} lean plan(s)")
+lean_plans = [p for p in plans.entries("lean") if p is not None]
+print(f"  {steps} steps of a growing cache: {len(lean_plans)} lean plan(s)")
 check(same, "every step of the growing cache: lean and full paths bitwise equal")
 if NATIVE:
-    check(len(plans) == 1, "one plan serves every length of the growing cache")
+    check(len(lean_plans) == 1, "one plan serves every length of the growing cache")
 check(all(r() is None for r in refs), "no K or V of an earlier step is alive: the memo holds no tensor")
+
+# %% [markdown]
+# ## 5. A dialect's repeated step
+#
+# flash-attn's `flash_attn_with_kvcache` checks its arguments before it writes the new key into the
+# cache in place: ranks, dtypes, devices, shapes, the options, the lengths. A decode loop passes the
+# same shapes and options every step and only the lengths change, so a step whose shapes, strides,
+# dtypes and options are those of one that passed every check skips the checks that read nothing
+# else: the lengths are checked again (a bad one takes the checked path, which names it), then come
+# the write and the lean call. Counted, as in section 3, and bitwise the checked step:
+
+# %%
+from tileattn.compat.flash_attn import flash_attn_with_kvcache
+
+k_cache = torch.randn(B, 2 * KEYS, HKV, D, generator=gen)
+v_cache = torch.randn(B, 2 * KEYS, HKV, D, generator=gen)
+q_step = torch.randn(B, 1, HQ, D, generator=gen)
+k_new, v_new = torch.randn(B, 1, HKV, D, generator=gen), torch.randn(B, 1, HKV, D, generator=gen)
+lengths = torch.full((B,), KEYS - 1, dtype=torch.int32)
+twin_k, twin_v = k_cache.clone(), v_cache.clone()
+
+
+def kvcache_step(k_cache=k_cache, v_cache=v_cache, **options):
+    return flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True,
+                                   **options)
+
+
+plans.clear()
+with torch.inference_mode():
+    kvcache_step(), kvcache_step()  # the core's plans and the step's exist
+    repeated_calls = python_calls(kvcache_step)
+    # num_splits is a hint the result never depends on: the same core call, a step not seen before
+    checked_calls = python_calls(lambda: kvcache_step(num_splits=1))
+    repeated = kvcache_step()
+    plans.clear()
+    checked = kvcache_step(twin_k, twin_v)
+print(f"  flash_attn_with_kvcache: {checked_calls} Python function calls checked, {repeated_calls} repeated")
+check(repeated_calls < checked_calls, "with the core's call warm in both, a repeated step enters fewer Python "
+                                      f"functions than a checked one ({repeated_calls} vs {checked_calls})")
+check(torch.equal(repeated, checked) and torch.equal(k_cache, twin_k) and torch.equal(v_cache, twin_v),
+      "the repeated step's output and caches are bitwise the checked step's")
 
 # %% [markdown]
 # ## Exercises
