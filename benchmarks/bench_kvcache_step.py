@@ -14,7 +14,6 @@ bf16. Each sample is the mean of ``--iters`` back-to-back steps, the contenders 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tileattn.compat.flash_attn import flash_attn_with_kvcache
-from tileattn.tools.measure import cpu_model
+from tileattn.tools.measure import cpu_model, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -85,13 +84,7 @@ def main(argv=None):
                                  min_us=min(samples[name]) * 1e6,
                                  speedup_vs_sdpa=med["index_copy_+sdpa_gqa"] / med[name]))
     meta = dict(cpu=cpu_model(), threads=args.threads, loadavg_before=load_before, loadavg_after=loadavg())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_results(args.out, rows, meta)
     print(json.dumps(meta))
     for r in rows:
         print(f"{r['dtype']}  {r['keys']:5d}  {r['contender']:24s} {r['median_us']:8.1f} us  (min {r['min_us']:.1f})  "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import statistics
 import time
@@ -25,6 +24,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from tileattn.tools.measure import cpu_flags, cpu_model, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -49,12 +50,7 @@ def loadavg() -> str:
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            flags = Path("/proc/cpuinfo").read_text()
-            amx = " (AMX: amx_tile amx_bf16)" if "amx_bf16" in flags else ""
-            return line.split(":", 1)[1].strip() + amx
-    return "unknown"
+    return cpu_model() + (" (AMX: amx_tile amx_bf16)" if "amx_bf16" in cpu_flags() else "")
 
 
 def models(transformers, args, dtype):
@@ -146,13 +142,7 @@ def main(argv=None):
     config = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, head_dim=args.head_dim, dtype="bf16")
     meta = dict(cpu=cpu_name(), threads=args.threads, loadavg_before=load_before, loadavg_after=load_after,
                 model=config, fp32_greedy_tokens_equal_sdpa=tokens_equal)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    write_results(args.out, rows, meta)
     print(json.dumps(meta))
     for r in rows:
         print(f"{r['contender']:28s} {r['median_ms']:8.2f} ms  spread {r['spread_pct']:5.1f}%  "

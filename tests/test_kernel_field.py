@@ -77,18 +77,10 @@ def test_a_new_number_reaches_the_triton_groups_by_name(monkeypatch):
     pytest.importorskip("triton")
     from tileattn.backends.triton import arguments, launch
 
-    class Scalars(NamedTuple):
-        scale: float
-        softcap: float
-        left: int
-        right: int
-        shift: int
-        drop_threshold: int
-        drop_scale: float
-        toy: float
-
+    # the groups as the toy field's author writes them: the declared fields, and the new one
+    scalars = NamedTuple("Scalars", list(arguments.Scalars.__annotations__.items()) + [("toy", float)])
     flags = NamedTuple("Flags", [(name, bool) for name in arguments.Flags._fields + ("HAS_TOY",)])
-    monkeypatch.setattr(launch, "Scalars", Scalars)
+    monkeypatch.setattr(launch, "Scalars", scalars)
     monkeypatch.setattr(launch, "Flags", flags)
     on, off = launch._common(_toy_spec(0.5, window=(3, 0))), launch._common(_toy_spec(0.0))
     assert on.groups["sc"].toy == 0.5 and on.constexprs["F"].HAS_TOY and on.constexprs["F"].HAS_LEFT

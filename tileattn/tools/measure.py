@@ -21,7 +21,9 @@ memory", and read the machine the same way. Tooling only: the engines never impo
 from __future__ import annotations
 
 import contextlib
+import csv
 import ctypes
+import json
 import os
 import re
 import statistics
@@ -358,3 +360,15 @@ def memory_bandwidth(threads: Optional[int] = None, size_bytes: Optional[int] = 
     if cached:
         _BANDWIDTH[threads] = gbps
     return gbps
+
+
+def write_results(out, rows: Sequence[dict], meta: dict) -> None:
+    """A benchmark's results beside each other: ``<out>.csv`` (one line per row, the columns of the
+    first) and ``<out>.json`` (``{"meta": meta, "rows": rows}``), the folder made when missing."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

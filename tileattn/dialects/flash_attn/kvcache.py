@@ -329,15 +329,19 @@ def _step(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, windo
     saved = None if k is None else cache.write(cache_seqlens, k, v, lengths)
     try:
         used_t = cache_seqlens + new if new else cache_seqlens
-        with core_errors(_FN):
-            out, lse = flash_attention(q, k_cache, v_cache, seqused_k=used_t, layout="BSND", scale=softmax_scale,
-                                       causal=causal, window=window, softcap=float(softcap), alibi_slopes=None,
-                                       return_lse=True)
+        out, lse = _attend(q, k_cache, v_cache, dict(seqused_k=used_t), softmax_scale, causal, window, softcap, None)
     except BaseException:
         if saved is not None:
             cache.restore(saved)
         raise
     return (out, lse) if return_softmax_lse else out
+
+
+def _attend(queries, keys, values, extra, softmax_scale, causal, window, softcap, alibi_slopes):
+    """A step's one core call, (out, lse): the checked and the repeated step make it alike."""
+    with core_errors(_FN):
+        return flash_attention(queries, keys, values, **extra, layout="BSND", scale=softmax_scale, causal=causal,
+                               window=window, softcap=float(softcap), alibi_slopes=alibi_slopes, return_lse=True)
 
 
 @torch.no_grad()
@@ -485,8 +489,6 @@ def _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     # are byte-identical after any error.
     saved = None if k is None else cache.write(lengths_t, k, v, lengths)
     try:
-        kwargs = dict(layout="BSND", scale=softmax_scale, causal=causal, window=window, softcap=float(softcap),
-                      alibi_slopes=alibi_slopes, return_lse=True)
         used_t = None if lengths is None else (lengths_t + new if new else lengths_t)
         keys, values = k_cache, v_cache
         if pads is not None:
@@ -505,8 +507,7 @@ def _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
             queries, scales = _descale.lower(_FN, queries, keys, values, descales, batch, k_cache.shape[2],
                                              "block_table" in extra)
             extra.update(scales)
-        with core_errors(_FN):
-            out, lse = flash_attention(queries, keys, values, **extra, **kwargs)
+        out, lse = _attend(queries, keys, values, extra, softmax_scale, causal, window, softcap, alibi_slopes)
     except BaseException:
         if saved is not None:
             cache.restore(saved)
