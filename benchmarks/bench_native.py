@@ -13,9 +13,11 @@ Sections:
 * ``grid``: fp32, B=1, H=8, S in {1024, 4096}, D in {64, 128}, causal and not; forward and
   forward+backward
 * ``fwd``: the grid's forward half only
-* ``isa``: ``machine`` and ``fwd`` again under each build variant (avx512, avx2, generic; forced with
-  ``TILEATTN_NATIVE_ISA``), one child process per variant; each row's ``pct_of_peak`` is against that
-  variant's own FMA probe (its vector width), the JSON's ``info["isa_variants"]`` holds the probes
+* ``isa``: ``machine`` and ``fwd`` again under each build variant this CPU runs (avx512, avx2,
+  generic; forced with ``TILEATTN_NATIVE_ISA``), one child process per variant; each row's
+  ``pct_of_peak`` is against that variant's own FMA probe (its vector width), the JSON's
+  ``info["isa_variants"]`` holds the probes and ``info["isa_skipped"]`` the variants this CPU cannot
+  run, with the reason (also a summary line)
 * ``lowp``: bf16 and fp16, S=2048, D=128, forward and forward+backward
 * ``decode``: one query token against a KV cache (B=1, Hq=8, Hkv=2, D=64) for 128..4096 cached keys:
   the whole call, Python included
@@ -52,6 +54,7 @@ import torch.nn.functional as F
 
 from tileattn.backends.native import build as native_build
 from tileattn.backends.native import kernels as nk
+from tileattn.programs import toolchain
 from tileattn.tools.measure import peak_memory
 
 SECTIONS = ("machine", "grid", "fwd", "isa", "lowp", "decode", "cache", "memory")
@@ -215,8 +218,14 @@ def section_fwd(args, rows, info):
 def section_isa(args, rows, info):
     """The forward grid under each build variant, in child processes (the variant is chosen when the
     library is loaded, once per process)."""
-    info["isa_variants"] = {}
+    info["isa_variants"], info["isa_skipped"] = {}, {}
+    cc = tuple(native_build.find_compiler())
     for isa in native_build.ISAS:
+        refused = toolchain.variant(cc, isa)
+        if isinstance(refused, str):  # a variant this CPU cannot run (AVX-512 on a Zen 3): say so, go on
+            info["isa_skipped"][isa] = refused
+            print(f"isa: {isa} skipped: {refused}", flush=True)
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "isa"
             cmd = [sys.executable, os.path.abspath(__file__), "--only", "machine,fwd", "--reps", str(args.reps),
@@ -306,12 +315,14 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def summary(rows):
+def summary(rows, skipped=None):
     lines = []
     for section, mode in (("grid", "fwd"), ("grid", "fwd+bwd"), ("fwd", "fwd"), ("lowp", "fwd"), ("lowp", "fwd+bwd")):
         r = [x["vs_sdpa"] for x in rows if x["section"] == section and x["mode"] == mode and x["provider"] == "native"]
         if r:
             lines.append(f"{section} {mode}: geomean {geomean(r):.2f}x SDPA (min {min(r):.2f}x, max {max(r):.2f}x)")
+    for isa, why in (skipped or {}).items():
+        lines.append(f"isa {isa} skipped: {why}")
     for isa in native_build.ISAS:
         r = [x for x in rows if x["section"] == "isa" and x["isa"] == isa and x["provider"] == "native"]
         if r:
@@ -351,7 +362,7 @@ def main(argv=None):
             parser.error(f"unknown section {name!r}; expected some of {', '.join(SECTIONS)}")
         globals()[f"section_{name}"](args, rows, info)
     info["load_after"] = os.getloadavg()[0]
-    lines = summary(rows)
+    lines = summary(rows, info.get("isa_skipped"))
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

@@ -136,6 +136,26 @@ def assert_matches_reference(backend, q, k, v, grad=True, **kwargs):
     return verdicts
 
 
+def assert_nonfinite_like_reference(out, ref, clean_ref, sees):
+    """The contract for a NaN or inf in an input (``tileattn.reference``'s definition, tile by tile):
+    every output row that sees the bad value (``sees``: a bool per row, broadcast over the head dim)
+    is non-finite exactly where the fp64 reference is; a row that does not see it is, where finite,
+    the reference of the clean input (it cannot depend on a value it does not see), and non-finite
+    only where the reference is too. The reference's P @ V also spreads a NaN of V into rows that
+    do not see its key (0 * NaN); a tiled kernel does so only inside tiles it computes, and which
+    those are depends on the build's tile sizes (AVX-512's are twice AVX2's), so those rows may be
+    either."""
+    finite, ref_finite = torch.isfinite(out), torch.isfinite(ref)
+    sees = sees.unsqueeze(-1).expand_as(finite)
+    assert not finite.all(), "a non-finite input vanished"
+    assert torch.equal(finite[sees], ref_finite[sees])
+    assert not (~finite & ~sees & ref_finite).any(), "a row that does not see the bad value became non-finite"
+    unseen = finite & ~sees
+    torch.testing.assert_close(out[unseen].double(), clean_ref[unseen].double(), rtol=1e-5, atol=1e-5)
+    both = finite & ref_finite
+    torch.testing.assert_close(out[both].double(), ref[both].double(), rtol=1e-5, atol=1e-5)
+
+
 def make_qkv(b=2, hq=2, hkv=None, sq=16, sk=None, d=32, dv=None, dtype=torch.float32, layout="BNSD",
              seed=0, requires_grad=False):
     """Random q, k, v in ``layout`` (contiguous in that layout). Defaults: hkv=hq, sk=sq, dv=d."""

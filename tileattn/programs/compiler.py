@@ -45,7 +45,11 @@ from . import codegen, toolchain
 from .trace import INDEX_DTYPE, Structure, Unsupported, structure, trace
 
 LIB_NAME = "libtileattn_user.so"
-EXTRA_FLAGS = ("-fwrapv", "-fno-math-errno")  # integer arithmetic wraps, as PyTorch's does; sqrt vectorises
+#: integer arithmetic wraps, as PyTorch's does; sqrt vectorises (no errno); a select between two
+#: computed floats (``x != x ? x : y``, a clamp) becomes a vector blend without AVX-512's masked
+#: instructions only where the compiler may evaluate both arms (no trapping math): on AVX2 and the
+#: generic build a loop over ta_expf stayed scalar without it
+EXTRA_FLAGS = ("-fwrapv", "-fno-math-errno", "-fno-trapping-math")
 #: programs (and refusals) kept in memory, most recently used first
 MEMO_SIZE = 512
 #: the exported tile functions, with their arguments after (rows, cols, ld)
