@@ -133,9 +133,102 @@ def test_a_damaged_prebuilt_library_is_never_loaded(wheel, monkeypatch, how):
     with pytest.warns(RuntimeWarning, match="prebuilt library .*avx512.*; compiled the native kernels"):
         info = prebuilt.resolve()
     assert info.source == "compiled"
+    # without a compiler, the next variant this CPU runs, with one warning naming the damage
     monkeypatch.setenv("CC", "/nonexistent")
-    with pytest.raises(build.BuildError, match="prebuilt library .* and compiling instead failed: .*nonexistent"):
+    with pytest.warns(RuntimeWarning, match="prebuilt library .*avx512.*; loaded the prebuilt avx2 library instead"):
+        info = prebuilt.resolve()
+    assert (info.source, info.isa) == ("prebuilt", "avx2") and "compiling instead failed" not in info.reason
+    monkeypatch.setenv(prebuilt.MODE_ENV, "prebuilt")
+    with pytest.warns(RuntimeWarning, match="loaded the prebuilt avx2 library instead"):
+        assert prebuilt.resolve().isa == "avx2"
+
+
+def test_every_damaged_variant_without_a_compiler_is_an_error_naming_the_damage(wheel, monkeypatch):
+    cpu(monkeypatch, SPR)
+    for level in prebuilt.LEVELS:
+        lib = wheel.root / level.isa / build.LIB_NAME
+        lib.write_bytes(lib.read_bytes()[:4096])
+    monkeypatch.setenv("CC", "/nonexistent")
+    with pytest.raises(build.BuildError, match="prebuilt library .*generic.* is damaged.*compiling instead failed"):
         prebuilt.resolve()
+
+
+def _claim_a_feature_the_cpu_lacks(lib: Path) -> None:
+    """Rewrite the feature list inside ``lib``'s bytes so it claims a feature no CPU has (a stand-in for
+    an AVX-512 library copied into the avx2 folder), and its record so it matches: only the CPU check
+    can refuse it."""
+    data = lib.read_bytes()
+    at = data.index(prebuilt.FEATURE_MARKER) + len(prebuilt.FEATURE_MARKER)
+    end = data.index(b";", at)
+    assert end - at >= 7, "the library's feature list is too short to rewrite"
+    lib.write_bytes(data[:at] + b"zzzzzz," + data[at + 7:])
+    (lib.parent / build.RECORD_NAME).write_text(json.dumps(toolchain.fingerprint(lib)))
+
+
+def test_the_library_says_which_cpu_features_it_needs():
+    from tileattn.backends.native import kernels as nk
+
+    wants = prebuilt.features_of(Path(nk.load().path))
+    assert wants and wants <= prebuilt.host_flags()
+    assert {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}}.get(nk.load().isa, set()) <= wants
+
+
+def test_a_library_copied_into_another_variants_folder_is_refused_before_it_loads(wheel, monkeypatch):
+    cpu(monkeypatch, SPR)
+    _claim_a_feature_the_cpu_lacks(wheel.root / "avx512" / build.LIB_NAME)
+    assert "compiled for zzzzzz, which this CPU lacks" in prebuilt.verified(wheel.root / "avx512")[1]
+    monkeypatch.setenv(prebuilt.MODE_ENV, "prebuilt")
+    with pytest.warns(RuntimeWarning, match="compiled for zzzzzz, which this CPU lacks .*labelled avx512.*avx2"):
+        info = prebuilt.resolve()
+    assert (info.source, info.isa) == ("prebuilt", "avx2")
+
+
+def test_a_loaded_library_is_refused_where_the_cpu_lacks_what_it_was_built_for(monkeypatch):
+    from tileattn.backends.native import kernels as nk
+
+    info = nk.load()
+    wants = prebuilt.features_of(Path(info.path))
+    lacking = frozenset(prebuilt.host_flags() - {sorted(wants)[0]})
+    monkeypatch.setattr(prebuilt, "host_flags", lambda: lacking)
+    with pytest.raises(build.BuildError, match=f"compiled for {sorted(wants)[0]}, which this CPU lacks.*SIGILL"):
+        nk._Library(info)
+
+
+MISLABELLED = """
+import json, sys, warnings
+from pathlib import Path
+from tileattn.backends.native import prebuilt
+prebuilt.PREBUILT_DIR = Path(sys.argv[1])
+import torch, tileattn
+from tileattn.backends.native import kernels as nk
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    out = tileattn.flash_attention(q, k, v, causal=True)
+    ok = torch.allclose(out, tileattn.reference(q, k, v, causal=True), atol=1e-5)
+print(json.dumps(dict(ok=ok, isa=nk.build_info()["isa"], warnings=[str(w.message) for w in caught])))
+"""
+
+
+@pytest.mark.parametrize("how", ["mislabelled", "truncated"])
+def test_a_bad_variant_in_the_wheel_leaves_the_next_one_serving_in_a_real_process(tmp_path, how):
+    """Every variant above generic claims a feature this CPU lacks (or is truncated): the process neither
+    dies (SIGILL, SIGBUS) nor drops to the slow engine; generic serves, exact, with one warning."""
+    root = _stand_in(tmp_path / "prebuilt")
+    for level in prebuilt.LEVELS[:-1]:
+        lib = root / level.isa / build.LIB_NAME
+        if how == "mislabelled":
+            _claim_a_feature_the_cpu_lacks(lib)
+        else:
+            lib.write_bytes(lib.read_bytes()[:4096])
+    env = dict(os.environ, TILEATTN_NATIVE="prebuilt", TILEATTN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop(build.ISA_ENV, None)
+    res = subprocess.run([sys.executable, "-c", MISLABELLED, str(root)], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["ok"] and got["isa"] == "generic"
+    assert len(got["warnings"]) == 1 and "loaded the prebuilt generic library instead" in got["warnings"][0]
 
 
 DAMAGED_WITHOUT_COMPILER = """

@@ -187,6 +187,15 @@ class _Library:
     def __init__(self, info: _build.BuildInfo):
         self.info = info
         lib = ctypes.CDLL(info.path)
+        # before any of its code that may use vector instructions runs: the features it was built
+        # for against this CPU's (prebuilt.py read them from the file already; this holds for every
+        # library, compiled ones included, at the cost of one call)
+        lib.ta_isa_features.restype = ctypes.c_char_p
+        wants = {f for f in lib.ta_isa_features().decode().split(";")[0].split(",") if f}
+        missing = sorted(wants - _prebuilt.host_flags()) if _prebuilt.host_flags() else []
+        if missing:
+            raise _build.BuildError(f"the library {info.path} was compiled for {', '.join(missing)}, which this CPU "
+                                    "lacks; loading its kernels would end the process (SIGILL)")
         lib.ta_abi.restype = ctypes.c_char_p
         lib.ta_build_info.restype = ctypes.c_char_p
         for name in ("ta_forward", "ta_backward", "ta_sigint_arm"):

@@ -24,8 +24,14 @@ Which library a process loads (:func:`resolve`) follows ``TILEATTN_NATIVE``:
   is generic (its ``-march=native`` build is faster: :data:`NATIVE_WINS`), when no prebuilt library
   is that variant (a CPU with AVX-512 but without AVX512_BF16, a source install), or when it is
   damaged (with one warning). Where that compile fails, the best prebuilt library the CPU runs;
-  a damaged one is never loaded (with no compiler: the ``cpu`` engine and one warning)
-* ``prebuilt``: the best prebuilt variant this CPU runs, never a compile
+  a damaged one is never loaded: the next variant this CPU runs serves (with one warning), and with
+  none left and no compiler the ``cpu`` engine (one warning)
+* ``prebuilt``: the best prebuilt variant this CPU runs, never a compile (a damaged one passed over)
+
+Before a prebuilt library is chosen, the CPU features it was compiled for are read from its own bytes
+(csrc/api.c writes them after a marker) and compared with the host's: a library copied into another
+variant's folder, with its records, is refused like a damaged one instead of dying of SIGILL at its
+first kernel call. Once loaded, ``ta_isa_features()`` is checked again (kernels.py).
 * ``compile``: always compile on first use (:mod:`.build`), as a source install does
 
 ``TILEATTN_NATIVE_PROFILE=1`` always compiles (the profiling counters are not in the wheel). The
@@ -77,8 +83,10 @@ LEVELS = (
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo cannot be read)."""
+def host_flags() -> frozenset:
+    """The feature flags of the CPU this process runs on, as Linux lists them (empty where
+    /proc/cpuinfo cannot be read). What the guard against loading a library this CPU cannot run
+    (:func:`features_of`) reads."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -87,6 +95,42 @@ def cpu_flags() -> frozenset:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_flags() -> frozenset:
+    """The CPU's flags the choice of a variant reads: :func:`host_flags` (the tests stand in other CPUs
+    here; the guard still reads the real one)."""
+    return host_flags()
+
+
+#: what precedes the library's feature list in its bytes (csrc/api.c, ``ta_isa_features``)
+FEATURE_MARKER = b"tileattn-isa-features:"
+
+
+def features_of(lib: Path) -> Optional[frozenset]:
+    """The CPU features ``lib`` was compiled to use, read from its bytes without loading it (None when
+    it carries no list: a library older than the list)."""
+    data = lib.read_bytes()
+    at = data.find(FEATURE_MARKER)
+    if at < 0:
+        return None
+    end = data.find(b";", at)
+    return frozenset(f for f in data[at + len(FEATURE_MARKER):end].decode("ascii", "replace").split(",") if f)
+
+
+def unrunnable(lib: Path) -> Optional[str]:
+    """Why this CPU cannot run ``lib`` (the features it was compiled for that the CPU lacks), or None.
+    Loading such a library kills the process with SIGILL at its first vector instruction."""
+    have = host_flags()
+    wants = features_of(lib)
+    if not have:
+        return None  # no /proc/cpuinfo to compare with: the variant's own CPU rule decided
+    if wants is None:
+        return f"the library {lib} does not say which CPU features it needs (no {FEATURE_MARKER.decode()} list)"
+    missing = sorted(wants - have)
+    if missing:
+        return f"the library {lib} was compiled for {', '.join(missing)}, which this CPU lacks"
+    return None
 
 
 def cpu_variant(flags: frozenset, isa: Optional[str] = None) -> str:
@@ -146,7 +190,7 @@ class Found:
 
     info: Optional[BuildInfo]   #: the verified library, or None
     why_not: str                #: why the variants above it (or all) were passed over; "" when none was
-    damaged: bool = False       #: True when the library the CPU would run failed its record
+    damaged: bool = False       #: True when a variant the CPU would run failed its record or its CPU check
 
 
 def verified(folder: Path) -> Tuple[Optional[BuildInfo], str]:
@@ -161,6 +205,9 @@ def verified(folder: Path) -> Tuple[Optional[BuildInfo], str]:
         broken = broken or f"the prebuilt library {lib} has no valid {META_NAME}"
     if broken:
         return None, f"the prebuilt library {lib} is missing" if broken == "missing" else broken
+    wrong = unrunnable(lib)
+    if wrong:
+        return None, f"{wrong} (labelled {info['isa']}: a copy from another variant's folder?)"
     state = toolchain.cache_root() / "native" / f"prebuilt-{info['isa']}-{toolchain.fingerprint(lib)['sha256'][:20]}"
     return BuildInfo(path=str(lib), build_seconds=0.0, cached=True, source="prebuilt", state_dir=str(state),
                      **info), ""
@@ -170,7 +217,7 @@ def best_prebuilt(flags: frozenset, only: Optional[str] = None) -> Found:
     """The best prebuilt variant a CPU with these flags runs (only ``only`` when given)."""
     if not PREBUILT_DIR.is_dir():
         return Found(None, "this install carries no prebuilt library (a source install or a checkout)")
-    passed = []
+    passed, damaged = [], False
     for level in LEVELS:
         if only and level.isa != only:
             continue
@@ -179,8 +226,12 @@ def best_prebuilt(flags: frozenset, only: Optional[str] = None) -> Found:
             passed.append(f"prebuilt {level.isa} needs {', '.join(missing)}, which this CPU lacks")
             continue
         info, broken = verified(PREBUILT_DIR / level.isa)
-        return Found(info, "; ".join(passed + ([broken] if broken else [])), damaged=bool(broken))
-    return Found(None, "; ".join(passed))
+        if info is not None:
+            return Found(info, "; ".join(passed), damaged=damaged)
+        # a damaged (or mislabelled) variant is passed over for the next one this CPU runs
+        passed.append(broken)
+        damaged = True
+    return Found(None, "; ".join(passed), damaged=damaged)
 
 
 def resolve(isa: Optional[str] = None, profile: Optional[bool] = None) -> BuildInfo:
@@ -200,6 +251,7 @@ def resolve(isa: Optional[str] = None, profile: Optional[bool] = None) -> BuildI
     if mode == "prebuilt":
         if found.info is None:
             raise BuildError(f"{MODE_ENV}=prebuilt, but {found.why_not}")
+        _warn_passed_over(found)
         return dataclasses.replace(found.info, reason=f"{MODE_ENV}=prebuilt: the best prebuilt variant this CPU runs")
     matches = found.info is not None and found.info.isa == wanted
     if matches and wanted not in NATIVE_WINS:
@@ -217,6 +269,7 @@ def resolve(isa: Optional[str] = None, profile: Optional[bool] = None) -> BuildI
         compiled = build.build(isa)
     except BuildError as exc:
         if found.info is not None:
+            _warn_passed_over(found)
             return dataclasses.replace(found.info, reason=(
                 f"the best prebuilt library this CPU runs; compiling was tried first, since {why}, and failed: {exc}"))
         raise BuildError(f"{why}, and compiling instead failed: {exc}" if found.damaged else str(exc)) from exc
@@ -224,3 +277,9 @@ def resolve(isa: Optional[str] = None, profile: Optional[bool] = None) -> BuildI
         warnings.warn(f"tileattn: {why}; compiled the native kernels for this CPU instead", RuntimeWarning,
                       stacklevel=3)
     return dataclasses.replace(compiled, reason=f"compiled for this CPU: {why}")
+
+
+def _warn_passed_over(found: Found) -> None:
+    if found.damaged:
+        warnings.warn(f"tileattn: {found.why_not}; loaded the prebuilt {found.info.isa} library instead",
+                      RuntimeWarning, stacklevel=4)

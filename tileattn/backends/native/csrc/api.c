@@ -32,6 +32,63 @@
 const char *ta_abi(void) { return TA_FIELDS(TA_DESCRIBE); }
 const char *ta_user_abi(void) { return TA_USER_FIELDS(TA_DESCRIBE); }
 
+/* The CPU features this library was compiled to use, as Linux's /proc/cpuinfo names them, after a
+ * marker so Python can read them from the file's bytes before loading it (prebuilt.py): a library
+ * copied into another variant's folder must be refused, not loaded into a process whose CPU would
+ * die of SIGILL at the first kernel call. ta_isa_features returns the same list once loaded; its body
+ * is a pointer to a constant, so calling it runs no vector instruction (the list ends at the first
+ * ";"). AMX is left out: the kernels
+ * ask the OS for the tile state at run time (amx.h). */
+#define TA_FEATURE_MARKER "tileattn-isa-features:"
+static const char ta_features[] = TA_FEATURE_MARKER
+#ifdef __SSE4_2__
+    "sse4_2,"
+#endif
+#ifdef __POPCNT__
+    "popcnt,"
+#endif
+#ifdef __AVX__
+    "avx,"
+#endif
+#ifdef __AVX2__
+    "avx2,"
+#endif
+#ifdef __FMA__
+    "fma,"
+#endif
+#ifdef __F16C__
+    "f16c,"
+#endif
+#ifdef __BMI__
+    "bmi1,"
+#endif
+#ifdef __BMI2__
+    "bmi2,"
+#endif
+#ifdef __AVX512F__
+    "avx512f,"
+#endif
+#ifdef __AVX512BW__
+    "avx512bw,"
+#endif
+#ifdef __AVX512CD__
+    "avx512cd,"
+#endif
+#ifdef __AVX512DQ__
+    "avx512dq,"
+#endif
+#ifdef __AVX512VL__
+    "avx512vl,"
+#endif
+#ifdef __AVX512BF16__
+    "avx512_bf16,"
+#endif
+#ifdef __AVX512FP16__
+    "avx512_fp16,"
+#endif
+    ";";
+const char *ta_isa_features(void) { return ta_features + sizeof TA_FEATURE_MARKER - 1; }
+
 const char *ta_build_info(void) {
     return "isa=" TA_ISA_NAME ";amx="
 #ifdef TA_HAVE_AMX
