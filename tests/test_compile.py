@@ -253,3 +253,17 @@ def test_torch_library_opcheck_backward(case):
     result = torch.library.opcheck(torch.ops.tileattn.attention_backward.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_importing_tileattn_does_not_import_dynamo():
+    """`import tileattn` costs what its own modules cost: Dynamo (3 s on two cores) is imported only by
+    a process that compiles. The mark that lets a compiled frame take the field layout as a constant is
+    the one torch's decorator sets (ops._flat_fields), so compiling still sees it."""
+    code = ("import sys, time, torch; t = time.perf_counter(); import tileattn; "
+            "print(time.perf_counter() - t, 'torch._dynamo.convert_frame' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    seconds, dynamo = res.stdout.split()
+    assert dynamo == "False" and float(seconds) < 2.0, res.stdout
+    marked = torch._dynamo.assume_constant_result(lambda: None)
+    assert {k for k in vars(marked)} == {"_dynamo_marked_constant"} and ops._flat_fields._dynamo_marked_constant
