@@ -6,7 +6,9 @@
 #      the kernels' register blocks and peaks (HUB_NATIVE, chapter 09: its claims must hold for
 #      every build and CPU; the suite itself already runs the kernel tests under both builds, in
 #      tests/test_native_build.py);
-#   2. only with CI_MATRIX_FULL=1 (a release check; it does not fit the 20-minute CI budget on 2
+#   2. the build without OpenMP: CC=clang (Debian's, installed when missing, no libomp), the kernels
+#      on their own thread pool (tests/test_native_build.py -k without_openmp);
+#   3. only with CI_MATRIX_FULL=1 (a release check; it does not fit the 20-minute CI budget on 2
 #      cores): the engine's tests (NATIVE_TESTS) and every hub tutorial and recipe under those
 #      builds, and the suite again in a second
 #      random order (seed from the commit, printed), leaving out the tests that only start
@@ -57,6 +59,19 @@ for isa in $ISAS; do
             -k "($HUB_SCRIPTS) and ($HUB_NATIVE)"
     fi
 done
+
+# A compiler without an OpenMP runtime (clang without libomp, as on macOS): the kernels build with no
+# OpenMP and run on their own thread pool. Debian's clang is installed here when missing (about a
+# minute); the suite's own run skipped these two tests for want of it.
+if ! command -v clang >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    stage "apt-get install clang (no libomp)" sh -c 'apt-get install -y -qq clang >/dev/null 2>&1 || (apt-get update -qq >/dev/null && apt-get install -y -qq clang >/dev/null)'
+fi
+if command -v clang >/dev/null 2>&1; then
+    stage "CC=clang without OpenMP: the kernels on the thread pool" \
+        "$PY" -m pytest -p no:cacheprovider tests/test_native_build.py -k "without_openmp" -rs
+else
+    echo "[ci_matrix] no clang and no way to install it: the no-OpenMP build is not checked"
+fi
 
 if [ "${CI_MATRIX_FULL:-0}" = 1 ]; then
     # A second order: the commit's first 8 hex digits (any integer but the day's seed would do).

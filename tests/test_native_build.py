@@ -63,6 +63,78 @@ def test_variant_without_avx512_passes_the_kernel_tests(isa, tmp_path):
     assert " passed" in summary and "skipped" not in summary, summary
 
 
+NO_OPENMP = """
+import json, os, torch, tileattn
+from tileattn.backends.native import kernels as nk
+
+def threads():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("Threads")).split()[1])
+
+q, k, v = (torch.randn(2, 8, 700, 64, requires_grad=True) for _ in range(3))
+torch.set_num_threads(1)
+out1 = tileattn.flash_attention(q, k, v, causal=True, window=(300, 0))
+out1.sum().backward()
+grads1 = [t.grad.clone() for t in (q, k, v)]
+before = threads()
+torch.set_num_threads(2)
+for t in (q, k, v):
+    t.grad = None
+out2 = tileattn.flash_attention(q, k, v, causal=True, window=(300, 0))
+out2.sum().backward()
+ref = tileattn.reference(q, k, v, causal=True, window=(300, 0), compute_dtype=torch.float64)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the pool's workers do not survive fork: the child starts its own. (No other torch op
+    # runs there: torch's own OpenMP threads do not survive fork either, and its parallel ops hang.)
+    with torch.no_grad():
+        data = tileattn.flash_attention(q, k, v, causal=True, window=(300, 0)).numpy().tobytes()
+    with os.fdopen(write, "wb") as f:
+        f.write(data)
+    os._exit(0)
+os.close(write)
+with os.fdopen(read, "rb") as f:
+    forked = f.read()
+child = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+child = child if forked == out1.detach().numpy().tobytes() else "the forked child's output differs"
+print(json.dumps(dict(openmp=nk.build_info()["openmp"], error=float((out2.detach().double() - ref).abs().max()),
+                      bitwise=torch.equal(out1, out2) and all(torch.equal(a, t.grad) for a, t in zip(grads1, (q, k, v))),
+                      workers=threads() - before, child=child)))
+"""
+
+
+def _clang_without_openmp():
+    clang = shutil.which("clang")
+    if clang is None:
+        return None, "no clang here (scripts/ci_matrix.sh installs Debian's, without libomp)"
+    if toolchain.openmp_links((clang,), ()):
+        return None, "this clang links OpenMP programs (libomp is installed): the pool is not what it builds"
+    return clang, ""
+
+
+@pytest.mark.skipif(_clang_without_openmp()[0] is None, reason=_clang_without_openmp()[1])
+def test_a_compiler_without_openmp_runs_the_kernels_on_a_thread_pool(tmp_path):
+    """clang without libomp (macOS's situation) builds the kernels with no OpenMP at all: they run on
+    their own POSIX-thread pool, exact, with the same bits at one thread and two, a second thread
+    started for the second, and a forked child that starts its own."""
+    res = run(["-c", NO_OPENMP], tmp_path, CC="clang", TILEATTN_NATIVE="compile")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["openmp"] is False and got["error"] < 1e-5 and got["bitwise"], got
+    assert got["workers"] >= 1 and got["child"] == 0, got
+    env = run(["-m", "tileattn", "env"], tmp_path, CC="clang", TILEATTN_NATIVE="compile")
+    assert "a pool of POSIX threads (the compiler has no OpenMP runtime)" in env.stdout, env.stdout[-2000:]
+
+
+@pytest.mark.skipif(_clang_without_openmp()[0] is None, reason=_clang_without_openmp()[1])
+def test_a_compiler_without_openmp_passes_the_kernel_tests(tmp_path):
+    selection = f"(test_native_kernels and ({VARIANT_TESTS})) or (test_user_functions and ({USER_VARIANT_TESTS}))"
+    res = run(["-m", "pytest", "-x", "-p", "no:cacheprovider", "tests/test_native_kernels.py",
+               "tests/test_user_functions.py", "-k", selection], tmp_path, CC="clang", TILEATTN_NATIVE="compile")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    summary = res.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, summary
+
+
 @needs_cc
 def test_first_uses_in_parallel_processes_build_once(tmp_path):
     """`python -c` on an empty cache works; concurrent first uses wait on the lock instead of racing."""

@@ -9,6 +9,9 @@ instruction set, best first:
 * ``avx2``: AVX2 + FMA, built with ``-mno-avx512f`` so it runs on CPUs without AVX-512
 * ``generic``: portable vector extensions only (the machine's own flags; on x86 without AVX-512)
 
+Each variant adds ``-fopenmp`` where the compiler links an OpenMP program; without an OpenMP
+runtime the kernels run on their own pool of POSIX threads (``tileattn env`` says which).
+
 ``TILEATTN_NATIVE_ISA`` (``avx512``, ``avx2``, ``generic``) forces one. The cache root is
 ``$TILEATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/tileattn``, else ``~/.cache/tileattn``.
 
@@ -116,10 +119,27 @@ def variant(cc: tuple, isa: str):
     missing = [m.strip("_") for m in need if m not in found]
     if missing:
         return f"this CPU (as the compiler sees it with {' '.join(flags) or 'no flags'}) lacks {', '.join(missing)}"
-    openmp = macros(cc, flags + ("-fopenmp",))
-    if openmp is not None and "_OPENMP" in openmp:
+    if openmp_links(cc, flags):
         flags = flags + ("-fopenmp",)
     return flags, found
+
+
+_OPENMP_PROBE = "#include <omp.h>\nint main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+
+
+@functools.lru_cache(maxsize=None)
+def openmp_links(cc: tuple, flags: tuple) -> bool:
+    """Whether ``-fopenmp`` compiles and links a program that includes omp.h. A compiler can accept the
+    flag and define _OPENMP without an OpenMP runtime to link (clang without libomp, as on macOS);
+    such a build runs its kernels on the library's own POSIX-thread pool instead (csrc/threads.c)."""
+    with tempfile.TemporaryDirectory(prefix="tileattn-omp-") as tmp:
+        src = Path(tmp) / "omp.c"
+        src.write_text(_OPENMP_PROBE)
+        try:
+            res = run(list(cc) + list(flags) + ["-fopenmp", str(src), "-o", str(Path(tmp) / "omp")], timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return res.returncode == 0
 
 
 def choose(cc: tuple, isa=None):

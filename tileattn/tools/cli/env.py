@@ -213,7 +213,7 @@ def _native_lines(n: dict, simd: list) -> list:
         f"isa          {isa}",
         f"AMX          {amx}",
         f"bf16 dot     {dot}",
-        f"OpenMP       {'yes' if n['openmp'] else 'no: one thread per call'}",
+        f"threads      {'OpenMP' if n['openmp'] else 'a pool of POSIX threads (the compiler has no OpenMP runtime)'}",
         f"library      {n['path']}",
     ]
 

@@ -15,9 +15,6 @@
 #include "kernels.h"
 #include "profile.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
@@ -156,25 +153,28 @@ double ta_probe_bf16dot(void) {
 
 /* fp32 FMA peak of `threads` cores in GFLOP/s (wall clock, best of three): what the benchmarks
  * report efficiency against. As many independent accumulators as the micro-GEMM uses. */
+static void fma_probe_thread(void *ctx, int tid, int nt) {
+    enum { ACC = 2 * TA_MR, ITERS = 200000 };
+    (void)ctx, (void)tid, (void)nt;
+    vr acc[ACC];
+    const vr x = vset1(0.999f), y = vset1(1e-3f);
+#pragma GCC unroll 24
+    for (int i = 0; i < ACC; i++) acc[i] = vset1((float)i);
+    for (int it = 0; it < ITERS; it++)
+#pragma GCC unroll 24
+        for (int i = 0; i < ACC; i++) acc[i] = vfma(acc[i], x, y);
+    float sink = 0;
+    for (int i = 0; i < ACC; i++) sink += vsum(acc[i]);
+    __asm__ volatile("" : : "r"(&sink) : "memory");
+}
+
 double ta_probe_fma_gflops(int64_t threads) {
     enum { ACC = 2 * TA_MR, ITERS = 200000 };
     double best = 0;
     for (int rep = 0; rep < 3; rep++) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-#pragma omp parallel num_threads((int)threads)
-        {
-            vr acc[ACC];
-            const vr x = vset1(0.999f), y = vset1(1e-3f);
-#pragma GCC unroll 24
-            for (int i = 0; i < ACC; i++) acc[i] = vset1((float)i);
-            for (int it = 0; it < ITERS; it++)
-#pragma GCC unroll 24
-                for (int i = 0; i < ACC; i++) acc[i] = vfma(acc[i], x, y);
-            float sink = 0;
-            for (int i = 0; i < ACC; i++) sink += vsum(acc[i]);
-            __asm__ volatile("" : : "r"(&sink) : "memory");
-        }
+        ta_team((int)threads, fma_probe_thread, NULL);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
         double gflops = (double)threads * ITERS * ACC * VW * 2 / t * 1e-9;
@@ -392,49 +392,46 @@ static void record_status(int *status, int st) {
     if (st != TA_OK) __atomic_compare_exchange_n(status, &expected, st, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
 }
 
+typedef struct {
+    const ta_args *a;
+    const void *tasks, *plan;
+    size_t task_size;
+    ta_task_fn fn;
+    int64_t ntasks, next; /* tasks are taken in order from `next` (a dynamic schedule of chunk 1) */
+    int status;
+} ta_task_team;
+
+static void run_team_tasks(void *ctx, int tid, int nt) {
+    ta_task_team *T = (ta_task_team *)ctx;
+    (void)tid, (void)nt;
+    const ta_fp_mode mode = flush_subnormals();
+    for (;;) {
+        int64_t t = __atomic_fetch_add(&T->next, 1, __ATOMIC_RELAXED);
+        if (t >= T->ntasks || __atomic_load_n(&T->status, __ATOMIC_RELAXED) != TA_OK) break;
+        TA_PROF_TASK_T(task, sw);
+        record_status(&T->status, T->fn(T->a, T->plan, (const char *)T->tasks + (size_t)t * T->task_size));
+        TA_PROF_TASK(task, sw);
+    }
+    restore_fp_mode(mode);
+    ta_scratch_trim();
+}
+
 int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *tasks, size_t task_size, ta_task_fn fn,
                  const void *plan) {
     int64_t nt = a->num_threads > 0 ? a->num_threads : 1;
     if (nt > ntasks) nt = ntasks;
     if (work < TA_PARALLEL_MIN_WORK) nt = 1;
-    int status = TA_OK;
+    ta_task_team T = {a, tasks, plan, task_size, fn, ntasks, 0, TA_OK};
     TA_PROF_T(region);
-    if (nt <= 1) {
-        const ta_fp_mode mode = flush_subnormals();
-        for (int64_t t = 0; t < ntasks && status == TA_OK; t++) {
-            TA_PROF_TASK_T(task, sw);
-            status = fn(a, plan, (const char *)tasks + (size_t)t * task_size);
-            TA_PROF_TASK(task, sw);
-        }
-        restore_fp_mode(mode);
-        ta_scratch_trim();
-        TA_PROF_REGION(region);
-        TA_PROF_COUNT(calls, 1);
-        TA_PROF_FLUSH();
-        return status;
-    }
-    /* num_threads clause: the caller's OpenMP settings are left untouched */
-#pragma omp parallel num_threads((int)nt)
-    {
-        const ta_fp_mode mode = flush_subnormals();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < ntasks; t++) {
-            if (__atomic_load_n(&status, __ATOMIC_RELAXED) != TA_OK) continue;
-            TA_PROF_TASK_T(task, sw);
-            record_status(&status, fn(a, plan, (const char *)tasks + (size_t)t * task_size));
-            TA_PROF_TASK(task, sw);
-        }
-        restore_fp_mode(mode);
-        ta_scratch_trim();
-    }
+    ta_team((int)(nt > 1 ? nt : 1), run_team_tasks, &T);
     /* thread-ticks the region offered: what the tasks did not use is imbalance and fork/join */
     TA_PROF_REGION(region);
 #ifdef TA_PROFILE
-    ta_prof_local[TA_PH_region] *= (uint64_t)nt;
+    if (nt > 1) ta_prof_local[TA_PH_region] *= (uint64_t)nt;
 #endif
     TA_PROF_COUNT(calls, 1);
     TA_PROF_FLUSH();
-    return status;
+    return T.status;
 }
 
 /* ---------------------------------------------------------------------------------- validation */

@@ -5,6 +5,7 @@
  */
 #if TA_REAL_BITS == 32
 #include "api.c"
+#include "threads.c"
 #endif
 #include "backward.c"
 #include "decode.c"

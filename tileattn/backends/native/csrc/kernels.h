@@ -38,4 +38,11 @@ typedef int (*ta_task_fn)(const ta_args *a, const void *plan, const void *task);
 int ta_run_tasks(const ta_args *a, int64_t ntasks, double work, const void *tasks, size_t task_size, ta_task_fn fn,
                  const void *plan);
 
+/* A team of `nt` threads runs fn(ctx, tid, nt), tid = 0 .. nt-1, the caller being thread 0
+ * (threads.c: OpenMP, or a pool of POSIX threads where the compiler has no OpenMP runtime);
+ * ta_thread_index() is the calling thread's tid (0 outside a team). */
+typedef void (*ta_team_fn)(void *ctx, int tid, int nt);
+void ta_team(int nt, ta_team_fn fn, void *ctx);
+int ta_thread_index(void);
+
 #endif

@@ -24,10 +24,7 @@
 
 /* included by tile.h after ta_rows, which it reads */
 #include "common.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kernels.h"
 
 typedef int (*ta_score_fn)(int64_t rows, int64_t cols, int64_t ld, real *s, const int32_t *b, const int32_t *h,
                            const int32_t *q, const int32_t *kv, const void *const *cap, const int64_t *sizes,
@@ -249,11 +246,7 @@ static void ta_user_score_bwd(const ta_args *a, const ta_rows *R, int64_t p, con
     const int64_t base = p * PW, rows = R->M - base < PW ? R->M - base : PW;
     real **mine = NULL;
     if (grads && u->score_grad) {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num();
-#else
-        const int64_t t = 0;
-#endif
+        const int64_t t = ta_thread_index();
         mine = (real **)u->score_grad + t * u->score_ncap;
     }
     ta_user_status(a, ((ta_score_bwd_fn)u->score_bwd_fn)(rows, n, PW, pre, dS, R->ub + base, R->uh + base,
