@@ -215,6 +215,30 @@ def test_bf16_gradients_accumulate_in_fp32():
         assert err_user <= 1.15 * err_builtin, (name, float(err_user), float(err_builtin))
 
 
+@pytest.mark.parametrize("engine", ["native", "eager"])
+def test_bf16_capture_gradients_accumulate_from_fp32_p_and_ds(engine):
+    """FlexAttention's rule on a bf16 per-head scale's 4-element gradient, over 12 seeds: mean error
+    against fp64 (the scale cast to fp64: an unrounded oracle) at most 1.1x that of same-dtype math.
+    The eager engine summed the capture's gradient in bf16 through autograd (2.2x on one seed)."""
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(2, 4, n, 16, generator=gen).to(torch.bfloat16) for n in (45, 52, 52))
+        scales = (torch.rand(4, generator=gen) + 0.5).to(torch.bfloat16)
+        dout = torch.randn(2, 4, 45, 16, generator=gen).to(torch.bfloat16)
+
+        def grad(fn, dtype, **kwargs):
+            table = scales.to(dtype).requires_grad_()
+            leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, score_mod=examples.head_scales(table), **kwargs)
+            return torch.autograd.grad(out, table, dout.to(dtype))[0].double()
+
+        exact = grad(tileattn.reference, torch.float64, compute_dtype=torch.float64)
+        same = grad(tileattn.reference, torch.bfloat16)
+        got = grad(tileattn.flash_attention, torch.bfloat16, backend=engine)
+        err, base = (got - exact).abs().mean(), (same - exact).abs().mean()
+        assert err <= 1.1 * base, (seed, float(err), float(base))
+
+
 @pytest.mark.parametrize("kind,fn", [
     ("score_mod", lambda score, b, h, q_idx, kv_idx: (score, score * 2)),
     ("score_mod", lambda score, b, h, q_idx, kv_idx: torch.stack([score, score * 2])),

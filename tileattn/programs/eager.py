@@ -3,6 +3,8 @@ applies them this way, and so does every path that runs a function the compiler 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .trace import IndexByTensors, check_return
@@ -19,10 +21,27 @@ def _checked(kind: str, fn):
     return one
 
 
-def score_tile(score_mod, scores, b, h, q, kv):
-    """``score_mod`` on a tile: ``scores`` (R, C), ``b``, ``h``, ``q`` (R,), ``kv`` (C,) -> (R, C)."""
+class Replaced(torch.overrides.TorchFunctionMode):
+    """Every torch call of the function sees ``replace[id(t)]`` where it was given the tensor ``t`` (a
+    captured table read as a wider copy, whose gradient then sums in that precision)."""
+
+    def __init__(self, replace):
+        super().__init__()
+        self.replace = replace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        def swap(x):
+            return self.replace.get(id(x), x) if isinstance(x, torch.Tensor) else x
+        args, kwargs = torch.utils._pytree.tree_map(swap, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def score_tile(score_mod, scores, b, h, q, kv, replace=None):
+    """``score_mod`` on a tile: ``scores`` (R, C), ``b``, ``h``, ``q`` (R,), ``kv`` (C,) -> (R, C);
+    ``replace``: id of a captured tensor -> the tensor the function reads instead (:class:`Replaced`)."""
     inner = torch.vmap(_checked("score", score_mod), in_dims=(0, None, None, None, 0))
-    with IndexByTensors():
+    # IndexByTensors entered last runs first: t[i] reaches Replaced as aten.index(t, [i])
+    with Replaced(replace) if replace else contextlib.nullcontext(), IndexByTensors():
         return torch.vmap(inner, in_dims=(0, 0, 0, 0, None))(scores, b, h, q, kv)
 
 
