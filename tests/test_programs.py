@@ -22,7 +22,7 @@ import torch
 from tileattn.flex.examples import MASKS, padding, score_mods
 from tileattn.programs import blocks, compiler
 from tileattn.programs.eager import mask_tile, score_tile
-from tileattn.programs.trace import Unsupported
+from tileattn.programs.trace import Unsupported, trace
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-11, rtol=1e-11)}
 
@@ -489,7 +489,7 @@ def _scaled_by_length(table):
     return score_mod
 
 
-def test_captures_are_keyed_by_rank_unless_python_reads_their_sizes():
+def test_captures_are_keyed_by_rank_unless_python_reads_their_sizes(monkeypatch):
     """The C reads a capture's sizes at run time: a table that grows each decode step is one program,
     indexed and bounds-checked with its size now. A function that reads the sizes in Python has them
     compiled in, so it is keyed by them."""
@@ -509,6 +509,13 @@ def test_captures_are_keyed_by_rank_unless_python_reads_their_sizes():
     assert compiler.score_program(_scaled_by_length(torch.randn(7))).program is sized[1].program
     with pytest.raises(ValueError, match=r"built for torch.float32 of sizes \(7,\)"):
         sized[1].program.check_captures((torch.randn(3),))
+
+    calls = []
+    monkeypatch.setattr(compiler, "trace", lambda *args, **kwargs: calls.append(1) or trace(*args, **kwargs))
+    for n in range(2, 8):  # refused (t[9] is out of range): once, not once per size
+        with pytest.raises(Unsupported, match="tracing failed"):
+            compiler.score_program(lambda score, b, h, q_idx, kv_idx, t=torch.randn(n): score + t[9] * t[h])
+    assert len(calls) == 1
 
 
 def test_a_container_that_contains_itself_is_refused_with_a_reason():

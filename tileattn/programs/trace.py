@@ -59,7 +59,7 @@ _LIBRARY_PACKAGES = ("torch", "math", "numpy", "operator", "builtins", "functool
 
 class Unsupported(Exception):
     """The function cannot be compiled; ``reason`` says why in one line. ``shaped``: the refusal may
-    depend on the sizes of the tensors it captures (it read them, or tracing failed), so it holds for
+    depend on the sizes of the tensors it captures (it read them in Python), so it holds for
     those sizes only."""
 
     def __init__(self, reason: str, shaped: bool = False):
@@ -443,9 +443,10 @@ def trace(fn, kind: str, score_dtype, found: Structure, runtime_scalars: bool = 
             raise Unsupported("the function branches on or reads a tensor's value in Python (if/bool/item/"
                               "min/max on a traced tensor); write it with torch.where/torch.minimum/...",
                               shaped=watch.shaped) from None
-        # an error of this trace (t[5] of a 3-element capture) may not be one for other sizes
-        raise Unsupported(f"tracing failed: {type(exc).__name__}: {text[:200]}",
-                          shaped=watch.shaped or bool(found.captures)) from None
+        # keyed by the ranks unless the function read sizes: a refused function whose capture grows
+        # each decode step must not be traced again every step (t[5] of a 3-element capture fails the
+        # call anyway; a later, longer capture then runs exactly, on the fallback)
+        raise Unsupported(f"tracing failed: {type(exc).__name__}: {text[:200]}", shaped=watch.shaped) from None
     return _lift(gm, kind, found.captures, scalars, watch)
 
 
