@@ -161,21 +161,33 @@ class ScoreMod(Modifier):
         return {} if self.softcap is not None else {"score_mod": self.user}
 
     def scores(self, s, block):
+        # under autograd (the reference), a captured table that requires grad and is narrower than the
+        # scores (bf16 against fp32/fp64) is read as a copy in their dtype, so its gradient sums per
+        # element products in that precision (autograd would sum them in bf16)
+        wide = {id(t): t.to(s.dtype) for t in self.user.grad_captures
+                if t.dtype.itemsize < s.dtype.itemsize} if torch.is_grad_enabled() else {}
+        return self._scores(s, block, wide)
+
+    def _scores(self, s, block, replace):
         b, h, q, kv = _indices(block, self.heads_q)
         flat = s.expand(len(h) // len(block.rows), len(block.rows), len(kv)).reshape(len(h), len(kv))
-        return score_tile(self.fn, flat, b, h, q, kv).reshape(-1, len(block.rows), len(kv))
+        return score_tile(self.fn, flat, b, h, q, kv, replace).reshape(-1, len(block.rows), len(kv))
 
     def scores_grad(self, ds, s_before, block, tensor_grad):
         """Through the function by autograd; ``tensor_grad``: buffers for the captures that require
-        grad (:attr:`UserFunction.grad_captures`, in order), added to."""
+        grad (:attr:`UserFunction.grad_captures`, in order), added to. The function reads each such
+        capture as a leaf of at least the buffer's dtype (fp32 for bf16 inputs): its gradient is
+        accumulated from the fp32 dS and scores, never rounded to the capture's bf16 on the way."""
         wanted = self.user.grad_captures if tensor_grad is not None else ()
+        leaves = [t.detach().to(torch.promote_types(t.dtype, buffer.dtype)).requires_grad_()
+                  for t, buffer in zip(wanted, tensor_grad or ())]
         with torch.enable_grad():
             s = s_before.detach().requires_grad_()
-            out = self.scores(s, block)
-            grads = torch.autograd.grad(out, (s, *wanted), ds.expand_as(out), allow_unused=True)
+            out = self._scores(s, block, {id(t): leaf for t, leaf in zip(wanted, leaves)})
+            grads = torch.autograd.grad(out, (s, *leaves), ds.expand_as(out), allow_unused=True)
         for buffer, g in zip(tensor_grad or (), grads[1:]):
             if g is not None:
-                buffer += g.to(buffer.dtype)
+                buffer += g
         return grads[0].sum_to_size(s_before.shape) if grads[0] is not None else torch.zeros_like(s_before)
 
 

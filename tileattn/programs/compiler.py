@@ -12,7 +12,8 @@ rebuilt when damaged or replaced, never loaded as it is.
 Later calls with an equal structure (another closure of the same code capturing other tensor values
 or another temperature) neither retrace nor rebuild: they walk the function (tens of microseconds)
 and look the key up. A function whose floats cannot be traced as run-time scalars (it uses them in
-Python) is traced with them in place and keyed by their values.
+Python) is traced with them in place and keyed by their values; one that reads its captures' sizes
+in Python is keyed by them (otherwise a capture's rank is keyed, its sizes are run-time arguments).
 
 Concurrency: the memo is guarded by a lock held only for lookups; a structure is traced and built
 under its own lock, so a thread compiling one function never stalls another thread's calls of a
@@ -72,11 +73,13 @@ def _fresh_locks():
 
 _fresh_locks()
 os.register_at_fork(after_in_child=_fresh_locks)
-_MEMO: "OrderedDict" = OrderedDict()   # memo key -> Program | Unsupported | _NEEDS_VALUES
+_MEMO: "OrderedDict" = OrderedDict()   # memo key -> Program | Unsupported | _NEEDS_VALUES | _NEEDS_SHAPES
 _TOOLCHAINS = {}                       # ($CC, $TILEATTN_NATIVE_ISA) -> (cc, version, isa, flags) | Unsupported
 _LIBRARIES = {}                        # library path -> ctypes.CDLL
 #: memo marker: this structure's floats cannot be run-time scalars; look the values up
 _NEEDS_VALUES = object()
+#: memo marker: this structure reads its captures' sizes in Python; look the sizes up
+_NEEDS_SHAPES = object()
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +89,9 @@ class Program:
     kind: str                       #: "score" or "mask"
     dtype: torch.dtype              #: working precision of the scores (score programs; None for masks)
     generated: codegen.Generated
-    capture_specs: tuple            #: (dtype, shape) of each capture the functions read, in ABI order
+    #: (dtype, shape) of each capture the functions read, in ABI order; the sizes are None (any) unless
+    #: the function read them in Python
+    capture_specs: tuple
     scalars: int                    #: run-time scalars the functions read (0 when traced in)
     path: str                       #: the shared library
     library: ctypes.CDLL
@@ -105,9 +110,12 @@ class Program:
     def check_captures(self, captures):
         """Refuse captures that differ from what the program was built for, or that it cannot read."""
         for i, (t, (dtype, shape)) in enumerate(zip(captures, self.capture_specs)):
-            if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape:
+            if t.device.type != "cpu" or t.dtype != dtype or t.dim() != len(shape) or \
+                    any(n is not None and n != size for n, size in zip(shape, t.shape)):
+                sizes = ["any" if n is None else str(n) for n in shape]
+                built = "(" + ", ".join(sizes) + ("," if len(shape) == 1 else "")
                 raise ValueError(f"tileattn: a tensor the {self.kind}_mod captures is {t.dtype} {tuple(t.shape)} on "
-                                 f"{t.device}; this program was built for {dtype} {shape} on cpu")
+                                 f"{t.device}; this program was built for {dtype} of sizes {built}) on cpu")
             if t.numel() == 0:  # every read of it is out of range (element 0 does not exist either)
                 raise IndexError(f"tileattn: the {self.kind}_mod indexes captured tensor #{i} of shape "
                                  f"{tuple(t.shape)}, which is empty: index 0 is out of bounds")
@@ -193,9 +201,10 @@ class Bound:
         """``ds`` becomes dL/d(raw score); ``grads[i]`` (a tensor of the program's dtype shaped like
         capture ``i``, or None) receives dL/d(capture ``i``) added to what it holds."""
         program = self.program
-        for g, (_, shape) in zip(grads, program.capture_specs):
-            if g is not None and (g.dtype != program.dtype or tuple(g.shape) != shape or not g.is_contiguous()):
-                raise ValueError(f"tileattn: a gradient buffer must be contiguous {program.dtype} of shape {shape}")
+        for g, t in zip(grads, self.captures):
+            if g is not None and (g.dtype != program.dtype or g.shape != t.shape or not g.is_contiguous()):
+                raise ValueError(f"tileattn: a gradient buffer must be contiguous {program.dtype} of shape "
+                                 f"{tuple(t.shape)}")
         buffers = (_P * max(1, len(grads)))(*[None if g is None else g.data_ptr() for g in grads])
         self._call("ta_user_score_bwd", [s, ds], b, h, q, kv, (buffers,))
 
@@ -309,33 +318,45 @@ def _memoised(key, make):
 def _program(kind: str, fn, dtype, found: Structure = None) -> Bound:
     found = structure(fn) if found is None else found
     key = (kind, dtype, os.environ.get("CC"), os.environ.get(toolchain.ISA_ENV), found.key)
-    program = _memoised(key, lambda: _make(kind, fn, dtype, found, runtime_scalars=True))
-    scalars = found.scalars
-    if program is _NEEDS_VALUES:
-        program = _memoised(key + (found.valued_key,), lambda: _make(kind, fn, dtype, found, False))
-        scalars = ()
+    runtime, by_shape = True, False
+    while True:  # each marker is answered once: floats traced in, then keyed by the captures' sizes
+        program = _memoised(key, lambda r=runtime, s=by_shape: _make(kind, fn, dtype, found, r, s))
+        if program is _NEEDS_VALUES:
+            key, runtime = key + (found.valued_key,), False
+        elif program is _NEEDS_SHAPES:
+            key, by_shape = key + (found.shapes,), True
+        else:
+            break
+    scalars = found.scalars if runtime else ()
     if isinstance(program, Unsupported):
         raise program
     captures = tuple(found.captures[p] for p in program.generated.captures)
     return Bound(program, captures, scalars if program.scalars else ())
 
 
-def _make(kind, fn, dtype, found: Structure, runtime_scalars: bool):
+def _make(kind, fn, dtype, found: Structure, runtime_scalars: bool, by_shape: bool = False):
+    """The Program of ``found`` (keyed by its captures' ranks; with ``by_shape``, by their sizes), or a
+    memo marker: retrace with the floats in place, or keyed by the sizes the function read."""
     _toolchain()  # no tracing on a machine that cannot build
     start = time.perf_counter()
     try:
         traced = trace(fn, kind, dtype, found, runtime_scalars=runtime_scalars and bool(found.scalars))
         STATS["traces"] += 1
+        if traced.shaped and not by_shape:
+            return _NEEDS_SHAPES
         used = [found.captures[p] for p in traced.captures]
         generated = codegen.generate(traced, kind, [(t.dtype, t.dim()) for t in used])
-    except Unsupported:
+    except Unsupported as exc:
         if runtime_scalars and found.scalars:
             return _NEEDS_VALUES  # try again with the floats traced in
+        if exc.shaped and not by_shape:
+            return _NEEDS_SHAPES  # a refusal for these sizes only
         raise
     traced_at = time.perf_counter()
     path, seconds = _library(generated.source)
+    shapes = [tuple(t.shape) if by_shape else (None,) * t.dim() for t in used]
     return Program(kind=kind, dtype=dtype, generated=generated,
-                   capture_specs=tuple((t.dtype, tuple(t.shape)) for t in used), scalars=traced.scalars,
+                   capture_specs=tuple((t.dtype, shape) for t, shape in zip(used, shapes)), scalars=traced.scalars,
                    path=str(path), library=_load(path, dtype), trace_seconds=traced_at - start, build_seconds=seconds)
 
 
