@@ -55,13 +55,14 @@ def test_the_worked_example_lists_at_most_six_files_and_the_docs_name_them():
 
 def test_a_new_number_reaches_the_native_record_by_name():
     spec = _toy_spec(0.5, causal=True, softcap=3.0)
-    call = NativeBackend._call_arguments(spec)
-    assert call["toy"] == 0.5 and call["softcap"] == 3.0 and call["right"] == 0
+    args, geometry, tiles = NativeBackend._call_arguments(spec)
+    numbers = args.numbers()
+    assert numbers["toy"] == 0.5 and numbers["softcap"] == 3.0 and numbers["right"] == 0
     # A header declaring the field: the record's filler takes it by name, nothing else changes.
     abi = "core:q:p,core:scale:d,core:softcap:d,core:toy:d,core:right:i,"
     record = Record(abi)
     buffer = bytearray(record.size)
-    record.fill["core"](buffer, **{name: call[name] for name in record.names("core") if name != "q"})
+    record.fill["core"](buffer, **{name: numbers[name] for name in record.names("core") if name != "q"})
     assert struct.unpack_from("<d", buffer, record.offset["toy"]) == (0.5,)
     # The header as it is does not declare it: refused by name, before any compute.
     ok, why = kernels.available()
@@ -70,7 +71,7 @@ def test_a_new_number_reaches_the_native_record_by_name():
     q, k, v = spec.q_c, spec.k_c, spec.v_c
     out, lse = torch.empty_like(q), torch.empty(spec.lse_shape())
     with pytest.raises(TypeError, match="toy"):
-        kernels.forward(q, k, v, out, lse, validate=False, **call)
+        kernels.forward(q, k, v, out, lse, args, geometry, tiles)
 
 
 def test_a_new_number_reaches_the_triton_groups_by_name(monkeypatch):
