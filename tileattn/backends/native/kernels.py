@@ -386,16 +386,10 @@ def quantised(k, args) -> bool:
 
 
 def pack(lib, buffer, q, k, v, out, lse, args, geometry=PADDED, tiles=DEFAULT_TILES, core=None) -> tuple:
-    """Fill the record in ``buffer`` for a call: the core section (sizes and strides of q, k, v, out
-    and lse, the geometry's index tensors, every number of ``args`` by the record field of its name,
-    the tiles), and the section of each per-call field ``args`` binds, named in its metadata
-    (:func:`tileattn.core.kernel_args.per_call_field`): a quantised cache's (scales checked here:
-    their layout follows the cache's), or a tensor's own (its pointer the core field named after the
-    section, its strides ``<section>_st`` along (batch, head, query, key), its dtype
-    ``<section>_dtype`` where the section has one). ``core``: further core fields by name (pointers;
-    the backward's replace forward ones). A
-    padded call without per-call tensors (a decode step) fills the core section alone. Returns the
-    full (B, Hq, Sq, Sk) shape and whether the call is varlen."""
+    """Fill the record in ``buffer`` for a call (the module docstring): the core section, and the section
+    of each per-call field ``args`` binds (:func:`_fill_sections`). ``core``: further core fields by
+    name (pointers; the backward's replace forward ones). Returns the full (B, Hq, Sq, Sk) shape and
+    whether the call is varlen."""
     cu_seqlens_q, cu_seqlens_k, seqused_k, block_table = geometry
     varlen, paged = cu_seqlens_q is not None, block_table is not None
     qst, kst, vst, ost, lst = q.stride(), k.stride(), v.stride(), out.stride(), lse.stride()
@@ -439,9 +433,12 @@ def pack(lib, buffer, q, k, v, out, lse, args, geometry=PADDED, tiles=DEFAULT_TI
 
 
 def _fill_sections(lib, buffer, core, q, k, v, args, geometry) -> int:
-    """Fill the sections of the per-call fields ``args`` binds (a quantised cache's, each tensor's own;
-    a number of "core" is one of ``args.numbers()``, the "user" record is made by the caller), their
-    core pointers into ``core``. Returns the option bits they set."""
+    """Fill the sections of the per-call fields ``args`` binds, named in the fields' metadata
+    (:func:`tileattn.core.kernel_args.per_call_field`), their core pointers into ``core``: a quantised
+    cache's (scales checked here: their layout follows the cache's), or a tensor's own (its pointer the
+    core field named after the section, its strides ``<section>_st`` along (batch, head, query, key),
+    its dtype ``<section>_dtype`` where the section has one). A "core" number is one of
+    ``args.numbers()``; the "user" record is made by the caller. Returns the option bits they set."""
     section_of = kernel_args.sections(type(args))
     sections = {section_of[name]: name for name in args.per_call}
     options = 0
@@ -452,6 +449,9 @@ def _fill_sections(lib, buffer, core, q, k, v, args, geometry) -> int:
         t = getattr(args, name)
         if section in _NOT_TENSOR_SECTIONS or t is None:
             continue
+        if section not in lib.fill:
+            raise TypeError(f"tileattn native: the kernel argument {name!r} fills the section {section!r}, which the "
+                            "kernels' record does not have (csrc/ta.h)")
         core[section] = t.data_ptr()
         values = {section + "_st": args.broadcast_strides(name)}  # an i3 field takes (batch, head, query)
         if section + "_dtype" in lib.field_offset:
