@@ -77,8 +77,8 @@ import torch
 from ...core.engine import Gradients
 from ...core.kernel_args import PER_CALL_FIELDS, KernelArgs
 from . import kernels
-from .kernels import (_BF16, _DTYPES, _F16, _F32, _F64, _KV_FORMATS, _KV_QUANT, CancelFlag, Geometry, Tiles,
-                      _check_memory, _fail, _width, accumulation_dtype, quantised)
+from .kernels import (_BF16, _DTYPES, _F16, _F32, _F64, _KV_FORMATS, _KV_QUANT, _QUANT_FIELDS, CancelFlag, Geometry,
+                      Tiles, _check_memory, _fail, _width, accumulation_dtype)
 
 _ARGUMENTS = tuple(f.name for f in fields(KernelArgs) if f.name != "per_call")
 
@@ -88,7 +88,7 @@ def forward(q, k, v, out, lse, **keywords) -> None:
     args, geometry, tiles, cancel = _split(keywords)
     if tiles.options & _KV_QUANT:
         _fail("options", tiles.options, f"flags without {_KV_QUANT} (set by the k_scale/... arguments)")
-    _validate(q, k, v, out, lse, args, geometry, cancel, False, _kv_format(q, k) if quantised(k, args) else None)
+    _validate(q, k, v, out, lse, args, geometry, cancel, False, _kv_format(q, k) if _quantised(k, args) else None)
     kernels.forward(q, k, v, out, lse, args, geometry, tiles, cancel=cancel)
 
 
@@ -116,6 +116,11 @@ def _split(keywords: dict):
             Geometry(*(keywords.get(name) for name in Geometry._fields)),
             Tiles(*(keywords.get(name, default) for name, default in Tiles._field_defaults.items())),
             keywords.get("cancel"))
+
+
+def _quantised(k, args) -> bool:
+    """Whether a call reads a quantised or scaled cache (the "quant" section: its format and scales)."""
+    return getattr(k, "dtype", None) in _KV_FORMATS or any(getattr(args, name) is not None for name in _QUANT_FIELDS)
 
 
 def _kv_format(q, k):

@@ -373,11 +373,6 @@ def accumulation_dtype(dtype):
     return _F64 if dtype is _F64 else _F32
 
 
-def quantised(k, args) -> bool:
-    """Whether a call reads a quantised or scaled cache: the "quant" section (its format and scales)."""
-    return getattr(k, "dtype", None) in _KV_FORMATS or any(getattr(args, name) is not None for name in _QUANT_FIELDS)
-
-
 # --------------------------------------------------------------------------------------- the record
 # One function fills the record of a call, from the tensors and the kernel arguments as the engine
 # holds them: forward and backward, and the prepared decode call's template (prepared.py). Shapes and
