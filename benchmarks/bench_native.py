@@ -27,7 +27,7 @@ Sections:
 
 Timing is interleaved: after a warm-up call of each provider, every repetition calls each provider
 once in turn, so a noisy neighbour slows all providers of a repetition alike; the ratio of medians is
-what to read. ``native`` is :func:`tileattn.backends.native.kernels.forward` / ``backward`` with the
+what to read. ``native`` is :func:`tileattn.backends.native.checked.forward` / ``backward`` with the
 work a backend adds around them (allocating outputs, Delta = rowsum(dO * O)); ``sdpa`` is
 ``torch.nn.functional.scaled_dot_product_attention`` (forward+backward through autograd; decode with
 ``enable_gqa=True``). GFLOP/s count 4 * B * H * pairs * D per forward (pairs = visible (query, key)
@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from tileattn.backends.native import build as native_build
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 from tileattn.programs import toolchain
 from tileattn.tools.measure import peak_memory
 
@@ -70,7 +70,7 @@ FIELDS = ("section", "isa", "case", "dtype", "batch", "heads_q", "heads_kv", "se
 def _native_fwd(q, k, v, causal):
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
-    nk.forward(q, k, v, out, lse, scale=q.shape[-1] ** -0.5, right=0 if causal else -1)
+    checked.forward(q, k, v, out, lse, scale=q.shape[-1] ** -0.5, right=0 if causal else -1)
     return out, lse
 
 
@@ -83,8 +83,8 @@ def native_provider(q, k, v, causal, mode):
         out, lse = _native_fwd(q, k, v, causal)
         delta = (dout.float() * out.float()).sum(-1)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        nk.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
-                    right=0 if causal else -1)
+        checked.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
+                         right=0 if causal else -1)
         return dq, dk, dv
 
     return run

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from tileattn.backends.native import build, kernels as nk, prebuilt
+from tileattn.core.kernel_args import KernelArgs
 from tileattn.programs import toolchain
 from tileattn.tools.measure import time_interleaved
 
@@ -72,8 +73,8 @@ def run_case(libs: dict, s: int, d: int, dtype: str, threads: int, reps: int, cl
         for source, lib in pair.items():
             def call(lib=lib):
                 nk._state["lib"] = lib
-                nk.forward(q, k, v, out, lse, scale=d ** -0.5, num_threads=threads, options=options,
-                           validate=False)
+                nk.forward(q, k, v, out, lse, KernelArgs(scale=d ** -0.5),
+                           tiles=nk.Tiles(num_threads=threads, options=options))
             contenders[(isa, source)] = call
     times = time_interleaved(contenders, reps, warmup=1, clock=clock)
     rows = []

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from tileattn.backends.native import build as native_build
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 from tileattn.backends.native.schedule import backward_tasks, forward_tasks, simulate
 
 SECTIONS = ("machine", "roofline", "profile", "headdim", "targets", "isa", "threads", "schedule")
@@ -107,21 +107,22 @@ def native_fns(case, threads):
     lse = torch.empty(q.shape[:3])
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    nk.forward(q, k, v, out, lse, **kw)
+    checked.forward(q, k, v, out, lse, **kw)
     delta = (dout.float() * out.float()).sum(-1)
 
     def fwd():
-        nk.forward(q, k, v, out, lse, **kw)
+        checked.forward(q, k, v, out, lse, **kw)
 
     def bwd():
-        nk.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, **kw)
+        checked.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, **kw)
 
     def both():
         o = torch.empty_like(out)
         ls = torch.empty_like(lse)
-        nk.forward(q, k, v, o, ls, **kw)
+        checked.forward(q, k, v, o, ls, **kw)
         dl = (dout.float() * o.float()).sum(-1)
-        nk.backward(q, k, v, o, dout, ls, dl, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), **kw)
+        checked.backward(q, k, v, o, dout, ls, dl, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                         **kw)
 
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
 

@@ -7,7 +7,7 @@ and ragged batches (decode rows and a prefill chunk over one paged pool), at the
 
 Sections (B=1, Hq 8 / Hkv 2, D 64 unless changed):
 
-* ``decode``: bf16 decode, ``kernels.forward`` (out and lse preallocated) vs PyTorch SDPA-bf16 with
+* ``decode``: bf16 decode, ``checked.forward`` (out and lse preallocated) vs PyTorch SDPA-bf16 with
   ``enable_gqa=True``, and with ``--baseline-rev REV`` the same kernel interface built from another
   revision of ``tileattn/backends/native`` (``git archive``; e.g. ``main``).
 * ``quant``: int8 (per-channel scale + offset: Ascend antiquant mode 0; per-token-head scale) and fp8
@@ -21,7 +21,7 @@ Sections (B=1, Hq 8 / Hkv 2, D 64 unless changed):
   cache. ``--plot`` draws it (``<out>_bandwidth.png``): fraction of the bandwidth against cached keys,
   one line per format and cache mode.
 * ``ragged``: 16 decode rows with cached lengths spread over 100..8k plus one 512-token prefill chunk
-  on a 4k prefix, one paged pool (pages of 16): one ``kernels.forward`` call vs SDPA on padded
+  on a 4k prefix, one paged pool (pages of 16): one ``checked.forward`` call vs SDPA on padded
   caches, one call per sequence and one padded call for all (the faster is the reference).
 
 Cache modes: ``hot`` reads the same K/V every repetition (served from the last-level cache once it
@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 from tileattn.tools.measure import available_memory, cache_size, cpu_model, memory_bandwidth, usable_cores
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +94,8 @@ def parse_args(argv=None):
 
 
 def load_baseline(rev: str):
-    """kernels.py of another revision, imported as its own package (its library is built into the
-    same cache under its own key)."""
+    """The checked entry of another revision's native kernels (checked.py; kernels.py before it had
+    one), imported as its own package (its library is built into the same cache under its own key)."""
     folder = Path(tempfile.mkdtemp(prefix="tileattn-baseline-"))
     pkg = folder / "tileattn_baseline_native"
     pkg.mkdir()
@@ -106,7 +106,8 @@ def load_baseline(rev: str):
         item.rename(pkg / item.name)
     (pkg / "__init__.py").write_text("")
     sys.path.insert(0, str(folder))
-    return importlib.import_module("tileattn_baseline_native.kernels")
+    entry = "checked" if (pkg / "checked.py").is_file() else "kernels"
+    return importlib.import_module(f"tileattn_baseline_native.{entry}")
 
 
 def loadavg() -> str:
@@ -199,7 +200,7 @@ def decode_section(args, mode, budget, bandwidth, baseline):
                                         for _ in range(2)), copies_for(nbytes, mode, budget))
         out, lse = torch.empty(1, hq, 1, d, dtype=torch.bfloat16), torch.empty(1, hq, 1)
 
-        def ours(kv, n, mod=nk):
+        def ours(kv, n, mod=checked):
             mod.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n)
 
         calls = {"tileattn": (ours, copies),
@@ -237,7 +238,7 @@ def quant_section(args, mode, budget, bandwidth):
         return tuple(torch.randn(1, hkv, keys, d, generator=g).to(torch.bfloat16) for _ in range(2))
 
     bf16 = Copies(bf16_set, copies_for(4 * hkv * keys * d, mode, budget))
-    calls["bf16"] = (lambda kv, n: nk.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n), bf16)
+    calls["bf16"] = (lambda kv, n: checked.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n), bf16)
     kv_bytes["bf16"] = 4 * hkv * keys * d
     extra["bf16"] = dict(bytes_per_token=4 * hkv * d)
     for name, (fmt, ks_shape, offset, vs_shape) in QUANT.items():
@@ -253,13 +254,13 @@ def quant_section(args, mode, budget, bandwidth):
             return k, v, sc
 
         copies = Copies(make, copies_for(2 * hkv * keys * d, mode, budget))
-        calls[name] = (lambda kv, n: nk.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n, **kv[2]),
-                       copies)
+        calls[name] = (lambda kv, n: checked.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n,
+                                                     **kv[2]), copies)
         k, v, sc = copies.sets[0]
         scale_bytes = sum(t.numel() * 4 for t in sc.values())
         kv_bytes[name] = 2 * hkv * keys * d + scale_bytes
         extra[name] = dict(bytes_per_token=round(kv_bytes[name] / keys, 2))
-        nk.forward(q, k, v, out, lse, scale=d ** -0.5, **sc)
+        checked.forward(q, k, v, out, lse, scale=d ** -0.5, **sc)
 
         def deq(x, s, o):
             y = x.double() + (o.double() if o is not None else 0)
@@ -303,8 +304,8 @@ def bandwidth_section(args, mode, budget, bandwidth):
                 (0 if fmt is None else 4 * hkv * (d // group if group else 1))
             nbytes = int(2 * b * keys * per_key)  # K and V with their scales
             copies = Copies(make, copies_for(nbytes, mode, budget))
-            calls[name] = (lambda kv, n: nk.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n,
-                                                    **kv[2]), copies)
+            calls[name] = (lambda kv, n: checked.forward(q, kv[0], kv[1], out, lse, scale=d ** -0.5, num_threads=n,
+                                                         **kv[2]), copies)
             kv_bytes[name] = nbytes
             extra[name] = dict(bytes_per_token=round(nbytes / (b * keys), 2))
         wall, cpu = time_contenders(calls, args.reps, args.warmup, args.threads)
@@ -376,8 +377,8 @@ def ragged_section(args, mode, budget, bandwidth):
     qs = [q[cu[s]:cu[s + 1]].transpose(0, 1)[None] for s in range(b)]
 
     def ours(data, n):
-        nk.forward(q, data[0], data[1], out, lse, scale=d ** -0.5, cu_seqlens_q=cu, block_table=table, seqused_k=used,
-                   right=0, num_threads=n)
+        checked.forward(q, data[0], data[1], out, lse, scale=d ** -0.5, cu_seqlens_q=cu, block_table=table,
+                        seqused_k=used, right=0, num_threads=n)
 
     def sdpa_loop(data, n):
         for s in range(b):

@@ -18,6 +18,7 @@ from tileattn.core.modifiers import Band
 from tileattn.core.score_math import diagonal_offset
 
 nk = pytest.importorskip("tileattn.backends.native.kernels")
+checked = pytest.importorskip("tileattn.backends.native.checked")
 if not nk.available()[0]:
     pytest.skip(nk.available()[1], allow_module_level=True)
 
@@ -34,9 +35,9 @@ def _kernel_visibility(sq, sk, band, align, block_m, block_n, options):
     v = torch.eye(sk).reshape(1, 1, sk, sk)
     out, lse = torch.empty(1, 1, sq, sk), torch.empty(1, 1, sq)
     args = band.lower() if band is not None else {"left": -1, "right": -1}
-    nk.forward(q, k, v, out, lse, scale=1.0, bottom_right=align == "bottom_right",
-               shift=align if isinstance(align, int) else 0, block_m=block_m, block_n=block_n, options=options,
-               **args)
+    checked.forward(q, k, v, out, lse, scale=1.0, bottom_right=align == "bottom_right",
+                    shift=align if isinstance(align, int) else 0, block_m=block_m, block_n=block_n, options=options,
+                    **args)
     return out[0, 0] > 0, lse[0, 0]
 
 

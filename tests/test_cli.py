@@ -313,9 +313,9 @@ def test_tune_native_checks_times_and_stores_a_winner_the_native_engine_uses(tmp
         from tileattn.backends.native import NativeBackend
         from tileattn.core.spec import build_spec
         x = torch.empty(1, 2, 256, 32)
-        tuned = NativeBackend._call_arguments(build_spec(x, x, x))
-        other = NativeBackend._call_arguments(build_spec(x, x, x, causal=True))
-        print(json.dumps([tuned["block_m"], tuned["block_n"], other["block_m"], other["block_n"]]))
+        tuned = NativeBackend._call_arguments(build_spec(x, x, x))[2]
+        other = NativeBackend._call_arguments(build_spec(x, x, x, causal=True))[2]
+        print(json.dumps([tuned.block_m, tuned.block_n, other.block_m, other.block_n]))
     """, cache_dir=tmp_path)
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout) == [doc["winner"]["block_m"], doc["winner"]["block_n"], 0, 0]

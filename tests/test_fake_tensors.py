@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 import tileattn
-from tileattn.backends.native import kernels
+from tileattn.backends.native import checked
 from tileattn.core import ops
 from tileattn.core.dispatch import get_backend
 from tileattn.core.spec import build_spec
@@ -119,10 +119,10 @@ for engine in ("native", "cpu"):
         return tileattn.flash_attention(q, k, v, mask=mask, backend=engine)
 
 
-@case("hollow bias kernels.forward")
+@case("hollow bias checked.forward")
 def _():
     out, lse = torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8)
-    return kernels.forward(q, k, v, out, lse, scale=0.25, bias=Hollow(torch.zeros(1, 1, 8, 8)))
+    return checked.forward(q, k, v, out, lse, scale=0.25, bias=Hollow(torch.zeros(1, 1, 8, 8)))
 
 
 @case("fake q to an engine")
@@ -162,7 +162,7 @@ _EXPECTED = {
     "hollow q k v": "same",
     "hollow mask native": "TypeError: tileattn: argument 'mask': got a Hollow without storage",
     "hollow mask cpu": "TypeError: tileattn: argument 'mask': got a Hollow without storage",
-    "hollow bias kernels.forward": "TypeError: tileattn native: argument 'bias': got a Hollow without storage",
+    "hollow bias checked.forward": "TypeError: tileattn native: argument 'bias': got a Hollow without storage",
     "fake q to an engine": "TypeError: tileattn: argument 'q': got a FakeTensor",
     "vmap": "TypeError: tileattn: argument 'q': got a tensor without storage",
     "hollow q k v with a score_mod": "TypeError: tileattn: argument 'q': got a Hollow without storage",

@@ -157,11 +157,11 @@ def test_first_uses_in_parallel_processes_build_once(tmp_path):
 
 
 NO_COMPILER = """
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 import torch
 print(nk.available())
 try:
-    nk.forward(*[torch.zeros(1, 1, 1, 8)] * 4, torch.zeros(1, 1, 1), scale=1.0)
+    checked.forward(*[torch.zeros(1, 1, 1, 8)] * 4, torch.zeros(1, 1, 1), scale=1.0)
 except nk.Unavailable as exc:
     print("raised:", exc)
 """
@@ -197,16 +197,16 @@ def test_a_failing_compile_reports_the_compiler_error(tmp_path, monkeypatch):
 
 PROFILE = """
 import torch
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 q, k, v = (torch.randn(1, 4, 300, 64) for _ in range(3))
 out, lse = torch.empty_like(q), torch.empty(1, 4, 300)
 for _ in range(5):
-    nk.forward(q, k, v, out, lse, scale=0.125, right=0, num_threads=2)
+    checked.forward(q, k, v, out, lse, scale=0.125, right=0, num_threads=2)
 fwd = nk.profile()
 delta = (out * out).sum(-1)
 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 for _ in range(5):
-    nk.backward(q, k, v, out, out, lse, delta, dq, dk, dv, scale=0.125, right=0, num_threads=2)
+    checked.backward(q, k, v, out, out, lse, delta, dq, dk, dv, scale=0.125, right=0, num_threads=2)
 print(json.dumps([nk.build_info()["flags"], fwd, nk.profile(), nk.profile()]))
 """
 

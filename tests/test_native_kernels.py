@@ -25,6 +25,7 @@ from tileattn.core.testing import check_against_reference
 from conftest import assert_nonfinite_like_reference, sigint_as_usual
 
 nk = pytest.importorskip("tileattn.backends.native.kernels")
+checked = pytest.importorskip("tileattn.backends.native.checked")
 if not nk.available()[0]:
     pytest.skip(nk.available()[1], allow_module_level=True)
 
@@ -64,7 +65,7 @@ class _Native(torch.autograd.Function):
         lse = torch.empty((qc.shape[1], qc.shape[0]) if layout == "TND" else qc.shape[:3], dtype=acc)
         full = None if layout == "TND" else (qc.shape[0], qc.shape[1], qc.shape[2], kc.shape[2])
         call = dict(kw, mask=_bcast4(kw.get("mask"), full), bias=_bcast4(bias, full))
-        nk.forward(qc, kc, vc, oc, lse, **call)
+        checked.forward(qc, kc, vc, oc, lse, **call)
         ctx.save_for_backward(q, k, v, out, lse, bias)
         ctx.cfg, ctx.call = cfg, call
         ctx.mark_non_differentiable(lse)
@@ -83,8 +84,8 @@ class _Native(torch.autograd.Function):
         dbias = None
         if bias is not None and ctx.needs_input_grad[3]:
             dbias = torch.zeros((1,) * (4 - bias.dim()) + tuple(bias.shape), dtype=lse.dtype)
-        nk.backward(qc, kc, vc, oc, doc, lse, delta, canonical(dq, layout, hq), canonical(dk, layout, hkv),
-                    canonical(dv, layout, hkv), dbias=dbias, **ctx.call)
+        checked.backward(qc, kc, vc, oc, doc, lse, delta, canonical(dq, layout, hq), canonical(dk, layout, hkv),
+                         canonical(dv, layout, hkv), dbias=dbias, **ctx.call)
         return dq, dk, dv, None if dbias is None else dbias.reshape(bias.shape).to(bias.dtype), None
 
 
@@ -139,7 +140,7 @@ def raw_forward(q, k, v, **kw):
     out = q.new_empty(q.shape[:3] + (v.shape[-1],))
     lse = torch.empty(q.shape[:3], dtype=acc)
     kw.setdefault("scale", 1 / math.sqrt(q.shape[-1]))
-    nk.forward(q, k, v, out, lse, **kw)
+    checked.forward(q, k, v, out, lse, **kw)
     return out, lse
 
 
@@ -321,7 +322,7 @@ def test_paged_kv_with_varlen_queries():
     cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
     out = torch.empty(2, 4, 32)
     lse = torch.empty(4, 2)
-    nk.forward(qv, kp, vp, out, lse, scale=32 ** -0.5, cu_seqlens_q=cu_q, block_table=table, seqused_k=used)
+    checked.forward(qv, kp, vp, out, lse, scale=32 ** -0.5, cu_seqlens_q=cu_q, block_table=table, seqused_k=used)
     ref, ref_lse = per_item_reference(q, k, v, used, causal=False)
     assert (out.double() - ref[:, :, 0]).abs().max() < 1e-5
     assert (lse.double() - ref_lse[:, :, 0].T).abs().max() < 1e-5
@@ -549,7 +550,7 @@ def test_bad_input_raises_before_compute(change, exc, words):
     args = dict(q=q, k=k, v=v, out=out, lse=lse, kw={})
     change(args)
     with pytest.raises(exc, match=words):
-        nk.forward(args["q"], args["k"], args["v"], args["out"], args["lse"], scale=1.0, **args["kw"])
+        checked.forward(args["q"], args["k"], args["v"], args["out"], args["lse"], scale=1.0, **args["kw"])
     assert torch.equal(out, torch.zeros(1, 2, 4, 8))
 
 
@@ -559,7 +560,7 @@ def test_bad_index_data_is_caught_in_c_before_compute():
     bad = cu_k.clone()
     bad[1] = 12  # [0, 12, 11]
     with pytest.raises(ValueError, match="cu_seqlens_k decreases"):
-        nk.forward(q, k, v, out, lse, scale=1.0, cu_seqlens_q=cu_q, cu_seqlens_k=bad)
+        checked.forward(q, k, v, out, lse, scale=1.0, cu_seqlens_q=cu_q, cu_seqlens_k=bad)
     q, k, v = qkv(b=1, hq=2, sq=1, sk=32, d=16)
     kp, vp, table = paginate(k, v, 16)
     table[0, 1] = 1000
@@ -607,7 +608,7 @@ def test_cancel_flag_stops_a_long_call_from_another_thread():
 def test_sigint_interrupts_a_long_call():
     script = textwrap.dedent("""
         import os, signal, threading, time, torch
-        from tileattn.backends.native import kernels as nk
+        from tileattn.backends.native import checked, kernels as nk
         q = torch.randn(1, 16, 4096, 64); out = torch.empty_like(q); lse = torch.empty(1, 16, 4096)
         nk.load()
         flag = nk.CancelFlag()
@@ -615,7 +616,7 @@ def test_sigint_interrupts_a_long_call():
         start = time.perf_counter()
         try:
             with flag.on_sigint():
-                nk.forward(q, q, q, out, lse, scale=0.125, cancel=flag, num_threads=1)
+                checked.forward(q, q, q, out, lse, scale=0.125, cancel=flag, num_threads=1)
         except KeyboardInterrupt:
             print("interrupted", flag.by_sigint, round(time.perf_counter() - start, 1))
     """)
@@ -746,8 +747,8 @@ def test_amx_modifiers_and_schedules():
 def test_empty_problems(b, sq, sk):
     q, k, v = torch.randn(b, 4, sq, 16), torch.randn(b, 2, sk, 16), torch.randn(b, 2, sk, 16)
     out, lse = torch.full((b, 4, sq, 16), 7.0), torch.empty(b, 4, sq)
-    nk.forward(q, k, v, out, lse, scale=0.25)
+    checked.forward(q, k, v, out, lse, scale=0.25)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     dq, dk, dv = torch.full_like(q, 5.0), torch.full_like(k, 5.0), torch.full_like(v, 5.0)
-    nk.backward(q, k, v, out, torch.randn_like(out), lse, torch.zeros_like(lse), dq, dk, dv, scale=0.25)
+    checked.backward(q, k, v, out, torch.randn_like(out), lse, torch.zeros_like(lse), dq, dk, dv, scale=0.25)
     assert not dq.any() and not dk.any() and not dv.any()

@@ -17,6 +17,7 @@ from tileattn.core.kvquant import pack_int4, unpack_int4
 from tileattn.core.testing import judge
 
 nk = pytest.importorskip("tileattn.backends.native.kernels")
+checked = pytest.importorskip("tileattn.backends.native.checked")
 if not nk.available()[0]:
     pytest.skip(nk.available()[1], allow_module_level=True)
 
@@ -104,7 +105,7 @@ def raw(q, k, v, out_dtype=None, **kw):
     out = torch.empty(q.shape[:3] + (width(v),), dtype=out_dtype or q.dtype)
     lse = torch.empty(q.shape[:3])
     kw.setdefault("scale", q.shape[-1] ** -0.5)
-    nk.forward(q, k, v, out, lse, **kw)
+    checked.forward(q, k, v, out, lse, **kw)
     return out, lse
 
 
@@ -347,8 +348,8 @@ def ragged_case(lengths_q, used, fmt=None, dtype=torch.float32, hq=8, hkv=2, d=6
 def ragged_forward(q, cu, kp, vp, table, used, **kw):
     out = torch.empty(q.shape[0], q.shape[1], vp.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[1], q.shape[0])
-    nk.forward(q, kp, vp, out, lse, scale=q.shape[-1] ** -0.5, cu_seqlens_q=cu, block_table=table,
-               seqused_k=torch.tensor(used, dtype=torch.int32), right=0, **kw)
+    checked.forward(q, kp, vp, out, lse, scale=q.shape[-1] ** -0.5, cu_seqlens_q=cu, block_table=table,
+                    seqused_k=torch.tensor(used, dtype=torch.int32), right=0, **kw)
     return out, lse
 
 
@@ -413,7 +414,8 @@ def test_ragged_batch_over_packed_quantised_keys():
     vs = torch.rand(3, 1, 2, 1, generator=g) * 0.03 + 0.01
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(x).cumsum(0).tolist(), dtype=torch.int32) for x in (lq, lk))
     out, lse = torch.empty(sum(lq), 8, 64), torch.empty(8, sum(lq))
-    nk.forward(q, k, v, out, lse, scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, right=0, k_scale=ks, v_scale=vs)
+    checked.forward(q, k, v, out, lse, scale=0.125, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, right=0, k_scale=ks,
+                    v_scale=vs)
     for b in range(3):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         kd = (k[keys].double() * ks[keys].double()).transpose(0, 1)[None]
@@ -447,4 +449,4 @@ def test_bad_quantised_arguments_fail_before_compute():
         raw(q, kq.to(torch.float16), vq.to(torch.float16), **ok)
     lse = torch.empty(2, 8, 1)
     with pytest.raises(TypeError, match="'k'"):  # the backward pass reads no quantised cache
-        nk.backward(q, kq, vq, None, q, lse, lse, q.clone(), kq.float(), vq.float(), scale=0.1)
+        checked.backward(q, kq, vq, None, q, lse, lse, q.clone(), kq.float(), vq.float(), scale=0.1)

@@ -146,7 +146,8 @@ def test_native_entries_follow_the_kernels_rules_and_reach_the_kernels(cache, co
 
     def spy(real):
         def call(*args, **kwargs):
-            calls.append((kwargs["block_m"], kwargs["block_n"]))
+            tiles = next(a for a in args if isinstance(a, kernels.Tiles))
+            calls.append((tiles.block_m, tiles.block_n))
             return real(*args, **kwargs)
         return call
 

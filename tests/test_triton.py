@@ -649,7 +649,8 @@ def test_paged_kv_gradients_refused_with_a_reason():
 def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_equal_one=False):
     """Compile ``fn`` for sm_90. Pointers are typed by ``pointer_types``; the argument groups of
     :mod:`tileattn.backends.triton.arguments` by their fields' annotations (int: i32, float: fp32, any
-    other: an int32 index pointer); ``F`` is the Flags of ``constexprs``. ``ints_equal_one``: every int
+    other: the pointer its name has in ``pointer_types``, else an int32 index pointer); ``F`` is the
+    Flags of ``constexprs``. ``ints_equal_one``: every int
     argument that Triton would specialise when it equals 1 (unit strides, group size 1, length 1, ...)
     becomes the constant 1, as at launch."""
     from triton.backends.compiler import GPUTarget
@@ -657,7 +658,7 @@ def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_
 
     from tileattn.backends.triton import arguments
 
-    groups = {"st": arguments.ModifierStrides, "seqs": arguments.Sequences, "sizes": arguments.Sizes,
+    groups = {"mods": arguments.ModifierTensors, "seqs": arguments.Sequences, "sizes": arguments.Sizes,
               "sc": arguments.Scalars}
     signature, constants = {}, {}
 
@@ -669,11 +670,12 @@ def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_
 
     def group(cls, path):
         types = []
-        for i, kind in enumerate(cls.__annotations__.values()):
+        for i, (field, kind) in enumerate(cls.__annotations__.items()):
             if isinstance(kind, type) and issubclass(kind, tuple):
                 types.append(group(kind, path + (i,)))
             else:
-                types.append(integer(path + (i,)) if kind is int else "fp32" if kind is float else "*i32")
+                types.append(integer(path + (i,)) if kind is int else "fp32" if kind is float
+                             else pointer_types.get(field, "*i32"))
         return cls(*types)
 
     for i, name in enumerate(fn.arg_names):
@@ -696,8 +698,8 @@ def _aot_compile(fn, constexprs, pointer_types, num_warps=4, num_stages=3, ints_
 
 def _pointer_types(dtype: str) -> dict:
     data = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV")}
-    return dict(data, Lse2="*fp32", Delta="*fp32", DBias="*fp32", Mask="*u8", Bias="*fp32",
-                Slopes="*fp32", OutPart="*fp32", LsePart="*fp32")
+    return dict(data, Lse2="*fp32", Delta="*fp32", DBias="*fp32", mask="*u8", bias="*fp32",
+                alibi_slopes="*fp32", OutPart="*fp32", LsePart="*fp32")
 
 
 @compiled_process
@@ -712,7 +714,7 @@ def test_kernels_compile_for_sm90():
         pytest.skip(f"triton has no NVIDIA compiler backend here: {exc}")
     fwd, bwd, dec = launch.kernels()
     flags = dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, IS_VARLEN=True, HAS_MASK=True, HAS_BIAS=True,
-                 HAS_ALIBI=True,
+                 HAS_ALIBI_SLOPES=True,
                  HAS_SOFTCAP=True, HAS_DROPOUT=True, HAS_SEQUSED=True, PAGED=False, BLOCK_D=64, BLOCK_DV=32)
     bf16, fp32 = dict(flags, DOT_PRECISION="tf32"), dict(flags, DOT_PRECISION="ieee")
     decode = dict(MIN_CHUNK=launch.DECODE_MIN_CHUNK, MAX_SPLITS=launch.DECODE_MAX_SPLITS, BLOCK_M=16,

@@ -674,7 +674,7 @@ save_figure(fig, "09_tile_step.png")
 # the native engine's probe (`kernels.fma_peak_gflops()`), and with this build's own FMA loop.
 
 # %%
-from tileattn.backends.native import kernels as nk  # noqa: E402
+from tileattn.backends.native import checked, kernels as nk  # noqa: E402
 
 K_GEMM = 128
 flop_target = pick(4e7, 4e8)
@@ -883,8 +883,8 @@ def engine_fns(q, k, v, causal):
     if q.dtype == torch.bfloat16 and amx:
         def no_amx():  # the same kernels on FMA units: bf16 tiles converted to fp32 (NO_AMX), no bf16 dot products
             out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
-            nk.forward(q, k, v, out, lse, scale=q.shape[-1] ** -0.5, right=0 if causal else -1,
-                       options=nk.NO_AMX | nk.NO_BF16DOT)
+            checked.forward(q, k, v, out, lse, scale=q.shape[-1] ** -0.5, right=0 if causal else -1,
+                            options=nk.NO_AMX | nk.NO_BF16DOT)
             return out
         fns["native, no AMX"] = no_amx
     return fns

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 from tileattn.backends.native.schedule import forward_block, forward_tasks, backward_tasks, simulate
 from _hub import SMALL, check, figure, pick, save_figure, seeded
 
@@ -89,11 +89,11 @@ def call(s, d, causal, threads=1):
     out, lse = torch.empty_like(q), torch.empty(1, H, s)
     dout = seeded(1, H, s, d, seed=3)
     kw = dict(scale=d ** -0.5, right=0 if causal else -1, num_threads=threads)
-    nk.forward(q, k, v, out, lse, **kw)
+    checked.forward(q, k, v, out, lse, **kw)
     delta = (dout * out).sum(-1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    return (lambda: nk.forward(q, k, v, out, lse, **kw),
-            lambda: nk.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, **kw))
+    return (lambda: checked.forward(q, k, v, out, lse, **kw),
+            lambda: checked.backward(q, k, v, out, dout, lse, delta, dq, dk, dv, **kw))
 
 
 def best_cpu_time(fn, reps=3):
@@ -139,7 +139,7 @@ check(all(m["gflops"] < 1.25 * roof for m in measured),
 # %%
 PROFILE_CHILD = r"""
 import json, sys, torch
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 torch.set_num_threads(1)
 H, s, threads = (int(x) for x in sys.argv[1:4])
 out = []
@@ -148,13 +148,13 @@ for d in (32, 64, 128):
         q, k, v = (torch.randn(1, H, s, d) for _ in range(3))
         o, lse, do = torch.empty_like(q), torch.empty(1, H, s), torch.randn(1, H, s, d)
         kw = dict(scale=d ** -0.5, right=0 if causal else -1, num_threads=threads)
-        nk.forward(q, k, v, o, lse, **kw); nk.profile()
-        for _ in range(3): nk.forward(q, k, v, o, lse, **kw)
+        checked.forward(q, k, v, o, lse, **kw); nk.profile()
+        for _ in range(3): checked.forward(q, k, v, o, lse, **kw)
         fwd = nk.profile()
         delta = (do * o).sum(-1)
         g = [torch.empty_like(t) for t in (q, k, v)]
-        nk.backward(q, k, v, o, do, lse, delta, *g, **kw); nk.profile()
-        for _ in range(2): nk.backward(q, k, v, o, do, lse, delta, *g, **kw)
+        checked.backward(q, k, v, o, do, lse, delta, *g, **kw); nk.profile()
+        for _ in range(2): checked.backward(q, k, v, o, do, lse, delta, *g, **kw)
         out.append(dict(d=d, causal=causal, fwd=fwd, bwd=nk.profile()))
 print(json.dumps(out))
 """
@@ -217,12 +217,12 @@ check(all(p[m]["task"] <= p[m]["task_all"] <= p[m]["region"] for p in profiles f
 # %%
 PLAN_CHILD = r"""
 import json, sys, torch
-from tileattn.backends.native import kernels as nk
+from tileattn.backends.native import checked, kernels as nk
 H, s, d, threads = (int(x) for x in sys.argv[1:5])
 q, k, v = (torch.randn(1, H, s, d) for _ in range(3))
 o, lse = torch.empty_like(q), torch.empty(1, H, s)
 nk.profile()
-nk.forward(q, k, v, o, lse, scale=0.1, num_threads=threads)
+checked.forward(q, k, v, o, lse, scale=0.1, num_threads=threads)
 print(json.dumps(nk.profile()["tasks"]))
 """
 l2 = nk.l2_bytes()  # what the kernels size their blocks by
@@ -301,5 +301,5 @@ save_figure(fig, "14_roofline.png")
 #    (`region - task`) come from, and does it shrink for causal calls when the sequence grows?
 # 3. With `schedule.py`, find the smallest sequence length at which 64 threads keep blocks of at
 #    least 128 query rows for 8 heads. What happens to the backward there?
-# 4. Set `block_m=32` and `block_n=64` in a `kernels.forward` call on a long sequence and compare its
+# 4. Set `block_m=32` and `block_n=64` in a `checked.forward` call on a long sequence and compare its
 #    GFLOP/s with the defaults: which of the profile's phases grows?

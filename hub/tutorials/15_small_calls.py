@@ -62,9 +62,10 @@ v = torch.randn(B, HKV, KEYS, D, generator=gen)
 # on its own, many calls in a row, the layers interleaved so that a burst of load on a shared
 # machine hits them alike. The rows nest: the whole call contains validation (`build_spec`),
 # dispatch (`select`) and `run_forward` (the output's allocation and the engine), which contains the
-# kernel wrapper (`kernels.forward`: argument checks skipped, the struct packed, then C). The custom
-# op round trip is what a call with autograd pays on top: `torch.library` dispatch, the op's
-# flattening of the spec into tensors, ints and strings and back, and autograd's bookkeeping.
+# kernel wrapper (`kernels.forward`: no argument checks, the struct packed from the call's kernel
+# arguments, then C). The custom op round trip is what a call with autograd pays on top:
+# `torch.library` dispatch, the op's flattening of the spec into tensors, ints and strings and back,
+# and autograd's bookkeeping.
 
 # %%
 rows = []

@@ -8,12 +8,17 @@ call, :mod:`tileattn.core.lean`, a kernel call prepared from it); :meth:`KernelA
 copy with its tensors. No engine reads a modifier: a new modifier that lowers into these fields runs
 on every engine that declares it, and one that needs new fields adds them here and to the kernels
 that read them.
+
+Each per-call field says, in its metadata (:func:`per_call_field`), which section of the native kernels'
+argument record (``csrc/ta.h``) takes it, and a tensor the canonical axes it runs along. That is the
+one place a tensor's way into the kernels is declared: the native engine fills each section from
+these fields by name, and Triton's launcher takes its group of modifier tensors by name too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Dict, FrozenSet, Iterable, Optional
+from dataclasses import dataclass, field, fields
+from typing import Dict, FrozenSet, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -21,9 +26,19 @@ from . import plans
 from .modifiers import Band, Modifier, fail
 from .score_math import dropout_threshold
 
-#: The fields a modifier binds per call (a tensor or a per-call value), never kept by a plan.
-PER_CALL_FIELDS = ("alibi_slopes", "mask", "bias", "seed", "k_scale", "k_offset", "v_scale", "v_offset", "q_scale",
-                   "score_mod", "mask_mod", "block_states")
+#: The canonical axes of a call's scores, in the order of :meth:`KernelArgs.broadcast_strides`.
+SCORE_AXES = "bhqk"
+
+
+def per_call_field(section: str, axes: str = "", default=None):
+    """A per-call field: one a modifier binds on each call (a tensor or a per-call value), never kept by
+    a plan. ``section``: the section of the native kernels' record (``csrc/ta.h``) that takes it
+    ("core": a number of the core section by its name; "user": the user record of compiled
+    functions; otherwise the tensor's own section, whose pointer is the core field named after the
+    section). ``axes``: a tensor's dims as letters of :data:`SCORE_AXES`, which its dims are
+    right-aligned to (``"bh"``: (heads,) or (batch, heads); ``"bhqk"``: 4-d, broadcast where of
+    size 1); none for the tensors whose section lays them out itself (a quantised cache's scales)."""
+    return field(default=default, metadata={"section": section, "axes": axes})
 
 
 @dataclass(frozen=True)
@@ -50,18 +65,18 @@ class KernelArgs:
     softcap: float = 0.0
     dropout_p: float = 0.0
     per_call: FrozenSet[str] = frozenset()
-    alibi_slopes: Optional[torch.Tensor] = None
-    mask: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
-    seed: int = 0
-    k_scale: Optional[torch.Tensor] = None
-    k_offset: Optional[torch.Tensor] = None
-    v_scale: Optional[torch.Tensor] = None
-    v_offset: Optional[torch.Tensor] = None
-    q_scale: Optional[torch.Tensor] = None
-    score_mod: Optional[object] = None
-    mask_mod: Optional[object] = None
-    block_states: Optional[object] = None
+    alibi_slopes: Optional[torch.Tensor] = per_call_field("alibi", "bh")
+    mask: Optional[torch.Tensor] = per_call_field("mask", SCORE_AXES)
+    bias: Optional[torch.Tensor] = per_call_field("bias", SCORE_AXES)
+    seed: int = per_call_field("core", default=0)
+    k_scale: Optional[torch.Tensor] = per_call_field("quant")
+    k_offset: Optional[torch.Tensor] = per_call_field("quant")
+    v_scale: Optional[torch.Tensor] = per_call_field("quant")
+    v_offset: Optional[torch.Tensor] = per_call_field("quant")
+    q_scale: Optional[torch.Tensor] = per_call_field("quant")
+    score_mod: Optional[object] = per_call_field("user")
+    mask_mod: Optional[object] = per_call_field("user")
+    block_states: Optional[object] = per_call_field("user")
 
     @property
     def band(self) -> Optional[Band]:
@@ -89,12 +104,25 @@ class KernelArgs:
         """The static fields that are numbers (the scale, the alignment, the band sides, the softcap, the
         dropout rate, and any field added here), by name: what the engines pass on to their kernels as
         they are (the native record's fields of these names, Triton's ``Scalars``)."""
-        return {name: self.__dict__[name] for name in _defaults(type(self))[0]}
+        return {name: self.__dict__[name] for name in _layout(type(self)).numbers}
 
     def is_set(self, name: str) -> bool:
         """Whether field ``name`` differs from its default (a modifier set it)."""
-        value, default = self.__dict__[name], _defaults(type(self))[1][name]
+        value, default = self.__dict__[name], _layout(type(self)).defaults[name]
         return value is not None if default is None else value != default
+
+    def broadcast_strides(self, name: str) -> Tuple[int, int, int, int]:
+        """The strides of tensor field ``name`` along (batch, head, query, key) (:func:`broadcast_strides`
+        with the field's axes, :func:`per_call_field`)."""
+        return broadcast_strides(self.__dict__[name], _layout(type(self)).axes[name])
+
+    def replaced(self, values: Dict[str, object]) -> "KernelArgs":
+        """A copy with ``values`` (field: value) in place of its own, unchecked: :meth:`bound`'s way,
+        for an engine that reads a per-call tensor in another order than the caller gave it."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(values)
+        return copy
 
     def bound(self, modifiers: Iterable[Modifier]) -> "KernelArgs":
         """This static record with the tensors and per-call values of ``modifiers`` (the same types
@@ -105,34 +133,64 @@ class KernelArgs:
         for m in modifiers:
             if m.binds:
                 values.update(m.bind())
-        copy = object.__new__(type(self))
-        copy.__dict__.update(self.__dict__)
-        copy.__dict__.update(values)
-        return copy
+        return self.replaced(values)
 
     def static(self) -> "KernelArgs":
         """The record without its per-call values (what a plan keeps)."""
         if not self.per_call:
             return self
-        copy = object.__new__(type(self))
-        copy.__dict__.update(self.__dict__)
-        copy.__dict__.update({f.name: f.default for f in fields(KernelArgs) if f.name in PER_CALL_FIELDS})
-        return copy
+        layout = _layout(type(self))
+        return self.replaced({name: layout.defaults[name] for name in layout.sections})
 
 
-_STATIC_FIELDS = frozenset(f.name for f in fields(KernelArgs)) - set(PER_CALL_FIELDS) - {"scale", "bottom_right",
-                                                                                          "shift", "per_call"}
-_DEFAULTS: Dict[type, tuple] = {}
+def broadcast_strides(t: torch.Tensor, axes: str) -> Tuple[int, int, int, int]:
+    """The strides of ``t`` along (batch, head, query, key): its dims right-aligned to ``axes`` (letters
+    of :data:`SCORE_AXES`, a prefix of them), 0 where it broadcasts (a dim of size 1, or one it does
+    not have)."""
+    shape, strides = t.shape, t.stride()
+    first = len(axes) - len(shape)
+    out = [0, 0, 0, 0]
+    for d, n in enumerate(shape):
+        if n != 1:
+            out[first + d] = strides[d]
+    return out[0], out[1], out[2], out[3]
 
 
-def _defaults(cls) -> tuple:
-    """(the static number fields of a record class, in order; each field's default), made once."""
-    known = _DEFAULTS.get(cls)
+class _Layout(NamedTuple):
+    """What the engines read of a record class's fields, made once per class (a subclass may add
+    fields: tests/test_kernel_field.py): its static numbers in order, each field's default, the
+    section of each per-call field and the axes of each tensor that has them (:func:`per_call_field`)."""
+
+    numbers: Tuple[str, ...]
+    defaults: Dict[str, object]
+    sections: Dict[str, str]
+    axes: Dict[str, str]
+
+
+_LAYOUTS: Dict[type, _Layout] = {}
+
+
+def _layout(cls) -> _Layout:
+    known = _LAYOUTS.get(cls)
     if known is None:
         every = fields(cls)
-        known = _DEFAULTS[cls] = (tuple(f.name for f in every if f.name not in PER_CALL_FIELDS and f.name != "per_call"),
-                                  {f.name: f.default for f in every})
+        sections = {f.name: f.metadata["section"] for f in every if "section" in f.metadata}
+        known = _LAYOUTS[cls] = _Layout(
+            tuple(f.name for f in every if f.name not in sections and f.name != "per_call"),
+            {f.name: f.default for f in every}, sections,
+            {f.name: f.metadata["axes"] for f in every if f.metadata.get("axes")})
     return known
+
+
+def sections(cls=KernelArgs) -> Dict[str, str]:
+    """Each per-call field of a record class and the section of the native kernels' record it fills."""
+    return _layout(cls).sections
+
+
+#: The fields a modifier binds per call (a tensor or a per-call value), never kept by a plan.
+PER_CALL_FIELDS = tuple(sections())
+_STATIC_FIELDS = frozenset(f.name for f in fields(KernelArgs)) - set(PER_CALL_FIELDS) - {"scale", "bottom_right",
+                                                                                          "shift", "per_call"}
 
 
 def lower(modifiers: Iterable[Modifier], scale: float, align) -> KernelArgs:

@@ -4,8 +4,10 @@ read, and back.
 A layout is the order of its dims, in letters of the canonical axes ``(B, H, S, D)`` = ``b h s d``
 (:attr:`Layout.dims`); BSH and SBH fuse heads and head dim into one last dim of width ``H * D``
 (:attr:`Layout.fused`). TND is packed: ``(T, H, D)``, sequence ``b`` in rows ``cu_seqlens[b]:cu_seqlens[b+1]``,
-and is its own canonical view. A paged KV pool is ``(num_blocks, block_size, Hkv, D)``, canonically
-``(num_blocks, Hkv, block_size, D)``: the layout ``"paged"`` here (a block in the place of a batch item).
+and is its own canonical view (a packed layout's canonical view is ``(T, H, D)``). A paged KV pool is
+``(num_blocks, block_size, Hkv, D)``, canonically ``(num_blocks, Hkv, block_size, D)``: the layout
+``"paged"`` here (a block in the place of a batch item). The Ascend dialect's own layouts (NTD, NBSD:
+heads first) are in the table too, though no public call takes them.
 
 Everything the package does with a layout is derived from that one entry: the canonical strided
 view of a user's tensor (:func:`to_canonical`, never a copy), the user's layout of a canonical
@@ -25,6 +27,8 @@ from typing import Callable, Optional, Tuple
 import torch
 
 _CANONICAL = "bhsd"
+#: The canonical order of a packed layout's dims: (tokens, heads, head dim).
+_PACKED = "shd"
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,27 @@ class Layout:
         return self.dims.index("s")
 
     @property
+    def batch_dim(self) -> Optional[int]:
+        """The dim of the user's tensor that runs along the batch (None: packed)."""
+        return self.dims.index("b") if "b" in self.dims else None
+
+    @property
+    def heads_dim(self) -> Optional[int]:
+        """The dim of the user's tensor that counts the heads (None: fused into the last dim)."""
+        return None if self.fused else self.dims.index("h")
+
+    @property
+    def _canonical(self) -> str:
+        return _PACKED if self.packed else _CANONICAL
+
+    @property
     def to_canonical_order(self) -> Tuple[int, ...]:
         """The permutation of the (unfused) user dims that gives the canonical view."""
-        return tuple(self.dims.index(axis) for axis in _CANONICAL if axis in self.dims)
+        return tuple(self.dims.index(axis) for axis in self._canonical)
 
     @property
     def from_canonical_order(self) -> Tuple[int, ...]:
-        return tuple(_CANONICAL.index(axis) for axis in self.dims)
+        return tuple(self._canonical.index(axis) for axis in self.dims)
 
 
 LAYOUT = {layout.name: layout for layout in (
@@ -68,6 +86,8 @@ LAYOUT = {layout.name: layout for layout in (
     Layout("SBH", "sbhd", True, "(seqlen, batch, heads * head_dim)"),
     Layout("TND", "shd", False, "(total_tokens, heads, head_dim)"),
     Layout("paged", "bshd", False, "(num_blocks, block_size, kv_heads, head_dim)"),
+    Layout("NTD", "hsd", False, "(heads, total_tokens, head_dim)"),
+    Layout("NBSD", "hbsd", False, "(heads, batch, seqlen, head_dim)"),
 )}
 #: The permutations each way, per layout (None: the identity).
 _TO = {name: (lay.to_canonical_order, lay.fused) for name, lay in LAYOUT.items()}

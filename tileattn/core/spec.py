@@ -390,20 +390,58 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
             block_table=None, deterministic=False) -> AttentionSpec:
     """:func:`build_spec` for modifiers already parsed by
-    :func:`tileattn.core.modifiers.modifiers_from_keywords` (``found``, in pipeline order)."""
+    :func:`tileattn.core.modifiers.modifiers_from_keywords` (``found``, in pipeline order). The steps,
+    each raising before any compute: the layout, the tensors, their canonical views, heads and head
+    dims, the scale and flags, the sequences' lengths; then the spec, which each modifier checks, and
+    (outside a trace) the sequence tensors' values."""
+    layout, block_table = _layout_of(layout, k, cu_seqlens_q, cu_seqlens_k, block_table)
+    paged = block_table is not None
+    found = _check_tensors(q, k, v, layout, paged, found)
+    q_c, k_c, v_c, num_heads = _canonical_views(q, k, v, layout, num_heads, paged)
+    hq, hkv, d, dv = _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        fail(TypeError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
+    if not math.isfinite(scale):
+        fail(ValueError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
+    check_bool("deterministic", deterministic)
+    align = _check_align(align)
+    batch, sq, sk = _sequence_lengths(layout, q_c, k_c, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      seqused_k, block_table)
+    spec = AttentionSpec(
+        q=q, k=k, v=v, layout=layout, heads_q=hq, heads_kv=hkv, batch=batch, seqlen_q=sq, seqlen_k=sk,
+        head_dim=d, head_dim_v=dv, scale=float(scale), align=align, modifiers=found,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table,
+        deterministic=deterministic, q_c=q_c, k_c=k_c, v_c=v_c,
+    )
+    for m in found:
+        m.check(spec)
+    if tracing():
+        return spec
+    return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)
+
+
+def _layout_of(layout, k, cu_seqlens_q, cu_seqlens_k, block_table):
+    """(the layout's name, the block table): a contiguous cache (B, S, Hkv, D) under varlen queries is
+    the pool of B pages of S slots, sequence b reading page b."""
     if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
         exc = ValueError if isinstance(layout, str) else TypeError
         fail(exc, "layout", repr(layout), "one of " + ", ".join(repr(x) for x in LAYOUTS))
     layout = layout.upper()
     if layout == "TND" and block_table is None and cu_seqlens_k is None and isinstance(k, torch.Tensor) \
             and k.dim() == 4 and isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1:
-        # Varlen queries against a contiguous cache (B, S, Hkv, D) (with seqused_k, a ragged batch):
-        # the cache is a pool of B pages of S slots, sequence b reading page b.
+        # Varlen queries against a contiguous cache (B, S, Hkv, D) (with seqused_k, a ragged batch).
         if k.shape[0] != cu_seqlens_q.numel() - 1:
             fail(ValueError, "k", f"a cache of {k.shape[0]} sequences (shape {tuple(k.shape)})",
                  f"one row per sequence of cu_seqlens_q ({cu_seqlens_q.numel() - 1}), or a paged pool with block_table")
         block_table = torch.arange(k.shape[0], dtype=torch.int32, device=k.device)[:, None]
-    paged = block_table is not None
+    return layout, block_table
+
+
+def _check_tensors(q, k, v, layout, paged, found):
+    """q, k and v: ranks, dtypes (a quantised cache's too) and one device. Returns the modifiers with a
+    quantised cache's scales (:func:`tileattn.core.kvquant.with_cache_scales`)."""
     lay, pool = LAYOUT[layout], LAYOUT["paged"]
     _check_tensor("q", q, lay.rank, lay.shape_name, f" for layout='{layout}'")
     cache_dtypes = FLOAT_DTYPES + QUANT_DTYPES
@@ -418,9 +456,12 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
     found = with_cache_scales(found, q.dtype, k.dtype)
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
-    device = q.device
+    return found
 
-    if lay.fused:
+
+def _canonical_views(q, k, v, layout, num_heads, paged):
+    """(q_c, k_c, v_c, num_heads): the canonical views, a fused layout's widths split by ``num_heads``."""
+    if LAYOUT[layout].fused:
         if num_heads is None:
             fail(ValueError, "num_heads", None, f"the number of query heads (required for layout='{layout}')")
         num_heads = check_int("num_heads", num_heads, 1)
@@ -429,20 +470,21 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
         d = q.shape[2] // num_heads
         q_c = to_canonical(q, layout, num_heads)
         if paged:
-            k_c, v_c = to_canonical(k, "paged", None), to_canonical(v, "paged", None)
-        else:
-            if k.shape[2] == 0 or k.shape[2] % d:
-                fail(ValueError, "k", f"width {k.shape[2]}", f"a positive multiple of the head dim {d} (q width / num_heads)")
-            hkv = k.shape[2] // d
-            if v.shape[2] == 0 or v.shape[2] % hkv:
-                fail(ValueError, "v", f"width {v.shape[2]}", f"a positive multiple of the {hkv} kv heads")
-            k_c, v_c = to_canonical(k, layout, hkv), to_canonical(v, layout, hkv)
-    else:
-        if num_heads is not None:
-            num_heads = check_int("num_heads", num_heads, 1)
-        q_c = to_canonical(q, layout, None)
-        k_c, v_c = (to_canonical(t, "paged" if paged else layout, None) for t in (k, v))
+            return q_c, to_canonical(k, "paged", None), to_canonical(v, "paged", None), num_heads
+        if k.shape[2] == 0 or k.shape[2] % d:
+            fail(ValueError, "k", f"width {k.shape[2]}", f"a positive multiple of the head dim {d} (q width / num_heads)")
+        hkv = k.shape[2] // d
+        if v.shape[2] == 0 or v.shape[2] % hkv:
+            fail(ValueError, "v", f"width {v.shape[2]}", f"a positive multiple of the {hkv} kv heads")
+        return q_c, to_canonical(k, layout, hkv), to_canonical(v, layout, hkv), num_heads
+    if num_heads is not None:
+        num_heads = check_int("num_heads", num_heads, 1)
+    k_c, v_c = (to_canonical(t, "paged" if paged else layout, None) for t in (k, v))
+    return to_canonical(q, layout, None), k_c, v_c, num_heads
 
+
+def _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads):
+    """(query heads, kv heads, head dim, value head dim), checked against each other and the batch."""
     hq, hkv = q_c.shape[1], k_c.shape[1]
     batch = None if layout == "TND" else q_c.shape[0]
     if batch is not None and not paged and (k_c.shape[0] != batch or v_c.shape[0] != batch):
@@ -467,18 +509,14 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
             fail(ValueError, "v", f"shape {tuple(v.shape)}", f"the blocks, block size and heads of k {tuple(k.shape[:3])}")
     elif k_c.shape[-2] != v_c.shape[-2] or (layout == "TND" and k_c.shape[0] != v_c.shape[0]):
         fail(ValueError, "v", f"shape {tuple(v.shape)}", f"the sequence length of k {tuple(k.shape)}")
+    return hq, hkv, d, dv
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        fail(TypeError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
-    if not math.isfinite(scale):
-        fail(ValueError, "scale", repr(scale), "a finite float (default 1/sqrt(head_dim))")
-    check_bool("deterministic", deterministic)
-    align = _check_align(align)
 
-    # Sequence lengths: varlen offsets, a paged cache, keys used per sequence. Their values are
-    # checked at the end, by check_sequence_values.
+def _sequence_lengths(layout, q_c, k_c, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                      block_table):
+    """(batch, Sq, Sk) from varlen offsets, a paged cache or the tensors, and the index tensors'
+    shapes, dtypes and devices (their values are checked at the end, by check_sequence_values)."""
+    device, paged = q_c.device, block_table is not None
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None:
             check_int(name, given, 0)
@@ -501,24 +539,13 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
             if val is not None:
                 fail(ValueError, name, repr(val) if isinstance(val, int) else "a tensor",
                      f"None for the padded layout '{layout}' (varlen arguments need layout='TND')")
-        sq, sk = q_c.shape[2], (0 if paged else k_c.shape[2])
+        batch, sq, sk = q_c.shape[0], q_c.shape[2], (0 if paged else k_c.shape[2])
     if paged:
         _check_index_tensor("block_table", block_table, (batch, None), device, "the cache blocks of each sequence")
         sk = block_table.shape[1] * k_c.shape[2]
     if seqused_k is not None:
         _check_index_tensor("seqused_k", seqused_k, (batch,), device, "keys used by each sequence")
-
-    spec = AttentionSpec(
-        q=q, k=k, v=v, layout=layout, heads_q=hq, heads_kv=hkv, batch=batch, seqlen_q=sq, seqlen_k=sk,
-        head_dim=d, head_dim_v=dv, scale=float(scale), align=align, modifiers=found,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, block_table=block_table,
-        deterministic=deterministic, q_c=q_c, k_c=k_c, v_c=v_c,
-    )
-    for m in found:
-        m.check(spec)
-    if tracing():
-        return spec
-    return check_sequence_values(spec, max_seqlen_q, max_seqlen_k)
+    return batch, sq, sk
 
 
 def dequantised_spec(spec, dtype):

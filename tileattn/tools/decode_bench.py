@@ -246,12 +246,12 @@ def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int =
     engine = select(spec)
     if engine.name != "native":
         raise RuntimeError(f"tileattn: the overhead probe needs the native engine; dispatch chose {engine.name!r}")
-    kwargs = engine._call_arguments(spec)
+    call = engine._call_arguments(spec)
     out = torch.empty(batch, heads_q, 1, head_dim, dtype=dtype)
     lse = torch.empty(batch, heads_q, 1)
     lib = kernels._library()
     loc = lib.buffers()
-    kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)
+    kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, *call)
     keywords = ("BNSD", None, None, False, None, "bottom_right", 0.0, used, None, False, "auto")
     with torch.inference_mode():
         for _ in range(2):  # the first call makes the lean plan
@@ -280,7 +280,7 @@ def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int =
         ("    engine._call_arguments (incl. tune cache)", lambda: engine._call_arguments(spec)),
         ("      tunecache.lookup", lambda: lookup("native", spec)),
         ("    kernels.forward (packing + C)",
-         lambda: kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)),
+         lambda: kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, *call)),
         ("custom op round trip (ops.attention_forward, with autograd)",
          lambda: ops.attention_forward(*ops.pack(spec, engine.name, False))),
         ("C kernel alone (ta_forward)", lambda: lib.forward_fn(loc.args_addr)),
@@ -294,7 +294,7 @@ def overhead(cache: int = 128, batch: int = 1, heads_q: int = 8, heads_kv: int =
             for name, fn in layers:
                 if name.startswith("C kernel"):
                     # this thread's struct last held another call's (freed) output: pack this call's
-                    kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, **kwargs)
+                    kernels.forward(spec.q_c, spec.k_c, spec.v_c, out, lse, *call)
                 fn()
                 samples[name].append(time_call(fn, iters=iters, clock=clock or time.perf_counter) * 1e6)
     return [dict(layer=name, cache=cache, dtype=case.dtype_name, median_us=median(times), min_us=min(times),

@@ -15,11 +15,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from dataclasses import replace
+from typing import Tuple
 
 import torch
 
 from ...core.engine import ALL_DTYPES, Backend, Capabilities, Gradients, register
 from ...core.functions import MaskMod, ScoreMod
+from ...core.kernel_args import KernelArgs
 from ...core.kvquant import KVQuant, canonical_scales, quant_of
 from ...core.modifiers import Alibi, Band, Bias, Dropout, Mask, Softcap
 from ...core.spec import AttentionSpec
@@ -71,31 +74,22 @@ class NativeBackend(Backend):
         return why
 
     def forward(self, spec: AttentionSpec, out, lse):
-        kwargs = self._call_arguments(spec)
         k, v = (spec.k, spec.v) if spec.is_paged else (spec.k_c, spec.v_c)
         with self._interruptible(spec) as cancel:
             kernels.forward(kernels.unit_stride(spec.q_c), kernels.unit_stride(k), kernels.unit_stride(v), out, lse,
-                            cancel=cancel, validate=False, user=self._user(spec), **kwargs)
+                            *self._call_arguments(spec), cancel=cancel)
 
     def backward(self, spec: AttentionSpec, grads: Gradients):
-        kwargs = self._call_arguments(spec)
         # Statistics given by a caller (an SDPA op's logsumexp, Ascend softmax_max/sum) may be fp32
         # for fp64 inputs; the kernels read them in their accumulation type.
         lse = grads.lse.to(kernels.accumulation_dtype(spec.q.dtype)).contiguous()
         # The kernels read delta with lse's strides, which a row slice of one head's LSE keeps from
         # the whole (contiguous() leaves the strides of size-1 dims alone).
         delta = torch.empty_like(lse).copy_(grads.delta)
-        user = self._user(spec, grads.captures)
         with self._interruptible(spec) as cancel:
             kernels.backward(kernels.unit_stride(spec.q_c), kernels.unit_stride(spec.k_c),
-                             kernels.unit_stride(spec.v_c), grads.out, grads.dout, lse, delta, grads.dq, grads.dk,
-                             grads.dv, cancel=cancel, dbias=grads.dbias, validate=False, user=user, **kwargs)
-        if user is not None and user.grads is not None:
-            # each thread added into its own copy of a captured tensor's gradient: sum them
-            wanted = {id(t): i for i, t in enumerate(user.score_mod.grad_captures)}
-            for t, buffer in zip(user.score.captures, user.grads):
-                if buffer is not None:
-                    grads.captures[wanted[id(t)]] += buffer.sum(0).to(grads.captures[wanted[id(t)]].dtype)
+                             kernels.unit_stride(spec.v_c), replace(grads, lse=lse, delta=delta),
+                             *self._call_arguments(spec), cancel=cancel)
 
     def prepare(self, spec: AttentionSpec):
         """The struct of a short decode step packed once (:mod:`.prepared`): a lean call writes only
@@ -103,40 +97,22 @@ class NativeBackend(Backend):
         return prepared.prepare(spec, _INTERRUPTIBLE_WORK)
 
     @staticmethod
-    def _user(spec: AttentionSpec, capture_grads=None):
-        """The user record of a call with user functions or a block map (None without): their compiled
-        tile functions bound to this call, and for a backward with ``capture_grads`` a buffer per
-        thread for each captured tensor that requires grad."""
-        a = spec.kernel_args
-        if a.score_mod is None and a.mask_mod is None and a.block_states is None:
-            return None
-        score = a.score_mod.bound if a.score_mod is not None else None
-        grads = None
-        if capture_grads and score is not None:
-            wanted = {id(t) for t in a.score_mod.grad_captures}
-            threads = torch.get_num_threads()
-            grads = [torch.zeros((threads, *t.shape), dtype=score.program.dtype) if id(t) in wanted else None
-                     for t in score.captures]
-        user = kernels.UserCall(kernels._library(), score=score,
-                                mask=a.mask_mod.bound if a.mask_mod is not None else None, states=a.block_states,
-                                grads=grads)
-        user.score_mod = a.score_mod
-        return user
-
-    @staticmethod
-    def _call_arguments(spec: AttentionSpec) -> dict:
-        """The kernels' keywords for a validated call: its kernel arguments (the modifiers lowered,
-        :class:`tileattn.core.kernel_args.KernelArgs`: its numbers by name, which fill the record's
-        fields of those names, and its tensors) and the tuned tiles; index tensors made contiguous (a
-        caller's ``t[::2]`` is valid input, the kernels read plain arrays)."""
-        tuned = lookup("native", spec) or {}
-        a = spec.kernel_args
-        quant = canonical_scales(spec, a) if "k_scale" in a.per_call else {}
-        return dict(**quant, **a.numbers(), cu_seqlens_q=kernels.contiguous_index(spec.cu_seqlens_q),
-                    cu_seqlens_k=kernels.contiguous_index(spec.cu_seqlens_k),
-                    seqused_k=kernels.contiguous_index(spec.seqused_k), block_table=spec.block_table,
-                    alibi_slopes=a.alibi_slopes, mask=a.mask, bias=a.bias, seed=a.seed,
-                    block_m=tuned.get("block_m", 0), block_n=tuned.get("block_n", 0))
+    def _call_arguments(spec: AttentionSpec) -> Tuple[KernelArgs, kernels.Geometry, kernels.Tiles]:
+        """The kernels' arguments of a validated call: its kernel arguments (the modifiers lowered,
+        :class:`tileattn.core.kernel_args.KernelArgs`; a quantised cache's scales in the cache's
+        canonical order, as its keys are read), its geometry (index tensors made contiguous: a caller's
+        ``t[::2]`` is valid input, the kernels read plain arrays) and its tuned tiles."""
+        args = spec.kernel_args
+        if "k_scale" in args.per_call:
+            args = args.replaced(canonical_scales(spec, args))
+        geometry = kernels.PADDED
+        if spec.is_varlen or spec.is_paged or spec.seqused_k is not None:
+            geometry = kernels.Geometry(kernels.contiguous_index(spec.cu_seqlens_q),
+                                        kernels.contiguous_index(spec.cu_seqlens_k),
+                                        kernels.contiguous_index(spec.seqused_k), spec.block_table)
+        tuned = lookup("native", spec)
+        tiles = kernels.Tiles(tuned.get("block_m", 0), tuned.get("block_n", 0)) if tuned else kernels.DEFAULT_TILES
+        return args, geometry, tiles
 
     @staticmethod
     def _interruptible(spec: AttentionSpec):

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ...core.layouts import output_strides
+from ...core.layouts import empty_in_layout
 from . import kernels
 
 #: A sequence with at most this many query rows per kv head (q_len * Hq / Hkv) takes the split-KV
@@ -110,20 +110,17 @@ def prepare(spec, interruptible_work: int) -> Optional[PreparedForward]:
         return None
     if spec.dtype not in kernels._DTYPES or spec.seqused_k is not None and not spec.seqused_k.is_contiguous():
         return None  # the engine passes a contiguous copy of a strided seqused_k; a plan has no copy to pass
-    acc = kernels.accumulation_dtype(spec.dtype)
-    ost = output_strides(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v)
-    lst = (spec.heads_q * spec.seqlen_q, spec.seqlen_q, 1)
-    qst = spec.q_c.stride()
     paged = spec.is_paged
     if paged and rows * spec.seqlen_k >= interruptible_work:
         return None
-    page_size = spec.block_size if paged else 0
-    max_pages = spec.block_table.shape[1] if paged else 0
+    # The template is what kernels.forward would pack for this call, from an output and an LSE of the
+    # call's own (the full path's) layout: every pointer, key length, K/V stride and the thread count
+    # are written per call by run().
+    out = empty_in_layout(spec.layout, spec.batch, spec.heads_q, spec.seqlen_q, spec.head_dim_v, spec.dtype,
+                          spec.device)[1]
+    lse = torch.empty(spec.lse_shape(), dtype=kernels.accumulation_dtype(spec.dtype))
     template = bytearray(lib.size)
-    lib.fill["core"](template, B=spec.batch, Hq=spec.heads_q, Hkv=spec.heads_kv, Sq=spec.seqlen_q, Sk=spec.seqlen_k,
-                     D=spec.head_dim, Dv=spec.head_dim_v, q_st=qst[:3], o_st=ost, lse_st=lst,
-                     dtype=kernels._DTYPES[spec.dtype], out_dtype=kernels._DTYPES[spec.dtype], num_threads=1,
-                     paged=1 if paged else 0, options=lib.default_options, **args.numbers())
-    if paged:
-        lib.fill["paged"](template, page_size=page_size, max_pages=max_pages, bt_st=spec.block_table.stride() + (0,))
-    return PreparedForward(lib, bytes(template), rows * acc.itemsize, paged, (interruptible_work - 1) // rows)
+    kernels.pack(lib, template, spec.q_c, spec.k if paged else spec.k_c, spec.v if paged else spec.v_c, out, lse,
+                 args, kernels.Geometry(seqused_k=spec.seqused_k, block_table=spec.block_table),
+                 kernels.Tiles(num_threads=1))
+    return PreparedForward(lib, bytes(template), lse.nbytes, paged, (interruptible_work - 1) // rows)

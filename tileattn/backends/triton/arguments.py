@@ -1,12 +1,14 @@
 """The Triton kernels' arguments, in named groups.
 
-A kernel takes its tensors as plain pointers (the autotuner keys on their dtypes) and everything else
-in a few groups: Python ``NamedTuple``s, which Triton passes as tuples (each field specialised as a
-scalar argument of its own would be) and the kernels read by field name. Each tensor has its
-:class:`Strides`; a call has its :class:`Sequences`, :class:`Sizes`, :class:`Scalars` and
-:class:`Flags`, the one constexpr group (a kernel is compiled per combination). The launcher builds
-them once per call (:func:`tileattn.backends.triton.launch._common`). Two more groups are made inside
-the kernels, by :mod:`.tile_math`'s prologue: a program's :class:`Sequence` and :class:`ScoreHead`.
+A kernel takes the tensors of its problem as plain pointers (the autotuner keys on their dtypes) and
+everything else in a few groups: Python ``NamedTuple``s, which Triton passes as tuples (each field
+specialised as a scalar argument of its own would be) and the kernels read by field name. Each tensor
+has its :class:`Strides`; a call has its :class:`ModifierTensors`, :class:`Sequences`, :class:`Sizes`,
+:class:`Scalars` and :class:`Flags`, the one constexpr group (a kernel is compiled per combination).
+The launcher builds them once per call (:func:`tileattn.backends.triton.launch._common`), taking
+``ModifierTensors``, ``Scalars`` and the ``HAS_*`` flags from the kernel arguments of their names. Two
+more groups are made inside the kernels, by :mod:`.tile_math`'s prologue: a program's
+:class:`Sequence` and :class:`ScoreHead`.
 
 Plain Python (no ``@triton.jit``), so the launcher imports it before the kernels are decorated.
 """
@@ -25,11 +27,25 @@ class Strides(NamedTuple):
 
 
 class ModifierStrides(NamedTuple):
-    """The strides of the call's mask, bias and ALiBi slopes (zeros for those it has not)."""
+    """The strides of :class:`ModifierTensors`' tensors, by the same names (zeros for those a call has
+    not)."""
 
     mask: Strides
     bias: Strides
-    slopes: Strides
+    alibi_slopes: Strides
+
+
+class ModifierTensors(NamedTuple):
+    """The call's per-call tensors the kernels read, each the kernel argument of its name
+    (:class:`tileattn.core.kernel_args.KernelArgs`; a one-element dummy where the call has none, a bool
+    mask as uint8), and their strides along (batch, head, query, key), 0 where they broadcast. A new
+    tensor kernel argument is a field here and in :class:`ModifierStrides`; :func:`.tile_math.head_scores`
+    reads it."""
+
+    mask: object
+    bias: object
+    alibi_slopes: object
+    st: ModifierStrides
 
 
 class Sequences(NamedTuple):
@@ -75,7 +91,7 @@ class Flags(NamedTuple):
     IS_VARLEN: bool
     HAS_MASK: bool
     HAS_BIAS: bool
-    HAS_ALIBI: bool
+    HAS_ALIBI_SLOPES: bool
     HAS_SOFTCAP: bool
     HAS_DROPOUT: bool
     HAS_SEQUSED: bool
@@ -95,7 +111,8 @@ class Sequence(NamedTuple):
 
 class ScoreHead(NamedTuple):
     """What :func:`score_tile` reads of one (sequence, query head) (made inside the kernels): the
-    diagonal, the lengths, the ALiBi slope, the mask's and the bias's rows of the head, the dropout key."""
+    diagonal, the lengths, the ALiBi slope, the mask's and the bias's rows of the head and their
+    strides, the dropout key."""
 
     offset: object
     q_len: object
@@ -103,4 +120,6 @@ class ScoreHead(NamedTuple):
     slope: object
     mask: object
     bias: object
+    mask_st: Strides
+    bias_st: Strides
     drop_key: object

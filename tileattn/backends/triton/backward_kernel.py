@@ -11,8 +11,9 @@ each probability tile from them, ``P = 2^(s - lse2)``, instead of storing the Sq
 
 (``dS`` is the gradient of the natural-log scores: ``P`` is the same number whatever the base of
 the logarithm, so working in base 2 changes nothing here.) Dropout multiplies ``P`` and ``dP`` by the
-regenerated keep mask over ``1 - p``; a softcap multiplies ``dS`` by ``1 - tanh^2`` on its way back to
-``q.k^T``; the gradient of an additive bias is ``dS`` itself.
+regenerated keep mask over ``1 - p``; a transform's derivative (a softcap's ``1 - tanh^2``, which
+:func:`~.tile_math.score_tile` gives with the scores) multiplies ``dS`` on its way back to ``q.k^T``;
+the gradient of an additive bias is ``dS`` itself.
 
 Two passes, no atomics
 ----------------------
@@ -44,7 +45,7 @@ from .tile_math import (block_indices, dropout_keep, head_base, head_scores, kv_
 @triton.jit
 def _dkdv_query_blocks(
     dk, dv, k, v, cols, start, end, q_base, do_base, lse_base, delta_base, q_st, g_st, l_st,
-    offs_d, offs_dv, sizes, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr,
+    offs_d, offs_dv, sizes, hd, sc, APPLY_BAND: tl.constexpr, F: tl.constexpr, BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate one key block's dK/dV over query blocks [start, end) of one query head."""
@@ -58,7 +59,7 @@ def _dkdv_query_blocks(
         delta = tl.load(delta_base + rows * l_st.s, mask=row_in, other=0.0)
 
         qk_t = tl.dot(k, qt, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        s_t, tanh_t = score_tile(qk_t, rows[None, :], cols[:, None], hd, sc, st, APPLY_BAND, F)
+        s_t, grad_t = score_tile(qk_t, rows[None, :], cols[:, None], hd, sc, APPLY_BAND, F)
         p_t = tl.exp2(s_t - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         if F.HAS_DROPOUT:
@@ -68,9 +69,7 @@ def _dkdv_query_blocks(
         else:
             p_used = p_t
         dv += tl.dot(p_used.to(do.dtype), do, input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if F.HAS_SOFTCAP:
-            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        ds_t = p_t * (dp_t - delta[None, :]) * grad_t
         dk += tl.dot(ds_t.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -79,8 +78,8 @@ def _dkdv_query_blocks(
 # inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_backward_dkdv_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, Mask, Bias, Slopes, q_st, k_st, v_st, g_st, l_st, dk_st, dv_st, st, seqs,
-    sizes, sc, seed_lo, seed_hi, tune_bucket, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, mods, q_st, k_st, v_st, g_st, l_st, dk_st, dv_st, seqs, sizes, sc,
+    seed_lo, seed_hi, tune_bucket, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dK and dV of one (key block, kv head, sequence), summed over the kv head's query heads.
@@ -109,7 +108,7 @@ def attention_backward_dkdv_kernel(
     # The query heads of this kv head, in a fixed order (part of what makes the sum reproducible).
     for g in range(0, sizes.group):
         head = kv_head * sizes.group + g
-        hd = head_scores(seq, Mask, Bias, Slopes, st, seed_lo, seed_hi, batch, head, F)
+        hd = head_scores(seq, mods, seed_lo, seed_hi, batch, head, F)
         q_base = row_base(Q, q_st, batch, head, seq.q_start)
         do_base = row_base(DOut, g_st, batch, head, seq.q_start)
         lse_base = row_base(Lse2, l_st, batch, head, seq.q_start)
@@ -118,7 +117,7 @@ def attention_backward_dkdv_kernel(
         for stage in tl.static_range(3):
             lo, hi = stage_blocks(stage, start, mid_lo, mid_hi, end)
             dk, dv = _dkdv_query_blocks(dk, dv, k, v, cols, lo, hi, q_base, do_base, lse_base, delta_base, q_st, g_st,
-                                        l_st, offs_d, offs_dv, sizes, hd, sc, st, stage != 1, F, BLOCK_M,
+                                        l_st, offs_d, offs_dv, sizes, hd, sc, stage != 1, F, BLOCK_M,
                                         DOT_PRECISION)
 
     store_rows(row_base(DK, dk_st, batch, kv_head, seq.k_start), cols * dk_st.s, col_in, offs_d, dk_st.d,
@@ -130,7 +129,7 @@ def attention_backward_dkdv_kernel(
 @triton.jit
 def _dq_key_blocks(
     dq, q, do, lse2, delta, rows, start, end, k_base, v_base, k_st, v_st, dbias_base, db_st,
-    offs_d, offs_dv, sizes, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.constexpr, WRITE_DBIAS: tl.constexpr,
+    offs_d, offs_dv, sizes, hd, sc, APPLY_BAND: tl.constexpr, F: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Accumulate one query block's dQ over key blocks [start, end)."""
@@ -138,7 +137,7 @@ def _dq_key_blocks(
         cols, col_in = block_indices(j0, hd.k_len, BLOCK_N)
         kt = load_rows(k_base, cols * k_st.s, col_in, offs_d, k_st.d, sizes.head_dim, True)
         vt = load_rows(v_base, cols * v_st.s, col_in, offs_dv, v_st.d, sizes.head_dim_v, True)
-        s, tanh = score_tile(tl.dot(q, kt, input_precision=DOT_PRECISION), rows[:, None], cols[None, :], hd, sc, st,
+        s, grad = score_tile(tl.dot(q, kt, input_precision=DOT_PRECISION), rows[:, None], cols[None, :], hd, sc,
                              APPLY_BAND, F)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
@@ -150,8 +149,7 @@ def _dq_key_blocks(
             # Every (row, col) of the band is visited by exactly one program: a plain store suffices.
             tl.store(dbias_base + rows[:, None] * db_st.s + cols[None, :], ds,
                      mask=(rows[:, None] < hd.q_len) & col_in[None, :])
-        if F.HAS_SOFTCAP:
-            ds = ds * (1.0 - tanh * tanh)
+        ds = ds * grad
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
     return dq
 
@@ -160,8 +158,8 @@ def _dq_key_blocks(
 # inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_backward_dq_kernel(
-    Q, K, V, DOut, Lse2, Delta, DQ, DBias, Mask, Bias, Slopes, q_st, k_st, v_st, g_st, l_st, dq_st, db_st, st, seqs,
-    sizes, sc, seed_lo, seed_hi, tune_bucket, F: tl.constexpr, WRITE_DBIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    Q, K, V, DOut, Lse2, Delta, DQ, DBias, mods, q_st, k_st, v_st, g_st, l_st, dq_st, db_st, seqs, sizes, sc,
+    seed_lo, seed_hi, tune_bucket, F: tl.constexpr, WRITE_DBIAS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of one (query block, query head, sequence); with WRITE_DBIAS also its dS rows (dense fp32)."""
@@ -169,7 +167,7 @@ def attention_backward_dq_kernel(
     if i0 >= seq.q_len:
         return
     kv_head = head // sizes.group
-    hd = head_scores(seq, Mask, Bias, Slopes, st, seed_lo, seed_hi, batch, head, F)
+    hd = head_scores(seq, mods, seed_lo, seed_hi, batch, head, F)
 
     rows, row_in = block_indices(i0, seq.q_len, BLOCK_M)
     rows64 = rows.to(tl.int64)
@@ -193,7 +191,7 @@ def attention_backward_dq_kernel(
     for stage in tl.static_range(3):
         lo, hi = stage_blocks(stage, start, mid_lo, mid_hi, end)
         dq = _dq_key_blocks(dq, q, do, lse2, delta, rows, lo, hi, k_base, v_base, k_st, v_st, dbias_base, db_st,
-                            offs_d, offs_dv, sizes, hd, sc, st, stage != 1, F, WRITE_DBIAS, BLOCK_N, DOT_PRECISION)
+                            offs_d, offs_dv, sizes, hd, sc, stage != 1, F, WRITE_DBIAS, BLOCK_N, DOT_PRECISION)
 
     store_rows(row_base(DQ, dq_st, batch, head, seq.q_start), rows64 * dq_st.s, row_in, offs_d, dq_st.d,
                sizes.head_dim, dq * sc.scale)

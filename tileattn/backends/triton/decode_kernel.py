@@ -36,9 +36,8 @@ only its window. ``PAGED`` pools are read through the block table (:func:`~.tile
 import triton
 import triton.language as tl
 
-from .arguments import ScoreHead
-from .tile_math import (block_indices, decode_chunk_len, finish_rows, key_slots, kv_base, load_rows, row_base, score_tile,
-                        sequence, softmax_step, visible_key_blocks)
+from .tile_math import (block_indices, decode_chunk_len, finish_rows, head_scores, key_slots, kv_base, load_rows,
+                        row_base, score_tile, sequence, softmax_step, visible_key_blocks)
 
 
 @triton.jit
@@ -52,7 +51,7 @@ def _rows(kv_head, group, q_len, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def attention_decode_kernel(
-    Q, K, V, OutPart, LsePart, Slopes, q_st, k_st, v_st, p_st, st, seqs, sizes, sc, F: tl.constexpr,
+    Q, K, V, OutPart, LsePart, mods, q_st, k_st, v_st, p_st, seqs, sizes, sc, F: tl.constexpr,
     MIN_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -77,10 +76,9 @@ def attention_decode_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(row_base(Q, q_st, batch, head, seq.q_start + qi)[:, None] + offs_d[None, :] * q_st.d,
                 mask=row_in[:, None] & (offs_d[None, :] < sizes.head_dim), other=0.0)
-    slope = 0.0
-    if F.HAS_ALIBI:
-        slope = tl.load(Slopes + batch * st.slopes.b + head * st.slopes.h, mask=row_in, other=0.0)[:, None]
-    hd = ScoreHead(seq.offset, seq.q_len, seq.k_len, slope, Q, Q, 0)  # a slope per row; no mask, bias, dropout
+    # The rows' heads as a column: what the head's modifiers give is a column too (no mask, bias or
+    # dropout here). Every row's head is a head of the call, so its loads need no mask.
+    hd = head_scores(seq, mods, 0, 0, batch, head[:, None], F)
     k_base = kv_base(K, k_st, batch, kv_head, seq.k_start, F.PAGED)
     v_base = kv_base(V, v_st, batch, kv_head, seq.k_start, F.PAGED)
     table_base = seqs.table + batch.to(tl.int64) * seqs.table_stride
@@ -100,8 +98,7 @@ def attention_decode_kernel(
         cols, col_in = block_indices(j0, seq.k_len, BLOCK_N)
         page, slot = key_slots(cols, seq.k_len, table_base, seqs.page_size, F.PAGED)
         kt = load_rows(k_base, page * k_st.b + slot * k_st.s, col_in, offs_d, k_st.d, sizes.head_dim, True)
-        s = score_tile(tl.dot(q, kt, input_precision=DOT_PRECISION), qi[:, None], cols[None, :], hd, sc, st, True,
-                       F)[0]
+        s = score_tile(tl.dot(q, kt, input_precision=DOT_PRECISION), qi[:, None], cols[None, :], hd, sc, True, F)[0]
         # Online softmax in base 2 (score_tile folded log2(e) into the logits).
         p, alpha, m_i, l_i = softmax_step(m_i, l_i, s)
         v = load_rows(v_base, page * v_st.b + slot * v_st.s, col_in, offs_dv, v_st.d, sizes.head_dim_v, False)

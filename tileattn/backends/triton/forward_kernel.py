@@ -49,7 +49,7 @@ from .tile_math import (block_indices, dropout_keep, finish_rows, head_scores, k
 @triton.jit
 def _attend_key_blocks(
     acc, m_i, l_i, q, rows, start, end, k_base, v_base, k_st, v_st, table_base, page_size,
-    offs_d, offs_dv, sizes, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
+    offs_d, offs_dv, sizes, hd, sc, APPLY_BAND: tl.constexpr, F: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Stream key blocks [start, end) through the online softmax of one query block."""
@@ -58,7 +58,7 @@ def _attend_key_blocks(
         page, slot = key_slots(cols, hd.k_len, table_base, page_size, F.PAGED)
         # K is loaded transposed, (BLOCK_D, BLOCK_N), straight from its strides.
         kt = load_rows(k_base, page * k_st.b + slot * k_st.s, col_in, offs_d, k_st.d, sizes.head_dim, True)
-        s, _ = score_tile(tl.dot(q, kt, input_precision=DOT_PRECISION), rows[:, None], cols[None, :], hd, sc, st,
+        s, _ = score_tile(tl.dot(q, kt, input_precision=DOT_PRECISION), rows[:, None], cols[None, :], hd, sc,
                           APPLY_BAND, F)
         p, alpha, m_i, l_i = softmax_step(m_i, l_i, s)
         if F.HAS_DROPOUT:
@@ -73,14 +73,14 @@ def _attend_key_blocks(
 # inside, which a constant cannot be, and a seed of 1 must not cost a recompile anyway.
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def attention_forward_kernel(
-    Q, K, V, Out, Lse2, Mask, Bias, Slopes, q_st, k_st, v_st, o_st, l_st, st, seqs, sizes, sc, seed_lo, seed_hi,
-    tune_bucket, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q, K, V, Out, Lse2, mods, q_st, k_st, v_st, o_st, l_st, seqs, sizes, sc, seed_lo, seed_hi, tune_bucket,
+    F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Write ``Out`` and the base-2 ``Lse2`` for one (query block, query head, sequence).
 
-    The argument groups are :mod:`.tile_math`'s (``*_st``: each tensor's strides, ``st`` the mask's,
-    bias's and slopes'). With ``F.PAGED``, K and V are pools (num_blocks, Hkv, page_size, D) read
+    The argument groups are :mod:`.arguments`' (``mods``: the modifiers' tensors, ``*_st``: each other
+    tensor's strides). With ``F.PAGED``, K and V are pools (num_blocks, Hkv, page_size, D) read
     through the block table: ``k_st.b``/``v_st.b`` step from page to page. ``tune_bucket`` is not
     read: it only keys the GPU autotuner's cache by a coarse length bucket.
     """
@@ -88,7 +88,7 @@ def attention_forward_kernel(
     if i0 >= seq.q_len:
         return
     kv_head = head // sizes.group
-    hd = head_scores(seq, Mask, Bias, Slopes, st, seed_lo, seed_hi, batch, head, F)
+    hd = head_scores(seq, mods, seed_lo, seed_hi, batch, head, F)
     q_base = row_base(Q, q_st, batch, head, seq.q_start)
     k_base = kv_base(K, k_st, batch, kv_head, seq.k_start, F.PAGED)
     v_base = kv_base(V, v_st, batch, kv_head, seq.k_start, F.PAGED)
@@ -108,7 +108,7 @@ def attention_forward_kernel(
     for stage in tl.static_range(3):
         lo, hi = stage_blocks(stage, start, mid_lo, mid_hi, end)
         acc, m_i, l_i = _attend_key_blocks(acc, m_i, l_i, q, rows, lo, hi, k_base, v_base, k_st, v_st, table_base,
-                                           seqs.page_size, offs_d, offs_dv, sizes, hd, sc, st, stage != 1, F,
+                                           seqs.page_size, offs_d, offs_dv, sizes, hd, sc, stage != 1, F,
                                            BLOCK_N, DOT_PRECISION)
 
     # Normalise. l == 0 only for rows that saw nothing: they output 0 and lse2 = -inf.

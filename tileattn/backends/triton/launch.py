@@ -37,7 +37,7 @@ import triton.language as tl
 from ...core.score_math import reduce_to_shape
 from ...core.spec import AttentionSpec
 from ...core.tunecache import lookup, seqlen_bucket
-from .arguments import Flags, ModifierStrides, Scalars, Sequences, Sizes, Strides
+from .arguments import Flags, ModifierStrides, ModifierTensors, Scalars, Sequences, Sizes, Strides
 
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
@@ -172,13 +172,10 @@ def _lse_strides(lse: torch.Tensor, varlen: bool) -> Strides:
 
 @dataclass
 class _Args:
-    """What every kernel of a call shares: the modifiers' tensors (dummies where absent) and the
-    argument groups of :mod:`.arguments`, as keywords of the kernels (``F`` and the head dims' blocks
-    are constexprs)."""
+    """What every kernel of a call shares: the modifiers' tensors and the argument groups of
+    :mod:`.arguments`, as keywords of the kernels (``F`` and the head dims' blocks are constexprs)."""
 
-    mask: torch.Tensor
-    bias: torch.Tensor
-    slopes: torch.Tensor
+    mods: ModifierTensors
     groups: dict
     seeds: tuple
     bucket: int
@@ -196,28 +193,34 @@ def _scalars(a) -> Scalars:
 
 def _flags(a, **given) -> Flags:
     """The :class:`.arguments.Flags` of a call: those ``given``, and for each other flag ``HAS_<NAME>``
-    whether the kernel argument ``<name>`` is set (a band side, a mask, a bias, a softcap, or a field
-    added to both)."""
+    whether the kernel argument ``<name>`` is set (a band side, a mask, a bias, ALiBi slopes, a softcap,
+    or a field added to both)."""
     return Flags(**{f: given[f] if f in given else a.is_set(f[len("HAS_"):].lower()) for f in Flags._fields})
 
 
+_NO_STRIDES = Strides(0, 0, 0, 0)
+
+
+def _modifier_tensors(a, dummy: torch.Tensor) -> ModifierTensors:
+    """The :class:`.arguments.ModifierTensors` of kernel arguments ``a``: each field the kernel argument
+    of its name and its broadcast strides (no copy, no materialised mask), or the dummy."""
+    tensors, strides = {}, {}
+    for name in ModifierStrides._fields:
+        t = getattr(a, name)
+        if t is None:
+            tensors[name], strides[name] = dummy, _NO_STRIDES
+        else:
+            tensors[name] = t.view(torch.uint8) if t.dtype is torch.bool else t
+            strides[name] = Strides(*a.broadcast_strides(name))
+    return ModifierTensors(**tensors, st=ModifierStrides(**strides))
+
+
 def _common(spec: AttentionSpec) -> _Args:
-    """Pointer arguments, argument groups and flags shared by every kernel of a call, from its
+    """The modifiers' tensors, argument groups and flags shared by every kernel of a call, from its
     kernel arguments."""
     a = spec.kernel_args
     dev = spec.device
-    dummy = torch.empty(1, dtype=torch.float32, device=dev)
     no_index = torch.zeros(2, dtype=torch.int32, device=dev)
-    full = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
-    # Broadcast masks and biases as stride-0 views: no copy, no materialised mask.
-    mask_t = a.mask.view(torch.uint8).expand(full) if a.mask is not None else dummy
-    bias_t = a.bias.expand(full) if a.bias is not None else dummy
-    none = Strides(0, 0, 0, 0)
-    slopes = a.alibi_slopes if a.alibi_slopes is not None else dummy
-    if a.alibi_slopes is None:
-        slope_strides = none
-    else:
-        slope_strides = Strides(0, slopes.stride(0), 0, 0) if slopes.dim() == 1 else Strides(*slopes.stride(), 0, 0)
     # The kernels read index tensors as plain arrays (a block table by its row stride alone): a
     # caller's t[::2] is valid input, so it is made contiguous here (a few ints).
     table = spec.block_table.contiguous() if spec.is_paged else no_index.view(1, 2)
@@ -227,18 +230,16 @@ def _common(spec: AttentionSpec) -> _Args:
         spec.seqused_k.contiguous() if spec.seqused_k is not None else no_index,
         table, table.stride(0), spec.block_size if spec.is_paged else 1)
     flags = _flags(a, BOTTOM_RIGHT=a.bottom_right, IS_VARLEN=spec.is_varlen, HAS_SEQUSED=spec.seqused_k is not None,
-                   PAGED=spec.is_paged, HAS_ALIBI=a.alibi_slopes is not None, HAS_DROPOUT=a.dropout_p > 0)
-    st = ModifierStrides(Strides(*mask_t.stride()) if a.mask is not None else none,
-                         Strides(*bias_t.stride()) if a.bias is not None else none, slope_strides)
+                   PAGED=spec.is_paged, HAS_DROPOUT=a.dropout_p > 0)
     sizes = Sizes(spec.seqlen_q, spec.seqlen_k, spec.group_size, spec.head_dim, spec.head_dim_v)
     constexprs = dict(
         F=flags, BLOCK_D=_block_dim(spec.head_dim), BLOCK_DV=_block_dim(spec.head_dim_v),
         # fp32 inputs must not be rounded to TF32 inside tl.dot: the accuracy rule is fp32's.
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32",
     )
-    return _Args(mask_t, bias_t, slopes, dict(st=st, seqs=seqs, sizes=sizes, sc=_scalars(a)),
-                 (a.seed & 0xFFFFFFFF, (a.seed >> 32) & 0xFFFFFFFF), seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)),
-                 constexprs)
+    return _Args(_modifier_tensors(a, torch.empty(1, dtype=torch.float32, device=dev)),
+                 dict(seqs=seqs, sizes=sizes, sc=_scalars(a)), (a.seed & 0xFFFFFFFF, (a.seed >> 32) & 0xFFFFFFFF),
+                 seqlen_bucket(max(spec.seqlen_q, spec.seqlen_k)), constexprs)
 
 
 #: Flash-decoding (:mod:`.decode_kernel`) serves calls whose query rows per kv head (seqlen_q * group)
@@ -291,7 +292,7 @@ def _prefill(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> Non
     fwd, _, _ = kernels()
     a = _common(spec)
     v = spec.is_varlen
-    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, a.mask, a.bias, a.slopes, _strides(spec.q_c, v),
+    args = (spec.q_c, spec.k_c, spec.v_c, out_c, lse, a.mods, _strides(spec.q_c, v),
             _kv_strides(spec, spec.k_c), _kv_strides(spec, spec.v_c), _strides(out_c, v), _lse_strides(lse, v),
             *a.groups.values(), *a.seeds, a.bucket)
 
@@ -319,7 +320,7 @@ def _decode(spec: AttentionSpec, out_c: torch.Tensor, lse: torch.Tensor) -> None
     chunking = dict(MIN_CHUNK=DECODE_MIN_CHUNK, MAX_SPLITS=DECODE_MAX_SPLITS)
     groups = a.groups
     _launch("decode", dec.attention_decode_kernel, (), lambda bm, bn: (splits, spec.heads_kv, spec.batch),
-            (spec.q_c, spec.k_c, spec.v_c, part_out, part_lse, a.slopes, _strides(spec.q_c, v),
+            (spec.q_c, spec.k_c, spec.v_c, part_out, part_lse, a.mods, _strides(spec.q_c, v),
              _kv_strides(spec, spec.k_c), _kv_strides(spec, spec.v_c), part_st, *groups.values()),
             dict(a.constexprs, **chunking), config)
     _launch("decode-merge", dec.attention_decode_merge_kernel, (), lambda bm, bn: (spec.heads_kv, spec.batch),
@@ -346,7 +347,7 @@ def backward(spec: AttentionSpec, grads) -> None:
     rest = (*a.groups.values(), *a.seeds, a.bucket)
     _launch("dkdv", bwd.attention_backward_dkdv_kernel, DKDV_SPACE,
             lambda bm, bn: (triton.cdiv(max(spec.seqlen_k, 1), bn), spec.heads_kv, spec.batch),
-            (*inputs, grads.dk, grads.dv, a.mask, a.bias, a.slopes, *strides, _strides(grads.dk, v),
+            (*inputs, grads.dk, grads.dv, a.mods, *strides, _strides(grads.dk, v),
              _strides(grads.dv, v), *rest), a.constexprs)
 
     need_dbias = grads.dbias is not None
@@ -360,7 +361,7 @@ def backward(spec: AttentionSpec, grads) -> None:
         dbias_strides = Strides(0, 0, 0, 0)
     _launch("dq", bwd.attention_backward_dq_kernel, DQ_SPACE,
             lambda bm, bn: (triton.cdiv(max(spec.seqlen_q, 1), bm), spec.heads_q, spec.batch),
-            (*inputs, grads.dq, dbias_full, a.mask, a.bias, a.slopes, *strides, _strides(grads.dq, v), dbias_strides,
+            (*inputs, grads.dq, dbias_full, a.mods, *strides, _strides(grads.dq, v), dbias_strides,
              *rest), dict(a.constexprs, WRITE_DBIAS=need_dbias))
     if need_dbias:
         grads.dbias.add_(reduce_to_shape(dbias_full, grads.dbias.shape))

@@ -103,16 +103,17 @@ def band_keep(rows, cols, offset, q_len, k_len, window_left, window_right,
 
 
 @triton.jit
-def score_tile(qk, rows, cols, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.constexpr):
-    """Base-2 logits of a tile (-inf where hidden) and, with a softcap, its tanh (for the backward).
-    ``hd``: the tile's :class:`ScoreHead`; ``sc``: the call's :class:`Scalars`; ``st``: its
-    :class:`ModifierStrides`.
+def score_tile(qk, rows, cols, hd, sc, APPLY_BAND: tl.constexpr, F: tl.constexpr):
+    """Base-2 logits of a tile (-inf where hidden) and, for the backward, the derivative of the
+    transformed scores with respect to ``scale * q.k`` (1 unless a transform changes it: a softcap's
+    ``1 - tanh^2``), which ``dS`` is multiplied by on its way back to ``q.k``. ``hd``: the tile's
+    :class:`ScoreHead`; ``sc``: the call's :class:`Scalars`.
 
     ``APPLY_BAND`` is False for tiles the launcher's block ranges proved fully visible: the interior
     of a causal or windowed problem pays for no masking at all.
     """
-    PLAIN: tl.constexpr = not (F.HAS_SOFTCAP or F.HAS_ALIBI or F.HAS_BIAS)
-    t = qk
+    PLAIN: tl.constexpr = not (F.HAS_SOFTCAP or F.HAS_ALIBI_SLOPES or F.HAS_BIAS)
+    grad = 1.0
     if PLAIN:
         # One multiply: the softmax scale and the change to base 2 folded together.
         s = qk * (sc.scale * LOG2E)
@@ -121,11 +122,12 @@ def score_tile(qk, rows, cols, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.const
         if F.HAS_SOFTCAP:
             t = tanh(s / sc.softcap)
             s = sc.softcap * t
-        if F.HAS_ALIBI:
+            grad = 1.0 - t * t
+        if F.HAS_ALIBI_SLOPES:
             s = s - hd.slope * tl.abs(rows + hd.offset - cols).to(tl.float32)
         if F.HAS_BIAS:
             inside = (rows < hd.q_len) & (cols < hd.k_len)
-            b = tl.load(hd.bias + rows * st.bias.s + cols * st.bias.d, mask=inside, other=0.0)
+            b = tl.load(hd.bias + rows * hd.bias_st.s + cols * hd.bias_st.d, mask=inside, other=0.0)
             s = s + b.to(tl.float32)
         s = s * LOG2E
     if APPLY_BAND:
@@ -133,9 +135,9 @@ def score_tile(qk, rows, cols, hd, sc, st, APPLY_BAND: tl.constexpr, F: tl.const
                                F.HAS_LEFT, F.HAS_RIGHT), s, float("-inf"))
     if F.HAS_MASK:
         inside = (rows < hd.q_len) & (cols < hd.k_len)
-        m = tl.load(hd.mask + rows * st.mask.s + cols * st.mask.d, mask=inside, other=0)
+        m = tl.load(hd.mask + rows * hd.mask_st.s + cols * hd.mask_st.d, mask=inside, other=0)
         s = tl.where(m != 0, s, float("-inf"))
-    return s, t
+    return s, grad
 
 
 @triton.jit
@@ -284,16 +286,19 @@ def kv_base(ptr, st, batch, kv_head, k_start, PAGED: tl.constexpr):
 
 
 @triton.jit
-def head_scores(seq, Mask, Bias, Slopes, st, seed_lo, seed_hi, batch, head, F: tl.constexpr):
-    """The :class:`ScoreHead` of query head ``head`` of sequence ``seq``."""
+def head_scores(seq, mods, seed_lo, seed_hi, batch, head, F: tl.constexpr):
+    """The :class:`ScoreHead` of query head ``head`` of sequence ``seq``, from the call's
+    :class:`ModifierTensors` ``mods``. ``head`` may be a column of heads, one per row of a tile (the
+    decode kernel's), with no mask, bias or dropout: then the slope is a column too."""
+    st = mods.st
     slope = 0.0
-    if F.HAS_ALIBI:
-        slope = tl.load(Slopes + batch * st.slopes.b + head * st.slopes.h)
+    if F.HAS_ALIBI_SLOPES:
+        slope = tl.load(mods.alibi_slopes + batch * st.alibi_slopes.b + head * st.alibi_slopes.h)
     drop_key = 0
     if F.HAS_DROPOUT:
         drop_key = dropout_head_key(seed_lo, seed_hi, batch, head)
-    return ScoreHead(seq.offset, seq.q_len, seq.k_len, slope, head_base(Mask, st.mask, batch, head),
-                     head_base(Bias, st.bias, batch, head), drop_key)
+    return ScoreHead(seq.offset, seq.q_len, seq.k_len, slope, head_base(mods.mask, st.mask, batch, head),
+                     head_base(mods.bias, st.bias, batch, head), st.mask, st.bias, drop_key)
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -382,27 +383,99 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                            return_softmax_lse)
             if served is not None:
                 return served
-    result = _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                      alibi_slopes, num_splits, return_softmax_lse, q_descale, k_descale, v_descale)
+    result = _checked(q, k_cache, v_cache, (k, v), _Rotary(rotary_cos, rotary_sin, rotary_interleaved),
+                      _Where(cache_seqlens, cache_batch_idx, cache_leftpad, block_table),
+                      _Options(softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                               return_softmax_lse), (q_descale, k_descale, v_descale))
     if key is not None:  # every check passed for this shape: its next call takes _step
         plans.put(key, _check_options(_FN, 0.0, softmax_scale, causal, window_size, softcap, False,
                                       return_softmax_lse, "return_softmax_lse"))
     return result
 
 
-def _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-             return_softmax_lse, q_descale, k_descale, v_descale):
-    """flash_attn_with_kvcache with every check (the docstring above)."""
+class _Rotary(NamedTuple):
+    """The rotary embedding of the new keys and of q: cos/sin tables and GPT-J pairs or NeoX halves."""
+
+    cos: object
+    sin: object
+    interleaved: object
+
+
+class _Where(NamedTuple):
+    """Where each sequence's keys are in the caches: its length, its cache entry, its first valid key,
+    its pages."""
+
+    cache_seqlens: object
+    cache_batch_idx: object
+    cache_leftpad: object
+    block_table: object
+
+
+class _Options(NamedTuple):
+    """The attention's options, as flash_attn_with_kvcache takes them."""
+
+    softmax_scale: object
+    causal: object
+    window_size: object
+    softcap: object
+    alibi_slopes: object
+    num_splits: object
+    return_softmax_lse: object
+
+
+def _checked(q, k_cache, v_cache, new_kv, rotary, where, options, descales):
+    """flash_attn_with_kvcache with every check (the docstring above), in its steps: the tensors and
+    options, the sequences' lengths in the cache, the new keys, then (the caches written only once
+    every check passed) the rotation, the write and the attention."""
+    q, cache_dtype, fp8, window = _check_call(q, k_cache, v_cache, options, descales)
+    batch = q.shape[0]
+    cache = _Cache(q, k_cache, v_cache, where.cache_batch_idx, where.block_table)
+    lengths, lengths_t = _cache_lengths(where.cache_seqlens, batch, q.device)
+    new = _check_new_kv(new_kv, rotary, q, k_cache, v_cache, lengths, cache_dtype)
+    used = [cache.capacity] * batch if lengths is None else [n + new for n in lengths]
+    cache.check_capacity(used, new)
+    pads = _left_pads(where.cache_leftpad, cache, lengths, used, q.device)
+    if cache.table is not None:
+        cache.table = cache.used_table(used)  # validated before anything is written
+    local = options.causal or window != (-1, -1)
+    rotating = rotary.cos is not None or rotary.sin is not None
+    if rotating:
+        _check_rotary(rotary.cos, rotary.sin, q.shape[3], cache.capacity, lengths, q.shape[1], local, q.device)
+    k, v = new_kv
+    queries = q
+    if k is not None and rotating:
+        queries, k = _rotated(q, k, rotary, lengths_t, local)
+    # Every argument flash-attn checks is checked above, before the caches change. Should the core
+    # still refuse the call (or the computation fail), the new keys are taken out again: the caches
+    # are byte-identical after any error.
+    saved = None if k is None else cache.write(lengths_t, k, v, lengths)
+    try:
+        used_t = None if lengths is None else (lengths_t + new if new else lengths_t)
+        keys, values, extra = _keys_of(cache, batch, pads, used, used_t, q.device)
+        if fp8:
+            queries, scales = _descale.lower(_FN, queries, keys, values, descales, batch, k_cache.shape[2],
+                                             "block_table" in extra)
+            extra.update(scales)
+        out, lse = _attend(queries, keys, values, extra, options.softmax_scale, options.causal, window,
+                           options.softcap, options.alibi_slopes)
+    except BaseException:
+        if saved is not None:
+            cache.restore(saved)
+        raise
+    return (out, lse) if options.return_softmax_lse else out
+
+
+def _check_call(q, k_cache, v_cache, options, descales):
+    """The tensors' ranks, dtypes, devices and shapes and the options: (q, as the core takes it (an
+    fp8 q widened to bf16, exactly), the cache's dtype, whether the cache is FlashAttention-3's fp8
+    with descales, the window)."""
     _check_rank(_FN, "q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_rank(_FN, "k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_rank(_FN, "v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
-    window = _check_options(_FN, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse,
-                            "return_softmax_lse")
-    if _as_int(_FN, "num_splits", num_splits, "an int >= 0 (0 = automatic)") < 0:
-        _fail(_FN, "num_splits", repr(num_splits), "an int >= 0 (0 = automatic)")
-    descales = (q_descale, k_descale, v_descale)
+    window = _check_options(_FN, 0.0, options.softmax_scale, options.causal, options.window_size, options.softcap,
+                            False, options.return_softmax_lse, "return_softmax_lse")
+    if _as_int(_FN, "num_splits", options.num_splits, "an int >= 0 (0 = automatic)") < 0:
+        _fail(_FN, "num_splits", repr(options.num_splits), "an int >= 0 (0 = automatic)")
     fp8 = _descale.wanted(q, k_cache, v_cache, descales)
     if fp8 and q.dtype in _descale.FP8:
         if k_cache.dtype not in _descale.FP8:
@@ -421,7 +494,7 @@ def _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
               f"the first three dims of k_cache {tuple(k_cache.shape[:3])}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         _fail(_FN, "q", f"dtype {q.dtype}", "fp16, bf16 (flash-attn), fp32 or fp64", FlashAttnTypeError)
-    batch, seqlen_q, heads, _ = q.shape
+    batch, _, heads, _ = q.shape
     if k_cache.shape[3] != q.shape[3]:
         _fail(_FN, "k_cache", f"head dim {k_cache.shape[3]}", f"q's head dim {q.shape[3]}")
     if k_cache.shape[2] == 0 or heads % k_cache.shape[2]:
@@ -429,87 +502,86 @@ def _checked(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
               "a number of kv heads dividing the query heads (MQA/GQA)")
     if 0 in (q.shape[3], v_cache.shape[3]):
         _fail(_FN, "q/v_cache", f"head dims {q.shape[3]}/{v_cache.shape[3]}", "positive head dims")
-    _check_alibi(_FN, alibi_slopes, batch, heads, q.device)
-    cache = _Cache(q, k_cache, v_cache, cache_batch_idx, block_table)
+    _check_alibi(_FN, options.alibi_slopes, batch, heads, q.device)
+    return q, cache_dtype, fp8, window
+
+
+def _cache_lengths(cache_seqlens, batch, device):
+    """(host list, device tensor) of the sequences' current lengths, (None, None) for whole caches."""
     if cache_seqlens is None:
-        lengths, lengths_t = None, None
-    else:
-        lengths, lengths_t = _lengths("cache_seqlens", cache_seqlens, batch, "the current cache lengths", q.device)
-        negative = [(b, n) for b, n in enumerate(lengths) if n < 0]
-        if negative:
-            _fail(_FN, "cache_seqlens", f"{negative[0][1]} for sequence {negative[0][0]}", "a length >= 0")
+        return None, None
+    lengths, lengths_t = _lengths("cache_seqlens", cache_seqlens, batch, "the current cache lengths", device)
+    negative = [(b, n) for b, n in enumerate(lengths) if n < 0]
+    if negative:
+        _fail(_FN, "cache_seqlens", f"{negative[0][1]} for sequence {negative[0][0]}", "a length >= 0")
+    return lengths, lengths_t
+
+
+def _check_new_kv(new_kv, rotary, q, k_cache, v_cache, lengths, cache_dtype) -> int:
+    """The new keys and values (both or neither, and rotary tables only with them): how many a sequence
+    appends."""
+    k, v = new_kv
+    batch = q.shape[0]
     if (k is None) != (v is None):
         _fail(_FN, "k/v", "only one of them", "both new k and v, or neither")
-    rotary = rotary_cos is not None or rotary_sin is not None
-    if rotary and k is None:
+    if (rotary.cos is not None or rotary.sin is not None) and k is None:
         _fail(_FN, "rotary_cos/rotary_sin", "rotary tables without new k/v", "new k and v to rotate (as flash-attn)")
-    new = 0
-    if k is not None:
-        _check_rank(_FN, "k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
-        _check_rank(_FN, "v", v, 4, "(batch, seqlen_new, nheads_k, headdim_v)")
-        if lengths is None:
-            _fail(_FN, "cache_seqlens", None, "the current cache lengths, required to append k/v")
-        new = k.shape[1]
-        if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:] or v.shape[:3] != k.shape[:3] \
-                or v.shape[3] != v_cache.shape[3]:
-            _fail(_FN, "k/v", f"shapes {tuple(k.shape)}, {tuple(v.shape)}",
-                  f"(batch={batch}, seqlen_new, {k_cache.shape[2]}, headdim) matching the caches")
-        for name, t in (("k", k), ("v", v)):
-            if t.dtype != cache_dtype or t.device != q.device:
-                _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"the cache's dtype {cache_dtype} on {q.device}",
-                      FlashAttnTypeError)
-    used = [cache.capacity] * batch if lengths is None else [n + new for n in lengths]
-    cache.check_capacity(used, new)
-    pads = None
-    if cache_leftpad is not None:
-        if cache.table is not None:
-            _fail(_FN, "cache_leftpad", "a tensor together with block_table",
-                  "None with a paged cache (flash-attn: paged KV and leftpad_k cannot be used together)")
-        if not isinstance(cache_leftpad, torch.Tensor):
-            _fail(_FN, "cache_leftpad", _describe(cache_leftpad), f"an int32 tensor of shape ({batch},)",
+    if k is None:
+        return 0
+    _check_rank(_FN, "k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+    _check_rank(_FN, "v", v, 4, "(batch, seqlen_new, nheads_k, headdim_v)")
+    if lengths is None:
+        _fail(_FN, "cache_seqlens", None, "the current cache lengths, required to append k/v")
+    if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:] or v.shape[:3] != k.shape[:3] \
+            or v.shape[3] != v_cache.shape[3]:
+        _fail(_FN, "k/v", f"shapes {tuple(k.shape)}, {tuple(v.shape)}",
+              f"(batch={batch}, seqlen_new, {k_cache.shape[2]}, headdim) matching the caches")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != cache_dtype or t.device != q.device:
+            _fail(_FN, name, f"dtype {t.dtype} on {t.device}", f"the cache's dtype {cache_dtype} on {q.device}",
                   FlashAttnTypeError)
-        pads, pads_t = _lengths("cache_leftpad", cache_leftpad, batch, "where each sequence's cache starts",
-                                q.device)
-        ends = lengths if lengths is not None else used
-        _check_range("cache_leftpad", pads, [0] * batch, ends, "a start at most the sequence's cache length")
+    return k.shape[1]
+
+
+def _left_pads(cache_leftpad, cache, lengths, used, device):
+    """(host list, device tensor) of where each sequence's cache starts, or None without left pads."""
+    if cache_leftpad is None:
+        return None
+    batch = len(used)
     if cache.table is not None:
-        cache.table = cache.used_table(used)  # validated before anything is written
-    local = causal or window != (-1, -1)
-    if rotary:
-        _check_rotary(rotary_cos, rotary_sin, q.shape[3], cache.capacity, lengths, seqlen_q, local, q.device)
-    queries = q
-    if k is not None and rotary:
-        start = lengths_t.long()[:, None]
-        k_pos = start + torch.arange(new, device=q.device)
-        k = _rotate(k, rotary_cos[k_pos], rotary_sin[k_pos], rotary_interleaved)
-        q_pos = start + torch.arange(seqlen_q, device=q.device) if local else start.expand(batch, seqlen_q)
-        queries = _rotate(q, rotary_cos[q_pos], rotary_sin[q_pos], rotary_interleaved)
-    # Every argument flash-attn checks is checked above, before the caches change. Should the core
-    # still refuse the call (or the computation fail), the new keys are taken out again: the caches
-    # are byte-identical after any error.
-    saved = None if k is None else cache.write(lengths_t, k, v, lengths)
-    try:
-        used_t = None if lengths is None else (lengths_t + new if new else lengths_t)
-        keys, values = k_cache, v_cache
-        if pads is not None:
-            valid = [n - p for n, p in zip(used, pads)]
-            valid_t = (torch.full((batch,), cache.capacity, dtype=torch.int32, device=q.device)
-                       if used_t is None else used_t) - pads_t
-            keys, values, extra = _left_padded(cache, batch, pads, valid, valid_t, pads_t)
-        elif cache.table is not None:
-            extra = dict(block_table=cache.table, seqused_k=used_t)
-        elif cache.rows is not None:
-            # A contiguous cache is a pool of B_cache pages of S_cache slots; sequence b reads page idx[b].
-            extra = dict(block_table=cache.rows[:, None], seqused_k=used_t)
-        else:
-            extra = dict(seqused_k=used_t)
-        if fp8:
-            queries, scales = _descale.lower(_FN, queries, keys, values, descales, batch, k_cache.shape[2],
-                                             "block_table" in extra)
-            extra.update(scales)
-        out, lse = _attend(queries, keys, values, extra, softmax_scale, causal, window, softcap, alibi_slopes)
-    except BaseException:
-        if saved is not None:
-            cache.restore(saved)
-        raise
-    return (out, lse) if return_softmax_lse else out
+        _fail(_FN, "cache_leftpad", "a tensor together with block_table",
+              "None with a paged cache (flash-attn: paged KV and leftpad_k cannot be used together)")
+    if not isinstance(cache_leftpad, torch.Tensor):
+        _fail(_FN, "cache_leftpad", _describe(cache_leftpad), f"an int32 tensor of shape ({batch},)",
+              FlashAttnTypeError)
+    pads, pads_t = _lengths("cache_leftpad", cache_leftpad, batch, "where each sequence's cache starts", device)
+    ends = lengths if lengths is not None else used
+    _check_range("cache_leftpad", pads, [0] * batch, ends, "a start at most the sequence's cache length")
+    return pads, pads_t
+
+
+def _rotated(q, k, rotary, lengths_t, local):
+    """(q, k) rotated: the new keys at positions cache_seqlens[b] + i, q at the same positions when
+    causal or windowed, else all at cache_seqlens[b] (flash-attn's rule)."""
+    batch, seqlen_q = q.shape[:2]
+    start = lengths_t.long()[:, None]
+    k_pos = start + torch.arange(k.shape[1], device=q.device)
+    k = _rotate(k, rotary.cos[k_pos], rotary.sin[k_pos], rotary.interleaved)
+    q_pos = start + torch.arange(seqlen_q, device=q.device) if local else start.expand(batch, seqlen_q)
+    return _rotate(q, rotary.cos[q_pos], rotary.sin[q_pos], rotary.interleaved), k
+
+
+def _keys_of(cache, batch, pads, used, used_t, device):
+    """(keys, values, the core call's keywords that say where each sequence's are) of the cache."""
+    if pads is not None:
+        pads, pads_t = pads
+        valid = [n - p for n, p in zip(used, pads)]
+        valid_t = (torch.full((batch,), cache.capacity, dtype=torch.int32, device=device)
+                   if used_t is None else used_t) - pads_t
+        return _left_padded(cache, batch, pads, valid, valid_t, pads_t)
+    if cache.table is not None:
+        return cache.k, cache.v, dict(block_table=cache.table, seqused_k=used_t)
+    if cache.rows is not None:
+        # A contiguous cache is a pool of B_cache pages of S_cache slots; sequence b reads page idx[b].
+        return cache.k, cache.v, dict(block_table=cache.rows[:, None], seqused_k=used_t)
+    return cache.k, cache.v, dict(seqused_k=used_t)

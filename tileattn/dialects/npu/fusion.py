@@ -19,10 +19,11 @@ The translation, point by point (docs/dialects.md has the full table):
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
+from ...core.layouts import LAYOUT, LAYOUTS, user_shape
 from . import _plan as plan
 from ._common import (
     FLOAT_DTYPES, UNBOUNDED, NpuTypeError, band_side, check_float, check_int, check_layout, check_tensor, core_errors,
@@ -35,8 +36,6 @@ from ._stats import lse_from_stats, stats_from_lse
 __all__ = ["npu_fusion_attention", "npu_fusion_attention_grad", "npu_fusion_attention_v2",
            "npu_fusion_attention_grad_v2"]
 
-_LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
-_RANK = {"BSH": 3, "SBH": 3, "BSND": 4, "BNSD": 4, "TND": 3}
 _TEMPLATE = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048), 7: (2048, 2048),
              8: (2048, 2048)}
 _ALIBI_ROWS = 1024
@@ -53,34 +52,28 @@ class _Call:
         self.numels = 0
         self.seed = 0
         self.offset = 0
-        if layout == "TND":
-            self.heads_kv, self.dv = key.shape[1], value.shape[2]
-        elif layout in ("BSH", "SBH"):
-            d = query.shape[2] // head_num
-            self.heads_kv = key.shape[2] // d
-            self.dv = value.shape[2] // self.heads_kv
+        lay = LAYOUT[layout]
+        self.varlen = lay.packed
+        if lay.fused:
+            self.heads_kv = key.shape[-1] // (query.shape[-1] // head_num)
+            self.dv = value.shape[-1] // self.heads_kv
         else:
-            axis = 1 if layout == "BNSD" else 2
-            self.heads_kv, self.dv = key.shape[axis], value.shape[3]
-        if layout != "TND":
-            b_axis, s_axis = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}[layout]
-            self.batch, self.sq, self.sk = query.shape[b_axis], query.shape[s_axis], key.shape[s_axis]
+            self.heads_kv, self.dv = key.shape[lay.heads_dim], value.shape[-1]
+        # a packed call's sequences come from its lists (_plan_varlen); its rows are the packed ones
+        self.batch = None if self.varlen else query.shape[lay.batch_dim]
+        self.sq, self.sk = query.shape[lay.seq_dim], key.shape[lay.seq_dim]
 
     def geometry(self) -> Geometry:
-        if self.layout == "TND":
-            return Geometry((self.heads, self.query.shape[0]), total=self.query.shape[0])
+        if self.varlen:
+            return Geometry((self.heads, self.sq), total=self.sq)
         return Geometry((self.batch, self.heads, self.sq))
 
     def out_shape(self):
-        if self.layout == "TND":
-            return (self.query.shape[0], self.heads, self.dv)
-        return {"BNSD": (self.batch, self.heads, self.sq, self.dv), "BSND": (self.batch, self.sq, self.heads, self.dv),
-                "BSH": (self.batch, self.sq, self.heads * self.dv),
-                "SBH": (self.sq, self.batch, self.heads * self.dv)}[self.layout]
+        return user_shape(self.layout, self.batch, self.heads, self.sq, self.dv)
 
     def stat_shape(self):
-        if self.layout == "TND":
-            return (self.query.shape[0], self.heads, 8)
+        if self.varlen:
+            return (self.sq, self.heads, 8)
         return (self.batch, self.heads, self.sq, 8)
 
 
@@ -89,15 +82,15 @@ class _Call:
 
 
 def _check_qkv(fn, query, key, value, head_num, layout):
-    rank = _RANK[layout]
+    lay = LAYOUT[layout]
     for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(fn, name, t, rank, FLOAT_DTYPES, f" in input_layout '{layout}'")
+        check_tensor(fn, name, t, lay.rank, FLOAT_DTYPES, f" in input_layout '{layout}'")
     if not (query.dtype == key.dtype == value.dtype):
         fail(fn, "query/key/value", f"dtypes {query.dtype}, {key.dtype}, {value.dtype}", "one shared dtype", NpuTypeError)
     if not (query.device == key.device == value.device):
         fail(fn, "query/key/value", f"devices {query.device}, {key.device}, {value.device}", "one shared device")
     head_num = check_int(fn, "head_num", head_num, 1)
-    if layout in ("BSH", "SBH"):
+    if lay.fused:
         if query.shape[2] % head_num:
             fail(fn, "head_num", head_num, f"a divisor of query's hidden size {query.shape[2]}")
         d = query.shape[2] // head_num
@@ -106,10 +99,8 @@ def _check_qkv(fn, query, key, value, head_num, layout):
         heads_kv = key.shape[2] // d
         if value.shape[2] % heads_kv:
             fail(fn, "value", f"hidden size {value.shape[2]}", f"a multiple of the {heads_kv} kv heads")
-        same = [(0, 1)] if layout == "BSH" else [(1, 0)]
-        b_axis, s_axis = same[0]
     else:
-        h_axis = 1 if layout in ("TND", "BNSD") else 2
+        h_axis = lay.heads_dim
         if query.shape[h_axis] != head_num:
             fail(fn, "head_num", head_num, f"{query.shape[h_axis]}, the heads of query in layout {layout}")
         heads_kv = key.shape[h_axis]
@@ -117,7 +108,7 @@ def _check_qkv(fn, query, key, value, head_num, layout):
             fail(fn, "value", f"{value.shape[h_axis]} heads", f"{heads_kv}, the heads of key")
         if key.shape[-1] != query.shape[-1]:
             fail(fn, "key", f"head dim {key.shape[-1]}", f"{query.shape[-1]}, the head dim of query")
-        b_axis, s_axis = {"TND": (None, 0), "BNSD": (0, 2), "BSND": (0, 1)}[layout]
+    b_axis, s_axis = lay.batch_dim, lay.seq_dim
     if heads_kv == 0 or head_num % heads_kv:
         fail(fn, "key", f"{heads_kv} heads for head_num={head_num}", "a number of kv heads dividing head_num (GQA)")
     if b_axis is not None and not (query.shape[b_axis] == key.shape[b_axis] == value.shape[b_axis]):
@@ -287,23 +278,65 @@ def _mix_seed(seed: int, salt: int) -> int:
     return x & ((1 << 62) - 1)
 
 
-def _build(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, atten_mask, scale, keep_prob, pre,
-          nxt, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, seed,
-          pse_type=1, q_start_idx=None, kv_start_idx=None, query_rope=None, key_rope=None):
-    layout = check_layout(fn, "input_layout", input_layout, _LAYOUTS)
+class _Options(NamedTuple):
+    """The options of one call (the forward's and the gradient's alike; v2's last five), validated by
+    :func:`_build`."""
+
+    pse: object
+    padding_mask: object
+    atten_mask: object
+    scale: object
+    keep_prob: object
+    pre: object
+    nxt: object
+    inner_precise: object
+    prefix: object
+    actual_seq_qlen: object
+    actual_seq_kvlen: object
+    sparse_mode: object
+    softmax_layout: object
+    sink: object
+    pse_type: object = 1
+    q_start_idx: object = None
+    kv_start_idx: object = None
+    query_rope: object = None
+    key_rope: object = None
+
+
+def _build(fn, query, key, value, head_num, input_layout, o: _Options, seed) -> _Call:
+    """The validated call and its pieces (the core calls that compute it): the tensors and options
+    checked, then a packed call planned per sequence (:func:`_plan_varlen`), a padded one as one
+    piece (:func:`_plan_padded`)."""
+    layout = check_layout(fn, "input_layout", input_layout, LAYOUTS)
     head_num = _check_qkv(fn, query, key, value, head_num, layout)
-    scale, keep_prob, pre, nxt, sparse_mode = _check_options(fn, scale, keep_prob, pre, nxt, inner_precise,
-                                                             sparse_mode, layout, padding_mask)
-    if softmax_layout not in ("", "TND"):
-        fail(fn, "softmax_layout", repr(softmax_layout), "'' (torch_npu's default order) or 'TND'")
-    if softmax_layout == "TND" and layout != "TND":
+    scale, keep_prob, pre, nxt, sparse_mode = _check_options(fn, o.scale, o.keep_prob, o.pre, o.nxt, o.inner_precise,
+                                                             o.sparse_mode, layout, o.padding_mask)
+    if o.softmax_layout not in ("", "TND"):
+        fail(fn, "softmax_layout", repr(o.softmax_layout), "'' (torch_npu's default order) or 'TND'")
+    if o.softmax_layout == "TND" and layout != "TND":
         warn_once(("softmax_layout", layout), f"softmax_layout='TND' only applies to input_layout='TND'; "
                   f"the statistics of '{layout}' are (B, N, Sq, 8) either way.")
-    query, key = _with_rope(fn, query, key, query_rope, key_rope, layout, head_num)
+    query, key = _with_rope(fn, query, key, o.query_rope, o.key_rope, layout, head_num)
     call = _Call(fn, layout, query, key, value, head_num)
-    sink = _check_sink(fn, sink, head_num, query.device)
-    dropout_p = 1.0 - keep_prob
-    base = dict(scale=scale, dropout_p=dropout_p, sinks=sink)
+    sink = _check_sink(fn, o.sink, head_num, query.device)
+    base = dict(scale=scale, dropout_p=1.0 - keep_prob, sinks=sink)
+    mode = _mode(fn, o.atten_mask, sparse_mode, pre, nxt, o.prefix, o.pse, key, layout)
+    if keep_prob < 1.0:
+        call.seed = seed
+    if call.varlen:
+        _plan_varlen(call, fn, mode, o.atten_mask, pre, nxt, o.prefix, o.actual_seq_qlen, o.actual_seq_kvlen, o.pse,
+                     base)
+        return call
+    for name, val in (("actual_seq_qlen", o.actual_seq_qlen), ("actual_seq_kvlen", o.actual_seq_kvlen)):
+        if val is not None:
+            fail(fn, name, repr(val), f"None for input_layout='{layout}' (only TND is variable-length)")
+    _plan_padded(call, fn, mode, o._replace(scale=scale, pre=pre, nxt=nxt), base)
+    return call
+
+
+def _mode(fn, atten_mask, sparse_mode, pre, nxt, prefix, pse, key, layout) -> int:
+    """The sparse mode the call computes (-1: full attention, as without a mask), its options checked
+    against it and what it ignores said once."""
     has_mask = atten_mask is not None
     bands_apply = has_mask and sparse_mode in (0, 4, 7, 8)
     if bands_apply and band_side(pre) is not None and band_side(nxt) is not None and pre + nxt < 0:
@@ -323,35 +356,33 @@ def _build(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, 
         warn_once(("ignored-prefix", sparse_mode), f"prefix is ignored with sparse_mode={sparse_mode}.")
     if sparse_mode in (7, 8) and pse is not None:
         fail(fn, "pse", "a tensor with sparse_mode=" + str(sparse_mode), "None (torch_npu has no pse in modes 7/8)")
-    mode = sparse_mode if has_mask else -1  # -1: full attention
-    if keep_prob < 1.0:
-        call.seed = seed
-    if layout == "TND":
-        _plan_varlen(call, fn, mode, atten_mask, pre, nxt, prefix, actual_seq_qlen, actual_seq_kvlen, pse, base)
-        return call
-    for name, val in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
-        if val is not None:
-            fail(fn, name, repr(val), f"None for input_layout='{layout}' (only TND is variable-length)")
+    return sparse_mode if has_mask else -1
+
+
+def _plan_padded(call, fn, mode, o: _Options, base):
+    """A padded call as one piece: its band, its mask (the caller's and a prefix's region) and its
+    bias (``pse``)."""
+    query, head_num, layout = call.query, call.heads, call.layout
     call.numels = call.batch * head_num * call.sq * call.sk
-    bias_fn = _pse_bias(fn, pse, pse_type, scale, query, layout, call.batch, head_num, call.sq, call.sk,
-                        _start(fn, "q_start_idx", q_start_idx), _start(fn, "kv_start_idx", kv_start_idx))
-    kwargs = dict(layout=layout, num_heads=head_num if layout in ("BSH", "SBH") else None, seed=call.seed, **base)
+    bias_fn = _pse_bias(fn, o.pse, o.pse_type, o.scale, query, layout, call.batch, head_num, call.sq, call.sk,
+                        _start(fn, "q_start_idx", o.q_start_idx), _start(fn, "kv_start_idx", o.kv_start_idx))
+    kwargs = dict(layout=layout, num_heads=head_num if LAYOUT[layout].fused else None, seed=call.seed, **base)
     keep = None
     if mode >= 0:
-        keep = _keep_mask(fn, atten_mask, mode, layout, call.batch, head_num, call.sq, call.sk)
+        keep = _keep_mask(fn, o.atten_mask, mode, layout, call.batch, head_num, call.sq, call.sk)
     if mode in (5, 6):
-        pfx = _check_prefix(fn, prefix, call.batch, [call.sq] * call.batch, [call.sk] * call.batch)
+        pfx = _check_prefix(fn, o.prefix, call.batch, [call.sq] * call.batch, [call.sk] * call.batch)
         lens = lambda n: torch.full((call.batch,), n, device=query.device)  # noqa: E731
         region_keep = region(None, lens(call.sq), lens(call.sk), call.sq, call.sk,
                              torch.tensor(pfx, device=query.device))
         keep = region_keep if keep is None else keep & region_keep
     elif mode in (0, 2, 3, 4):
+        pre, nxt = o.pre, o.nxt
         band = {0: Band("top_left", _neg(band_side(pre)), band_side(nxt)), 2: Band("top_left", None, 0),
                 3: Band("bottom_right", None, 0), 4: Band("bottom_right", _neg(band_side(pre)), band_side(nxt))}[mode]
         kwargs.update(band_call(band, call.sk - call.sq))
     kwargs["mask"] = keep
-    call.pieces.append(Piece(query, key, value, kwargs, bias_fn=bias_fn))
-    return call
+    call.pieces.append(Piece(query, call.key, call.value, kwargs, bias_fn=bias_fn))
 
 
 def _band_meant(sparse_mode, pre, nxt, key, layout) -> bool:
@@ -360,7 +391,7 @@ def _band_meant(sparse_mode, pre, nxt, key, layout) -> bool:
     if (pre, nxt) == (UNBOUNDED, UNBOUNDED):
         return False
     if sparse_mode in (2, 3):
-        keys = key.shape[0] if layout in ("TND", "SBH") else key.shape[2 if layout == "BNSD" else 1]
+        keys = key.shape[LAYOUT[layout].seq_dim]
         return nxt not in (0, UNBOUNDED) or pre < keys
     return True
 
@@ -385,12 +416,13 @@ def _with_rope(fn, query, key, query_rope, key_rope, layout, heads):
         return query, key
     if query_rope is None or key_rope is None:
         fail(fn, "query_rope/key_rope", "only one of them", "both or neither")
+    fused = LAYOUT[layout].fused
     for name, t, ref in (("query_rope", query_rope, query), ("key_rope", key_rope, key)):
         check_tensor(fn, name, t, ref.dim(), (ref.dtype,), f" of {ref.dtype}, in input_layout '{layout}'")
-        if tuple(t.shape[:-1]) != tuple(ref.shape[:-1]) and layout not in ("BSH", "SBH"):
+        if tuple(t.shape[:-1]) != tuple(ref.shape[:-1]) and not fused:
             fail(fn, name, f"shape {tuple(t.shape)}", f"the shape of {'query' if ref is query else 'key'} except "
                  "the head dim")
-    if layout in ("BSH", "SBH"):
+    if fused:
         kv_heads = key.shape[2] // (query.shape[2] // heads)
         rq = query_rope.shape[2] // heads
         q = torch.cat([query.unflatten(-1, (heads, -1)), query_rope.unflatten(-1, (heads, rq))], -1).flatten(-2)
@@ -501,19 +533,13 @@ def _draw_seed(keep_prob, seed, offset):
     return int(torch.randint(0, 2**62, (1,)).item()), 0
 
 
-def _forward(fn, query, key, value, head_num, input_layout, *, pse, padding_mask, atten_mask, scale, keep_prob, pre,
-             nxt, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, seed=0,
-             offset=0, **v2):
+def _forward(fn, query, key, value, head_num, input_layout, options: _Options, seed=0, offset=0):
     for name, val in (("seed", seed), ("offset", offset)):
         if not is_int(val):
             fail(fn, name, repr(val), "an int", NpuTypeError)
-    seed, offset = _draw_seed(keep_prob, seed, offset)
+    seed, offset = _draw_seed(options.keep_prob, seed, offset)
     with core_errors(fn):
-        call = _build(fn, query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask,
-                     atten_mask=atten_mask, scale=scale, keep_prob=keep_prob, pre=pre, nxt=nxt,
-                     inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-                     actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout,
-                     sink=sink, seed=_mix_seed(seed, offset), **v2)
+        call = _build(fn, query, key, value, head_num, input_layout, options, _mix_seed(seed, offset))
         geo = call.geometry()
         if call.pieces:
             out, lse = plan.forward(call.pieces, geo)
@@ -521,7 +547,7 @@ def _forward(fn, query, key, value, head_num, input_layout, *, pse, padding_mask
         else:
             out = query.new_zeros(call.out_shape())
             lse = rmax = torch.full(geo.lse_shape, -math.inf, device=query.device)
-    softmax_max, softmax_sum = stats_from_lse(lse, rmax, call.layout, softmax_layout, call.cu_q)
+    softmax_max, softmax_sum = stats_from_lse(lse, rmax, call.layout, options.softmax_layout, call.cu_q)
     return out, softmax_max, softmax_sum, query.new_empty((0,)), seed, offset, call.numels
 
 
@@ -539,11 +565,9 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     key always give 0). ``seed`` is tileattn's dropout seed, ``offset`` 0; ``numels`` is computed as
     torch_npu does (``B*N*Sq*Skv``; TND: ``N * sum(lq_b * lk_b)`` over the lists as passed).
     """
-    return _forward("npu_fusion_attention", query, key, value, head_num, input_layout, pse=pse,
-                    padding_mask=padding_mask, atten_mask=atten_mask, scale=scale, keep_prob=keep_prob,
-                    pre=pre_tockens, nxt=next_tockens, inner_precise=inner_precise, prefix=prefix,
-                    actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-                    softmax_layout=softmax_layout, sink=sink)
+    return _forward("npu_fusion_attention", query, key, value, head_num, input_layout, _Options(
+        pse, padding_mask, atten_mask, scale, keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
+        actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink))
 
 
 @beside_stand_in
@@ -566,17 +590,18 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, pse=None,
     check_int(fn, "pse_type", pse_type)
     if pse_type not in (0, 1, 2, 3):
         fail(fn, "pse_type", pse_type, "0, 1, 2 or 3")
-    return _forward(fn, query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask,
-                    atten_mask=atten_mask, scale=scale, keep_prob=keep_prob, pre=pre_tokens, nxt=next_tokens,
-                    inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-                    actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout,
-                    sink=sink, seed=seed, offset=offset, pse_type=pse_type, q_start_idx=q_start_idx,
-                    kv_start_idx=kv_start_idx, query_rope=query_rope, key_rope=key_rope)
+    return _forward(fn, query, key, value, head_num, input_layout, _Options(
+        pse, padding_mask, atten_mask, scale, keep_prob, pre_tokens, next_tokens, inner_precise, prefix,
+        actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, pse_type, q_start_idx, kv_start_idx,
+        query_rope, key_rope), seed, offset)
 
 
-def _grad(fn, query, key, value, dy, head_num, input_layout, *, pse, padding_mask, atten_mask, softmax_max,
-          softmax_sum, attention_in, scale_value, keep_prob, pre, nxt, inner_precise, seed, offset, prefix,
-          actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, **v2):
+def _grad(fn, query, key, value, dy, head_num, input_layout, options: _Options, forward, seed, offset):
+    """The gradients of a call (its options as the forward's) for the output gradient ``dy``, from
+    ``forward`` = (softmax_max, softmax_sum, attention_in) as the forward returned them (or Nones:
+    the forward is recomputed)."""
+    softmax_max, softmax_sum, attention_in = forward
+    pse, sink, softmax_layout = options.pse, options.sink, options.softmax_layout
     for name, val in (("seed", seed), ("offset", offset)):
         if not is_int(val):
             fail(fn, name, repr(val), "the int returned by npu_fusion_attention", NpuTypeError)
@@ -584,11 +609,8 @@ def _grad(fn, query, key, value, dy, head_num, input_layout, *, pse, padding_mas
     pse_leaf = pse.detach().requires_grad_(True) if isinstance(pse, torch.Tensor) else pse
     sink_t = sink.detach() if isinstance(sink, torch.Tensor) else sink
     with core_errors(fn):
-        call = _build(fn, query.detach(), key.detach(), value.detach(), head_num, input_layout, pse=pse_leaf,
-                     padding_mask=padding_mask, atten_mask=atten_mask, scale=scale_value, keep_prob=keep_prob,
-                     pre=pre, nxt=nxt, inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-                     actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout,
-                     sink=sink_t, seed=_mix_seed(int(seed), int(offset)), **v2)
+        call = _build(fn, query.detach(), key.detach(), value.detach(), head_num, input_layout,
+                      options._replace(pse=pse_leaf, sink=sink_t), _mix_seed(int(seed), int(offset)))
     if tuple(dy.shape) != call.out_shape():
         fail(fn, "dy", f"shape {tuple(dy.shape)}", f"{call.out_shape()}, the shape of attention_out")
     for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
@@ -616,22 +638,22 @@ def _grad(fn, query, key, value, dy, head_num, input_layout, *, pse, padding_mas
             if piece.bias_fn is not None and dbias is not None:
                 with torch.enable_grad():
                     dpse += torch.autograd.grad(piece.bias_fn(), pse_leaf, dbias.to(pse.dtype))[0]
-    if v2.get("query_rope") is not None:
-        d = query.shape[-1] if input_layout.upper() not in ("BSH", "SBH") else None
-        return _split_rope(dq, dk, d, query, key, call) + (dv, dpse, dsink)
+    if options.query_rope is not None:
+        return _split_rope(dq, dk, query, key, call) + (dv, dpse, dsink)
     if sink is not None and dsink is None:
         dsink = torch.zeros_like(sink)
     return dq, dk, dv, dpse, dsink
 
 
-def _split_rope(dq, dk, d, query, key, call):
+def _split_rope(dq, dk, query, key, call):
     """(dq, dq_rope, dk, dk_rope) from the gradients of the concatenated head dims."""
-    if call.layout in ("BSH", "SBH"):
+    if LAYOUT[call.layout].fused:
         heads, kv_heads = call.heads, call.heads_kv
         dq4, dk4 = dq.unflatten(-1, (heads, -1)), dk.unflatten(-1, (kv_heads, -1))
         dq_, dqr = dq4[..., : query.shape[-1] // heads].flatten(-2), dq4[..., query.shape[-1] // heads:].flatten(-2)
         dk_, dkr = dk4[..., : key.shape[-1] // kv_heads].flatten(-2), dk4[..., key.shape[-1] // kv_heads:].flatten(-2)
         return dq_, dqr, dk_, dkr
+    d = query.shape[-1]
     return dq[..., :d], dq[..., d:], dk[..., :d], dk[..., d:]
 
 
@@ -652,12 +674,10 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     ``softmax_max`` / ``softmax_sum`` the forward is recomputed first. ``seed``/``offset`` must be
     those the forward returned when ``keep_prob < 1``. ``dpse`` is None without ``pse``.
     """
-    grads = _grad("npu_fusion_attention_grad", query, key, value, dy, head_num, input_layout, pse=pse,
-                  padding_mask=padding_mask, atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
-                  attention_in=attention_in, scale_value=scale_value, keep_prob=keep_prob, pre=pre_tockens,
-                  nxt=next_tockens, inner_precise=inner_precise, seed=seed, offset=offset, prefix=prefix,
-                  actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-                  softmax_layout=softmax_layout, sink=sink)
+    grads = _grad("npu_fusion_attention_grad", query, key, value, dy, head_num, input_layout, _Options(
+        pse, padding_mask, atten_mask, scale_value, keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
+        actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink),
+        (softmax_max, softmax_sum, attention_in), seed, offset)
     return grads if sink is not None else grads[:4]
 
 
@@ -675,13 +695,10 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
     check_int(fn, "pse_type", pse_type)
     if pse_type not in (0, 1, 2, 3):
         fail(fn, "pse_type", pse_type, "0, 1, 2 or 3")
-    grads = _grad(fn, query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask,
-                  atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in,
-                  scale_value=scale_value, keep_prob=keep_prob, pre=pre_tokens, nxt=next_tokens,
-                  inner_precise=inner_precise, seed=seed, offset=offset, prefix=prefix,
-                  actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-                  softmax_layout=softmax_layout, sink=sink, pse_type=pse_type, q_start_idx=q_start_idx,
-                  kv_start_idx=kv_start_idx, query_rope=query_rope, key_rope=key_rope)
+    grads = _grad(fn, query, key, value, dy, head_num, input_layout, _Options(
+        pse, padding_mask, atten_mask, scale_value, keep_prob, pre_tokens, next_tokens, inner_precise, prefix,
+        actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, pse_type, q_start_idx, kv_start_idx,
+        query_rope, key_rope), (softmax_max, softmax_sum, attention_in), seed, offset)
     if query_rope is not None:
         dq, dq_rope, dk, dk_rope, dv, dpse, dsink = grads
     else:

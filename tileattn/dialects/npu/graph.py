@@ -27,9 +27,10 @@ import inspect
 
 import torch
 
+from ...core.layouts import LAYOUT
 from ._common import NpuTypeError, check_layout, check_tensor, fail, is_int, refuse
 from .inference import (
-    _LAYOUTS, _flag, _output_shapes, fused_v1, fused_v2, npu_fused_infer_attention_score,
+    INPUT_LAYOUTS, _flag, _output_shapes, fused_v1, fused_v2, io_layouts, npu_fused_infer_attention_score,
     npu_fused_infer_attention_score_v2,
 )
 from .install import beside_stand_in
@@ -113,12 +114,12 @@ def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **k
 def _empty_outputs(fn, query, value, input_layout, block_table, heads, kv_heads, want_lse, heads_name):
     check_tensor(fn, "query", query, None)
     check_tensor(fn, "value", value, None, None)
-    layout = check_layout(fn, "input_layout", input_layout, tuple(_LAYOUTS))
+    layout = check_layout(fn, "input_layout", input_layout, INPUT_LAYOUTS)
     if not is_int(heads) or heads < 1:
         fail(fn, heads_name, repr(heads), "an int >= 1")
     if not is_int(kv_heads) or kv_heads < 0:
         fail(fn, "num_key_value_heads", repr(kv_heads), "an int >= 0 (0 = the query's heads)")
-    expected = 3 if _LAYOUTS[layout][0] in ("BSH", "TND", "NTD") else 4
+    expected = LAYOUT[io_layouts(layout)[0]].rank
     if query.dim() != expected or value.dim() not in (3, 4):
         fail(fn, "query/value", f"{query.dim()}-d/{value.dim()}-d tensors",
              f"a {expected}-d query and a 3- or 4-d value in input_layout '{layout}'")

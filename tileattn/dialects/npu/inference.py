@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
 from ...core.api import flash_attention
+from ...core.layouts import LAYOUT, from_canonical, to_canonical, user_shape
 from ...core.spec import build_spec
 from ._common import (
     FLOAT_DTYPES, UNBOUNDED, NpuTypeError, band_side, check_float, check_int, check_tensor, core_errors, fail,
@@ -47,11 +48,30 @@ from .install import beside_stand_in
 __all__ = ["npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2", "npu_prompt_flash_attention",
            "npu_incre_flash_attention"]
 
-_LAYOUTS = {
-    "BSH": ("BSH", "BSH"), "BSND": ("BSND", "BSND"), "BNSD": ("BNSD", "BNSD"), "TND": ("TND", "TND"),
-    "BNSD_BSND": ("BNSD", "BSND"), "BSH_NBSD": ("BSH", "NBSD"), "BSND_NBSD": ("BSND", "NBSD"),
-    "BNSD_NBSD": ("BNSD", "NBSD"), "TND_NTD": ("TND", "NTD"), "NTD_TND": ("NTD", "TND"),
-}
+#: The ops' input layouts: a layout of :data:`tileattn.core.layouts.LAYOUT`, or ``IN_OUT`` (input IN,
+#: output OUT).
+INPUT_LAYOUTS = ("BSH", "BSND", "BNSD", "TND", "BNSD_BSND", "BSH_NBSD", "BSND_NBSD", "BNSD_NBSD", "TND_NTD",
+                 "NTD_TND")
+
+
+def io_layouts(input_layout: str):
+    """(the input's layout, the output's) of one of :data:`INPUT_LAYOUTS`."""
+    parts = input_layout.split("_")
+    return parts[0], parts[-1]
+
+
+def _read_layout(layout: str) -> str:
+    """The layout tileattn reads a tensor of ``layout`` in, as a view: heads split off a fused last dim
+    (BSH as BSND), packed rows first (NTD as TND)."""
+    lay = LAYOUT[layout]
+    if lay.fused:
+        return "BSND"
+    return "TND" if lay.packed else layout
+
+
+def _as_read(t, layout: str, heads: Optional[int], read: str):
+    """``t`` (in ``layout``, a fused one's last dim split into ``heads``) as a view in layout ``read``."""
+    return from_canonical(to_canonical(t, layout, heads), read)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
@@ -101,20 +121,22 @@ def _antiquant_factor(names, t, name, raw, layout, view, per_token):
         fail(fn, name, type(t).__name__ if not isinstance(t, torch.Tensor) else f"dtype {t.dtype}",
              "a float tensor", NpuTypeError)
     t = t.float()
+    lay = LAYOUT[layout]
     if per_token:
-        if layout not in ("BSND", "BNSD", "BSH"):
+        if lay.packed:
             refuse(fn, f"per-token dequantisation of a '{layout}' cache", "use a padded, unpaged cache")
-        if t.dim() < 2 or t.shape[-2:] != (raw.shape[0], raw.shape[2 if layout == "BNSD" else 1]) or \
+        if t.dim() < 2 or t.shape[-2:] != (raw.shape[0], raw.shape[lay.seq_dim]) or \
                 any(n != 1 for n in t.shape[:-2]):
             fail(fn, name, f"shape {tuple(t.shape)}", f"(B, S) or (1, B, S): one factor per cached token of the "
                  f"'{layout}' cache of shape {tuple(raw.shape)}")
-        t = t.reshape(t.shape[-2:])
-        return t[:, None, :, None] if layout == "BNSD" else t[:, :, None, None]
+        batch, seq = t.shape[-2:]
+        # one factor per (batch, position), as the layout's four dims order them
+        return t.reshape([batch if axis == "b" else seq if axis == "s" else 1 for axis in lay.dims])
     if t.dim() > raw.dim() or (t.numel() and not _broadcasts(t.shape, raw.shape)):
         fail(fn, name, f"shape {tuple(t.shape)}", f"a per-channel or per-tensor factor broadcastable to the cache "
              f"{tuple(raw.shape)} ((N, 1, D) for BNSD, (N, D) for BSND, (H,) for BSH, (1,))")
     t = t.reshape((1,) * (raw.dim() - t.dim()) + tuple(t.shape))
-    if layout == "BSH" and t.shape[-1] == 1:
+    if lay.fused and t.shape[-1] == 1:
         return t.unsqueeze(-1)  # (..., 1) -> (..., 1, 1): no channel axis
     return view(t)
 
@@ -162,10 +184,8 @@ def _shape_of(t):
 
 
 def _bsnd_scales(scales, layout):
-    """Scales of a BNSD cache as those of its (B, S, N, D) view."""
-    if layout != "BNSD":
-        return scales
-    return {n: None if t is None else t.transpose(1, 2) for n, t in scales.items()}
+    """Scales of a cache read in ``layout`` as those of its (B, S, N, D) view."""
+    return {n: None if t is None else _as_read(t, layout, None, "BSND") for n, t in scales.items()}
 
 
 def _packed_scales(scales, batch, sk):
@@ -243,13 +263,14 @@ def _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_hea
         if key.dim() == 4 and (key.shape[2] != block_size or key.shape[1] != kv_heads):
             fail(fn, "key", f"shape {tuple(key.shape)}", f"(blocks, num_key_value_heads={kv_heads}, "
                  f"block_size={block_size}, D)")
-        raw_layout = "BSH" if key.dim() == 3 else "BNSD"
+        raw_layout = "BSH" if key.dim() == 3 else "BNSD"  # a pool's blocks in the place of the batch
     else:
-        expected = 3 if layout_in in ("BSH", "TND", "NTD") else 4
+        expected = LAYOUT[layout_in].rank
         if key.dim() != expected:
             fail(fn, "key", f"a {key.dim()}-d tensor", f"a {expected}-d tensor in input_layout '{layout_in}'")
         raw_layout = layout_in
-    if raw_layout == "BSH" and (key.shape[2] % kv_heads or value.shape[2] % kv_heads):
+    read = "BSND" if paged else _read_layout(raw_layout)  # a paged pool: tileattn's (blocks, block_size, N, D)
+    if LAYOUT[raw_layout].fused and (key.shape[2] % kv_heads or value.shape[2] % kv_heads):
         fail(fn, "num_key_value_heads", kv_heads, f"a divisor of key's hidden size {key.shape[2]}")
     if not quantized and antiquant and any(t is not None for n, t in antiquant.items() if not n.endswith("mode")):
         fail(fn, "antiquant_scale", "a scale for a float cache", "None (dequantisation applies to int8 key/value)")
@@ -257,17 +278,13 @@ def _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_hea
         refuse(fn, "key_rope with an int8 cache (MLA over a quantised cache)", "pass a float cache with key_rope")
 
     def view(t):
-        if raw_layout == "BSH":
-            return t.unflatten(-1, (kv_heads, -1))
-        if paged:  # (blocks, N, block_size, D) -> (blocks, block_size, N, D)
-            return t.transpose(1, 2)
-        return t.transpose(0, 1) if raw_layout == "NTD" else t
+        return _as_read(t, raw_layout, kv_heads, read)
 
     k, v = view(key), view(value)
-    h_axis = 2 if paged or raw_layout in ("BSH", "BSND") else 1
+    h_axis = LAYOUT[read].heads_dim
     if k.shape[h_axis] != kv_heads:
         fail(fn, "num_key_value_heads", kv_heads, f"{k.shape[h_axis]}, the heads of key")
-    if not paged and layout_in not in ("TND", "NTD") and k.shape[0] != query.shape[0]:
+    if not paged and not LAYOUT[layout_in].packed and k.shape[0] != query.shape[0]:
         fail(fn, "key", f"batch {k.shape[0]}", f"{query.shape[0]}, as query")
     if key_rope is not None:
         check_tensor(fn, "key_rope", key_rope, key.dim(), (query.dtype,), " in key's layout")
@@ -281,180 +298,261 @@ def _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_hea
 def _query(names, query, query_rope, layout_in, heads):
     """The query as tileattn reads it (BSH as BSND, NTD as TND: views) and that layout."""
     fn = names.fn
-    check_tensor(fn, "query", query, 3 if layout_in in ("BSH", "TND", "NTD") else 4, FLOAT_DTYPES,
-                 f" in input_layout '{layout_in}'")
-    if layout_in == "BSH" and query.shape[2] % heads:
+    lay = LAYOUT[layout_in]
+    check_tensor(fn, "query", query, lay.rank, FLOAT_DTYPES, f" in input_layout '{layout_in}'")
+    if lay.fused and query.shape[2] % heads:
         fail(fn, names.heads, heads, f"a divisor of query's hidden size {query.shape[2]}")
-
-    def view(t):
-        if layout_in == "BSH":
-            return t.unflatten(-1, (heads, -1))
-        return t.transpose(0, 1) if layout_in == "NTD" else t
-
-    q, q_layout = view(query), {"BSH": "BSND", "NTD": "TND"}.get(layout_in, layout_in)
-    h_axis = {"BSND": 2, "BNSD": 1, "TND": 1}[q_layout]
+    q_layout = _read_layout(layout_in)
+    q = _as_read(query, layout_in, heads, q_layout)
+    h_axis = LAYOUT[q_layout].heads_dim
     if q.shape[h_axis] != heads:
         fail(fn, names.heads, heads, f"{q.shape[h_axis]}, the heads of query in input_layout '{layout_in}'")
     if query_rope is not None:
         check_tensor(fn, "query_rope", query_rope, query.dim(), (query.dtype,), " in query's layout")
-        q = torch.cat([q, view(query_rope)], -1)
+        q = torch.cat([q, _as_read(query_rope, layout_in, heads, q_layout)], -1)
     return q, q_layout
 
 
-def _infer(names, query, key, value, *, pse_shift, atten_mask, q_lens, kv_lens, block_table, block_size, num_heads,
-           num_kv_heads, scale, pre_tokens, next_tokens, input_layout, sparse_mode, inner_precise, want_lse,
-           sinks=None, antiquant=None, query_rope=None, key_rope=None, out=None, dry_run=False):
+class _Inputs(NamedTuple):
+    """One call's arguments, by what they are (each op names some of them its own way: :class:`_Names`)."""
+
+    query: object
+    key: object
+    value: object
+    pse_shift: object = None
+    atten_mask: object = None
+    q_lens: object = None
+    kv_lens: object = None
+    block_table: object = None
+    block_size: object = 0
+    num_heads: object = 1
+    num_kv_heads: object = 0
+    scale: object = 1.0
+    pre_tokens: object = UNBOUNDED
+    next_tokens: object = UNBOUNDED
+    input_layout: object = "BSH"
+    sparse_mode: object = 0
+    inner_precise: object = 0
+    want_lse: bool = False
+    sinks: object = None
+    antiquant: object = None
+    query_rope: object = None
+    key_rope: object = None
+
+
+class _Options(NamedTuple):
+    """A call's options, checked (:func:`_check_options`)."""
+
+    layout_in: str
+    layout_out: str
+    heads: int
+    kv_heads: int
+    scale: float
+    pre_tokens: int
+    next_tokens: int
+    sparse_mode: int
+
+
+class _Sequences(NamedTuple):
+    """Where a call's sequences are (:func:`_sequences`): packed or padded, their query and key lengths,
+    the cumulative offsets of packed tensors, the padded query length and key capacity, the block
+    table as it is read."""
+
+    varlen: bool
+    batch: int
+    sq: Optional[int]
+    capacity: Optional[int]
+    lq: List[int]
+    lk: List[int]
+    cu_q: Optional[List[int]]
+    cu_k: Optional[List[int]]
+    block_table: object
+
+
+def _infer(names, x: _Inputs, out=None, dry_run=False):
     """The op's ``(attention_out, softmax_lse)``; with ``out`` (the graph-mode ``.out`` overloads) the
     caller's two tensors, written in place once everything is checked; with ``dry_run`` (the
-    workspace queries) nothing is computed: the call is only checked, the core's checks included."""
+    workspace queries) nothing is computed: the call is only checked, the core's checks included.
+    The steps: the options, the query and the keys as tileattn reads them, the sequences, the
+    pattern (band, mask, bias, sinks), the core call's arguments; then the call and the result in the
+    requested layout."""
     fn = names.fn
-    if not isinstance(input_layout, str) or input_layout.upper() not in _LAYOUTS:
-        fail(fn, "input_layout", repr(input_layout), "one of " + ", ".join(repr(x) for x in _LAYOUTS))
-    layout_in, layout_out = _LAYOUTS[input_layout.upper()]
-    heads = check_int(fn, names.heads, num_heads, 1)
-    kv_heads = check_int(fn, "num_key_value_heads", num_kv_heads, 0) or heads
-    if heads % kv_heads:
-        fail(fn, "num_key_value_heads", kv_heads, f"a divisor of {names.heads}={heads} (GQA)")
-    scale = check_float(fn, names.scale, scale, "a finite float (the default is 1.0: pass 1/sqrt(head_dim))")
-    pre_tokens, next_tokens = check_int(fn, "pre_tokens", pre_tokens), check_int(fn, "next_tokens", next_tokens)
-    sparse_mode = check_int(fn, "sparse_mode", sparse_mode)
-    if not 0 <= sparse_mode <= 4:
-        if 5 <= sparse_mode <= 8:
-            refuse(fn, f"sparse_mode={sparse_mode} (prefix/global/dilated/block_local)",
-                   "torch_npu does not support it either; use 0-4")
-        fail(fn, "sparse_mode", sparse_mode, "0-4")
-    check_int(fn, "inner_precise", inner_precise)
-    if inner_precise not in (0, 1, 2, 3):
-        fail(fn, "inner_precise", inner_precise, "0-3")
-    if (query_rope is None) != (key_rope is None):
-        fail(fn, "query_rope/key_rope", "only one of them", "both or neither (MLA)")
-
-    q, q_layout = _query(names, query, query_rope, layout_in, heads)
-    paged = block_table is not None
-    k, v, scales = _kv(names, key, value, key_rope, query, layout_in, paged, block_size, kv_heads, q.shape[-1],
-                       antiquant)
+    o = _check_options(names, x)
+    q, q_layout = _query(names, x.query, x.query_rope, o.layout_in, o.heads)
+    paged = x.block_table is not None
+    k, v, scales = _kv(names, x.key, x.value, x.key_rope, x.query, o.layout_in, paged, x.block_size, o.kv_heads,
+                       q.shape[-1], x.antiquant)
     if out is not None:
-        _check_out(fn, out, query, value, input_layout.upper(), paged, heads, kv_heads, want_lse)
-    varlen = q_layout == "TND"
-    batch = None if varlen else q.shape[0]
-    sq = None if varlen else q.shape[1 if q_layout == "BSND" else 2]
-    if paged:
-        check_tensor(fn, "block_table", block_table, 2, (torch.int32,), " of shape (B, max_blocks)")
-        capacity = block_table.shape[1] * k.shape[1]
-    else:
-        capacity = None if varlen else k.shape[1 if q_layout == "BSND" else 2]
-
-    # Sequence lengths: cumulative for packed (TND) tensors, per batch otherwise.
-    cu_k = None
-    if varlen:
-        cu_q = _cumulative(names, names.q_lens, q_lens, q.shape[0])
-        batch = len(cu_q) - 1
-        lq = [b - a for a, b in zip(cu_q, cu_q[1:])]
-        if paged:
-            lk = _per_batch(names, names.kv_lens, kv_lens, batch, capacity)
-        else:
-            cu_k = _cumulative(names, names.kv_lens, kv_lens, k.shape[0])
-            if len(cu_k) != len(cu_q):
-                fail(fn, names.kv_lens, f"{len(cu_k) - 1} entries", f"{batch}, one per sequence")
-            lk = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    else:
-        lq = (_per_batch(names, names.q_lens, q_lens, batch, sq) if sq > 1 else None) or [sq] * batch
-        lk = _per_batch(names, names.kv_lens, kv_lens, batch, capacity)
-    if paged and lk is None:
-        fail(fn, names.kv_lens, None, "the cached length of every sequence (required with block_table)")
-    lk = lk or [capacity] * batch
-    if paged:
-        block_table = _read_blocks(fn, block_table, lk, k.shape[1], k.shape[0])
-    decode = not varlen and sq == 1
-
-    # The pattern: a band, and with a real atten_mask or pse_shift, an explicit mask and bias.
-    band = _band(fn, sparse_mode, pre_tokens, next_tokens, decode, atten_mask)
-    keep = bias = None
-    if atten_mask is not None and (decode or sparse_mode in (0, 1)):
-        if varlen:
-            refuse(fn, "atten_mask with input_layout 'TND'/'NTD' (documented: sparse_mode=0 without a mask, or 3 with "
-                   "the 2048x2048 template)", "pass sparse_mode=3 with the template, or use a padded layout")
-        keep = _keep_from_mask(names, atten_mask, decode, batch, sq, capacity)
-    if pse_shift is not None:
-        if varlen:
-            refuse(fn, "pse_shift with input_layout 'TND'/'NTD'", "use a padded layout")
-        check_tensor(fn, "pse_shift", pse_shift, 4, (query.dtype, torch.float32),
-                     f" of shape (B|1, N, Q_S, KV_S) in {query.dtype}")
-        ps = tuple(pse_shift.shape)
-        if ps[0] not in (1, batch) or ps[1] != heads or ps[2] < sq or ps[3] < capacity:
-            fail(fn, "pse_shift", f"shape {ps}", f"({batch}|1, {heads}, >= {sq}, >= {capacity})")
-        bias = pse_shift[:, :, :sq, :capacity]
-    if sinks is not None:
-        check_tensor(fn, "learnable_sink", sinks, 1, FLOAT_DTYPES, f" of shape ({heads},)")
-        if tuple(sinks.shape) != (heads,):
-            fail(fn, "learnable_sink", f"shape {tuple(sinks.shape)}", f"({heads},), one logit per query head")
-
-    device = query.device
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    kwargs = dict(scale=scale, sinks=sinks, **scales)
-    rows = None  # positions of the packed query rows in a padded query that had shorter actual lengths
-    if keep is not None or bias is not None:
-        # An explicit mask/bias addresses padded positions: one padded call, the exact per-batch
-        # region (lengths, band) folded into the mask; a paged cache is read in place.
-        reg = region(band, torch.tensor(lq, device=device), torch.tensor(lk, device=device), sq, capacity)
-        kwargs.update(layout=q_layout, mask=reg if keep is None else reg & keep, bias=bias)
-        if paged:
-            kwargs.update(block_table=block_table, seqused_k=i32(lk))
-    else:
-        full_k = lk if varlen else [capacity] * batch
-        if not varlen and any(n != sq for n in lq):
-            sk_padded = k.shape[1 if q_layout == "BSND" else 2]
-            q, k, v, cu_q, cu_k, rows = _pack(q, k, v, q_layout, lq, paged)
-            if scales and not paged:
-                kwargs.update(_packed_scales(_bsnd_scales(scales, q_layout), batch, sk_padded))
-            full_k = [capacity] * batch
-            varlen = True
-        same = {b - a for a, b in zip(lq, lk)}
-        band_kw = {} if band is None else band_call(band, same.pop() if len(same) == 1 else None)
-        if band_kw is None:
-            refuse(fn, f"the band pre_tokens={pre_tokens}, next_tokens={next_tokens} above the diagonal with sequences "
-                   "of different Skv - Sq", "pass an atten_mask for it")
-        trim = band_kw.pop("trim", 0)
-        kwargs.update(band_kw)
-        used = [max(0, n - trim) for n in lk]
-        if varlen:
-            kwargs.update(layout="TND", cu_seqlens_q=i32(cu_q))
-            if not paged:
-                kwargs["cu_seqlens_k"] = i32(cu_k)
-        else:
-            kwargs["layout"] = q_layout
-        if paged:
-            kwargs["block_table"] = block_table
-        if paged or used != full_k:
-            kwargs["seqused_k"] = i32(used)
+        _check_out(fn, out, x.query, x.value, x.input_layout.upper(), paged, o.heads, o.kv_heads, x.want_lse)
+    seqs = _sequences(names, x, q, k, q_layout)
+    band, keep, bias = _pattern(names, x, o, seqs)
+    q, k, v, kwargs, rows = _core_arguments(fn, o, q, k, v, q_layout, scales, seqs, band, keep, bias)
+    kwargs["sinks"] = x.sinks
     if dry_run:
         with core_errors(fn):
             build_spec(q, k, v, **kwargs)
         return None
     with core_errors(fn), torch.no_grad():
         result, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
-    result, lse = _finish(result, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_lse)
+    result, lse = _finish(result, lse, rows, x.query, o.heads, o.layout_out, q_layout, seqs.batch, seqs.sq,
+                          x.want_lse)
     if out is None:
         return result, lse
     out[0].copy_(result)
-    if want_lse:
+    if x.want_lse:
         out[1].copy_(lse)
     return out[0], out[1]
+
+
+def _check_options(names, x: _Inputs) -> _Options:
+    fn = names.fn
+    input_layout = x.input_layout
+    if not isinstance(input_layout, str) or input_layout.upper() not in INPUT_LAYOUTS:
+        fail(fn, "input_layout", repr(input_layout), "one of " + ", ".join(repr(n) for n in INPUT_LAYOUTS))
+    layout_in, layout_out = io_layouts(input_layout.upper())
+    heads = check_int(fn, names.heads, x.num_heads, 1)
+    kv_heads = check_int(fn, "num_key_value_heads", x.num_kv_heads, 0) or heads
+    if heads % kv_heads:
+        fail(fn, "num_key_value_heads", kv_heads, f"a divisor of {names.heads}={heads} (GQA)")
+    scale = check_float(fn, names.scale, x.scale, "a finite float (the default is 1.0: pass 1/sqrt(head_dim))")
+    pre_tokens, next_tokens = check_int(fn, "pre_tokens", x.pre_tokens), check_int(fn, "next_tokens", x.next_tokens)
+    sparse_mode = check_int(fn, "sparse_mode", x.sparse_mode)
+    if not 0 <= sparse_mode <= 4:
+        if 5 <= sparse_mode <= 8:
+            refuse(fn, f"sparse_mode={sparse_mode} (prefix/global/dilated/block_local)",
+                   "torch_npu does not support it either; use 0-4")
+        fail(fn, "sparse_mode", sparse_mode, "0-4")
+    check_int(fn, "inner_precise", x.inner_precise)
+    if x.inner_precise not in (0, 1, 2, 3):
+        fail(fn, "inner_precise", x.inner_precise, "0-3")
+    if (x.query_rope is None) != (x.key_rope is None):
+        fail(fn, "query_rope/key_rope", "only one of them", "both or neither (MLA)")
+    return _Options(layout_in, layout_out, heads, kv_heads, scale, pre_tokens, next_tokens, sparse_mode)
+
+
+def _sequences(names, x: _Inputs, q, k, q_layout) -> _Sequences:
+    """The sequences' lengths: cumulative for packed (TND) tensors, per batch otherwise; a paged
+    cache's block table checked for the blocks they read."""
+    fn = names.fn
+    read = LAYOUT[q_layout]
+    varlen, paged = read.packed, x.block_table is not None
+    batch = None if varlen else q.shape[read.batch_dim]
+    sq = None if varlen else q.shape[read.seq_dim]
+    block_table = x.block_table
+    if paged:
+        check_tensor(fn, "block_table", block_table, 2, (torch.int32,), " of shape (B, max_blocks)")
+        capacity = block_table.shape[1] * k.shape[1]
+    else:
+        capacity = None if varlen else k.shape[read.seq_dim]
+    cu_q = cu_k = None
+    if varlen:
+        cu_q = _cumulative(names, names.q_lens, x.q_lens, q.shape[0])
+        batch = len(cu_q) - 1
+        lq = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        if paged:
+            lk = _per_batch(names, names.kv_lens, x.kv_lens, batch, capacity)
+        else:
+            cu_k = _cumulative(names, names.kv_lens, x.kv_lens, k.shape[0])
+            if len(cu_k) != len(cu_q):
+                fail(fn, names.kv_lens, f"{len(cu_k) - 1} entries", f"{batch}, one per sequence")
+            lk = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    else:
+        lq = (_per_batch(names, names.q_lens, x.q_lens, batch, sq) if sq > 1 else None) or [sq] * batch
+        lk = _per_batch(names, names.kv_lens, x.kv_lens, batch, capacity)
+    if paged and lk is None:
+        fail(fn, names.kv_lens, None, "the cached length of every sequence (required with block_table)")
+    lk = lk or [capacity] * batch
+    if paged:
+        block_table = _read_blocks(fn, block_table, lk, k.shape[1], k.shape[0])
+    return _Sequences(varlen, batch, sq, capacity, lq, lk, cu_q, cu_k, block_table)
+
+
+def _pattern(names, x: _Inputs, o: _Options, seqs: _Sequences):
+    """(band, keep mask, bias): a band, and with a real atten_mask or pse_shift an explicit mask and
+    bias over the padded positions; the sinks checked."""
+    fn, varlen, batch, sq, capacity = names.fn, seqs.varlen, seqs.batch, seqs.sq, seqs.capacity
+    decode = not varlen and sq == 1
+    band = _band(fn, o.sparse_mode, o.pre_tokens, o.next_tokens, decode, x.atten_mask)
+    keep = bias = None
+    if x.atten_mask is not None and (decode or o.sparse_mode in (0, 1)):
+        if varlen:
+            refuse(fn, "atten_mask with input_layout 'TND'/'NTD' (documented: sparse_mode=0 without a mask, or 3 with "
+                   "the 2048x2048 template)", "pass sparse_mode=3 with the template, or use a padded layout")
+        keep = _keep_from_mask(names, x.atten_mask, decode, batch, sq, capacity)
+    if x.pse_shift is not None:
+        if varlen:
+            refuse(fn, "pse_shift with input_layout 'TND'/'NTD'", "use a padded layout")
+        check_tensor(fn, "pse_shift", x.pse_shift, 4, (x.query.dtype, torch.float32),
+                     f" of shape (B|1, N, Q_S, KV_S) in {x.query.dtype}")
+        ps = tuple(x.pse_shift.shape)
+        if ps[0] not in (1, batch) or ps[1] != o.heads or ps[2] < sq or ps[3] < capacity:
+            fail(fn, "pse_shift", f"shape {ps}", f"({batch}|1, {o.heads}, >= {sq}, >= {capacity})")
+        bias = x.pse_shift[:, :, :sq, :capacity]
+    if x.sinks is not None:
+        check_tensor(fn, "learnable_sink", x.sinks, 1, FLOAT_DTYPES, f" of shape ({o.heads},)")
+        if tuple(x.sinks.shape) != (o.heads,):
+            fail(fn, "learnable_sink", f"shape {tuple(x.sinks.shape)}", f"({o.heads},), one logit per query head")
+    return band, keep, bias
+
+
+def _core_arguments(fn, o: _Options, q, k, v, q_layout, scales, seqs: _Sequences, band, keep, bias):
+    """(q, k, v, keywords, rows) of the one flash_attention call: an explicit mask or bias addresses
+    padded positions (one padded call, the exact per-batch region folded into the mask); otherwise
+    the sequences' lengths and band become packed offsets, seqused_k and the band's keywords, a
+    padded query with shorter actual lengths packed first (``rows``: where its rows were)."""
+    device = q.device
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    varlen, batch, sq, capacity, lq, lk, cu_q, cu_k, block_table = seqs
+    paged = block_table is not None
+    kwargs = dict(scale=o.scale, **scales)
+    rows = None  # positions of the packed query rows in a padded query that had shorter actual lengths
+    if keep is not None or bias is not None:
+        reg = region(band, torch.tensor(lq, device=device), torch.tensor(lk, device=device), sq, capacity)
+        kwargs.update(layout=q_layout, mask=reg if keep is None else reg & keep, bias=bias)
+        if paged:
+            kwargs.update(block_table=block_table, seqused_k=i32(lk))
+        return q, k, v, kwargs, rows
+    full_k = lk if varlen else [capacity] * batch
+    if not varlen and any(n != sq for n in lq):
+        sk_padded = k.shape[LAYOUT[q_layout].seq_dim]
+        q, k, v, cu_q, cu_k, rows = _pack(q, k, v, q_layout, lq, paged)
+        if scales and not paged:
+            kwargs.update(_packed_scales(_bsnd_scales(scales, q_layout), batch, sk_padded))
+        full_k = [capacity] * batch
+        varlen = True
+    same = {b - a for a, b in zip(lq, lk)}
+    band_kw = {} if band is None else band_call(band, same.pop() if len(same) == 1 else None)
+    if band_kw is None:
+        refuse(fn, f"the band pre_tokens={o.pre_tokens}, next_tokens={o.next_tokens} above the diagonal with "
+               "sequences of different Skv - Sq", "pass an atten_mask for it")
+    trim = band_kw.pop("trim", 0)
+    kwargs.update(band_kw)
+    used = [max(0, n - trim) for n in lk]
+    if varlen:
+        kwargs.update(layout="TND", cu_seqlens_q=i32(cu_q))
+        if not paged:
+            kwargs["cu_seqlens_k"] = i32(cu_k)
+    else:
+        kwargs["layout"] = q_layout
+    if paged:
+        kwargs["block_table"] = block_table
+    if paged or used != full_k:
+        kwargs["seqused_k"] = i32(used)
+    return q, k, v, kwargs, rows
 
 
 def _output_shapes(query, value, layout, paged, heads, kv_heads):
     """The shapes of ``attention_out`` and of ``softmax_lse`` (when asked for) of a call with these
     (already checked) tensors, as torch_npu derives them from query and value alone."""
-    layout_in, layout_out = _LAYOUTS[layout]
-    hidden = value.dim() == 3 and (paged or layout_in == "BSH")  # (..., H): heads * head dim
+    layout_in, layout_out = io_layouts(layout)
+    lay = LAYOUT[layout_in]
+    hidden = value.dim() == 3 and (paged or lay.fused)  # (..., H): heads * head dim
     dv = value.shape[2] // kv_heads if hidden else value.shape[-1]
-    if layout_in in ("TND", "NTD"):
-        t, n = query.shape[:2] if layout_in == "TND" else query.shape[1::-1]
-        return {"TND": (t, n, dv), "NTD": (n, t, dv)}[layout_out], (t, n, 1)
-    b, s = query.shape[0], query.shape[2 if layout_in == "BNSD" else 1]
-    shape = {"BSH": (b, s, heads * dv), "BSND": (b, s, heads, dv), "BNSD": (b, heads, s, dv),
-             "NBSD": (heads, b, s, dv)}[layout_out]
-    return shape, (b, heads, s, 1)
+    if lay.packed:
+        t, n = query.shape[lay.seq_dim], query.shape[lay.heads_dim]
+        return user_shape(layout_out, 0, n, t, dv), (t, n, 1)
+    b, s = query.shape[lay.batch_dim], query.shape[lay.seq_dim]
+    return user_shape(layout_out, b, heads, s, dv), (b, heads, s, 1)
 
 
 def _check_out(fn, out, query, value, layout, paged, heads, kv_heads, want_lse):
@@ -498,7 +596,7 @@ def _pack(q, k, v, q_layout, lq, paged):
     lengths; unpaged keys become packed sequences of the full cache length (a view for BSND), cut
     by ``seqused_k``. Returns the packed rows' positions in the padded (B*S) rows."""
     batch, device = len(lq), q.device
-    qb = q if q_layout == "BSND" else q.transpose(1, 2)
+    qb = _as_read(q, q_layout, None, "BSND")
     sq = qb.shape[1]
     valid = torch.arange(sq, device=device)[None, :] < torch.tensor(lq, device=device)[:, None]
     rows = valid.flatten().nonzero().flatten()
@@ -508,15 +606,15 @@ def _pack(q, k, v, q_layout, lq, paged):
         cu_q.append(cu_q[-1] + n)
     if paged:
         return packed, k, v, cu_q, None, rows
-    kb, vb = (k, v) if q_layout == "BSND" else (k.transpose(1, 2), v.transpose(1, 2))
+    kb, vb = _as_read(k, q_layout, None, "BSND"), _as_read(v, q_layout, None, "BSND")
     sk = kb.shape[1]
     cu_k = [b * sk for b in range(batch + 1)]
     return packed, kb.flatten(0, 1), vb.flatten(0, 1), cu_q, cu_k, rows
 
 
 def _finish(out, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_lse):
-    """The output in the requested layout and the LSE torch_npu returns ((B, N, Q_S, 1), (T, N, 1)
-    for TND, or a (1,) zero tensor without ``softmax_lse_flag``)."""
+    """The output in the requested layout (contiguous) and the LSE torch_npu returns ((B, N, Q_S, 1),
+    (T, N, 1) for TND, or a (1,) zero tensor without ``softmax_lse_flag``)."""
     if rows is not None:  # packed rows back into the padded (B, S, N, D) output
         full = out.new_zeros((batch * sq,) + tuple(out.shape[1:]))
         full[rows] = out
@@ -525,24 +623,7 @@ def _finish(out, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_
         lse_full[:, rows] = lse
         lse = lse_full.unflatten(1, (batch, sq)).transpose(0, 1)
         q_layout = "BSND"
-    if q_layout == "BNSD":
-        bsnd = out.transpose(1, 2)
-    elif q_layout == "BSND":
-        bsnd = out
-    else:
-        bsnd = None
-    if layout_out == "TND":
-        result = out
-    elif layout_out == "NTD":
-        result = out.transpose(0, 1).contiguous()
-    elif layout_out == "BSH":
-        result = bsnd.flatten(-2)
-    elif layout_out == "BSND":
-        result = bsnd.contiguous() if bsnd is not out else out
-    elif layout_out == "BNSD":
-        result = bsnd.transpose(1, 2)
-    else:  # NBSD
-        result = bsnd.permute(2, 0, 1, 3).contiguous()
+    result = from_canonical(to_canonical(out, q_layout, None), layout_out).contiguous()
     if not want_lse:
         return result, torch.zeros(1, dtype=torch.float32, device=query.device)
     if lse.dim() == 2:  # (N, T) -> (T, N, 1)
@@ -550,6 +631,9 @@ def _finish(out, lse, rows, query, heads, layout_out, q_layout, batch, sq, want_
     return result, lse.unsqueeze(-1).float()
 
 
+#: The input layouts of the prompt (prefill) and incremental (decode) ops.
+_PROMPT_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
+_INCRE_LAYOUTS = ("BSH", "BSND", "BNSD")
 _FULL_QUANT = ("dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2")
 _PREFIX = ("key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len")
 
@@ -595,13 +679,13 @@ def fused_v1(args: dict, fn="npu_fused_infer_attention_score", out=None, dry_run
     antiquant = {name: args[name] for name in (
         "antiquant_scale", "antiquant_offset", "antiquant_mode", "key_antiquant_scale", "key_antiquant_offset",
         "value_antiquant_scale", "value_antiquant_offset", "key_antiquant_mode", "value_antiquant_mode")}
-    return _infer(_Names(fn), a.query, a.key, a.value, pse_shift=a.pse_shift, atten_mask=a.atten_mask,
-                  q_lens=a.actual_seq_lengths, kv_lens=a.actual_seq_lengths_kv, block_table=a.block_table,
-                  block_size=a.block_size, num_heads=a.num_heads, num_kv_heads=a.num_key_value_heads, scale=a.scale,
-                  pre_tokens=a.pre_tokens, next_tokens=a.next_tokens, input_layout=a.input_layout,
-                  sparse_mode=a.sparse_mode, inner_precise=a.inner_precise,
-                  want_lse=_flag(fn, "softmax_lse_flag", a.softmax_lse_flag), antiquant=antiquant,
-                  query_rope=a.query_rope, key_rope=a.key_rope, out=out, dry_run=dry_run)
+    return _infer(_Names(fn), _Inputs(
+        a.query, a.key, a.value, pse_shift=a.pse_shift, atten_mask=a.atten_mask, q_lens=a.actual_seq_lengths,
+        kv_lens=a.actual_seq_lengths_kv, block_table=a.block_table, block_size=a.block_size, num_heads=a.num_heads,
+        num_kv_heads=a.num_key_value_heads, scale=a.scale, pre_tokens=a.pre_tokens, next_tokens=a.next_tokens,
+        input_layout=a.input_layout, sparse_mode=a.sparse_mode, inner_precise=a.inner_precise,
+        want_lse=_flag(fn, "softmax_lse_flag", a.softmax_lse_flag), antiquant=antiquant, query_rope=a.query_rope,
+        key_rope=a.key_rope), out, dry_run)
 
 
 def _flag(fn, name, value) -> bool:
@@ -648,15 +732,14 @@ def fused_v2(args: dict, fn="npu_fused_infer_attention_score_v2", out=None, dry_
     antiquant = dict(key_antiquant_scale=a.dequant_scale_key, key_antiquant_offset=a.dequant_offset_key,
                      value_antiquant_scale=a.dequant_scale_value, value_antiquant_offset=a.dequant_offset_value,
                      key_antiquant_mode=a.key_quant_mode, value_antiquant_mode=a.value_quant_mode)
-    return _infer(_Names(fn, "actual_seq_qlen", "actual_seq_kvlen", "num_query_heads", "softmax_scale",
-                         "return_softmax_lse"), a.query, a.key, a.value, pse_shift=a.pse_shift,
-                  atten_mask=a.atten_mask, q_lens=a.actual_seq_qlen, kv_lens=a.actual_seq_kvlen,
-                  block_table=a.block_table, block_size=a.block_size, num_heads=a.num_query_heads,
-                  num_kv_heads=a.num_key_value_heads, scale=a.softmax_scale, pre_tokens=a.pre_tokens,
-                  next_tokens=a.next_tokens, input_layout=a.input_layout, sparse_mode=a.sparse_mode,
-                  inner_precise=a.inner_precise, want_lse=_flag(fn, "return_softmax_lse", a.return_softmax_lse),
-                  sinks=a.learnable_sink, antiquant=antiquant, query_rope=a.query_rope, key_rope=a.key_rope,
-                  out=out, dry_run=dry_run)
+    names = _Names(fn, "actual_seq_qlen", "actual_seq_kvlen", "num_query_heads", "softmax_scale", "return_softmax_lse")
+    return _infer(names, _Inputs(
+        a.query, a.key, a.value, pse_shift=a.pse_shift, atten_mask=a.atten_mask, q_lens=a.actual_seq_qlen,
+        kv_lens=a.actual_seq_kvlen, block_table=a.block_table, block_size=a.block_size, num_heads=a.num_query_heads,
+        num_kv_heads=a.num_key_value_heads, scale=a.softmax_scale, pre_tokens=a.pre_tokens,
+        next_tokens=a.next_tokens, input_layout=a.input_layout, sparse_mode=a.sparse_mode,
+        inner_precise=a.inner_precise, want_lse=_flag(fn, "return_softmax_lse", a.return_softmax_lse),
+        sinks=a.learnable_sink, antiquant=antiquant, query_rope=a.query_rope, key_rope=a.key_rope), out, dry_run)
 
 
 @beside_stand_in
@@ -674,13 +757,13 @@ def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mas
     if padding_mask is not None:
         refuse(fn, "argument 'padding_mask'", "it is reserved in torch_npu; pass None")
     input_upper = input_layout.upper() if isinstance(input_layout, str) else input_layout
-    if input_upper not in ("BSH", "BSND", "BNSD", "BNSD_BSND"):
+    if input_upper not in _PROMPT_LAYOUTS:
         fail(fn, "input_layout", repr(input_layout), "'BSH', 'BSND', 'BNSD' or 'BNSD_BSND'")
-    return _infer(_Names(fn, scale="scale_value"), query, key, value, pse_shift=pse_shift, atten_mask=atten_mask,
-                  q_lens=actual_seq_lengths, kv_lens=actual_seq_lengths_kv, block_table=None, block_size=0,
-                  num_heads=num_heads, num_kv_heads=num_key_value_heads, scale=scale_value, pre_tokens=pre_tokens,
-                  next_tokens=next_tokens, input_layout=input_layout, sparse_mode=sparse_mode, inner_precise=1,
-                  want_lse=False)[0]
+    return _infer(_Names(fn, scale="scale_value"), _Inputs(
+        query, key, value, pse_shift=pse_shift, atten_mask=atten_mask, q_lens=actual_seq_lengths,
+        kv_lens=actual_seq_lengths_kv, num_heads=num_heads, num_kv_heads=num_key_value_heads, scale=scale_value,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout, sparse_mode=sparse_mode,
+        inner_precise=1))[0]
 
 
 @beside_stand_in
@@ -700,11 +783,10 @@ def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift
     if padding_mask is not None:
         refuse(fn, "argument 'padding_mask'", "it is reserved in torch_npu; pass None")
     input_upper = input_layout.upper() if isinstance(input_layout, str) else input_layout
-    if input_upper not in ("BSH", "BSND", "BNSD"):
+    if input_upper not in _INCRE_LAYOUTS:
         fail(fn, "input_layout", repr(input_layout), "'BSH', 'BSND' or 'BNSD'")
-    return _infer(_Names(fn, q_lens="(none)", kv_lens="actual_seq_lengths", scale="scale_value"), query, key, value,
-                  pse_shift=pse_shift, atten_mask=atten_mask, q_lens=None, kv_lens=actual_seq_lengths,
-                  block_table=block_table, block_size=block_size, num_heads=num_heads,
-                  num_kv_heads=num_key_value_heads, scale=scale_value, pre_tokens=UNBOUNDED, next_tokens=UNBOUNDED,
-                  input_layout=input_layout, sparse_mode=0, inner_precise=0, want_lse=False,
-                  antiquant=dict(antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset))[0]
+    return _infer(_Names(fn, q_lens="(none)", kv_lens="actual_seq_lengths", scale="scale_value"), _Inputs(
+        query, key, value, pse_shift=pse_shift, atten_mask=atten_mask, kv_lens=actual_seq_lengths,
+        block_table=block_table, block_size=block_size, num_heads=num_heads, num_kv_heads=num_key_value_heads,
+        scale=scale_value, input_layout=input_layout,
+        antiquant=dict(antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset)))[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ...core.layouts import LAYOUT
 from ...core.merge import merge_attentions
 from ._common import NpuTypeError, check_layout, check_tensor, core_errors, fail, int_list
 from .install import beside_stand_in
@@ -68,7 +69,7 @@ def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum,
         check_tensor(fn, name, t, 3, _OUT_DTYPES, f" in layout {layout}")
         if t.shape != prev_attn_out.shape or t.dtype != prev_attn_out.dtype:
             fail(fn, name, f"shape {tuple(t.shape)}, dtype {t.dtype}", "the shape and dtype of prev_attn_out")
-    if layout == "SBH":
+    if not LAYOUT[layout].packed:  # SBH
         s, b, h = prev_attn_out.shape
         heads = prev_softmax_max.shape[1] if isinstance(prev_softmax_max, torch.Tensor) else 0
         shape = (b, heads, s, 8)

@@ -7,7 +7,7 @@
  *                                     stale fp32 LSE (|q.k| ~ 1e9) from producing overflow
  *   Z   = P * keep / (1 - p)          dropout (Z = P without it)
  *   dV += Z^T dO                      dP = V dO^T
- *   dS  = P * (dP * keep / (1 - p) - Delta)      (times 1 - tanh^2 under a softcap)
+ *   dS  = P * (dP * keep / (1 - p) - Delta)      (times the transforms' derivative: 1 - tanh^2 under a softcap)
  *   dK += dS^T Q * scale              dQ += dS K * scale
  *
  * Two schedules, chosen by how many (batch, kv head) pairs there are per thread:
@@ -206,7 +206,8 @@ static void bwd_mods(const ta_args *a, const ta_rows *R, bwd_bufs *W, int64_t tp
         real cmax[PW];
         for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
         ta_user_tile U = bwd_user(W, p, tp, j0, n, j0);
-        ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, cmax, a->softcap > 0 ? W->T + p * tp : NULL, &U);
+        ta_score_mods(a, R, p, W->S + p * tp, n, j0, flags, cmax, ta_transform_derivative(a) ? W->T + p * tp : NULL,
+                      &U);
     }
 }
 
@@ -270,12 +271,12 @@ static void bwd_tile(const ta_args *a, const bwd_plan *P, const ta_seq *s, const
         if (pflags) {
             real cmax[PW];
             for (int k = 0; k < PW; k++) cmax[k] = -INFINITY;
-            ta_score_mods(a, R, p, W->S + p * tp + o, m, pk0[p], pflags, cmax, a->softcap > 0 ? W->T + p * tp + o : NULL,
-                          &U);
+            ta_score_mods(a, R, p, W->S + p * tp + o, m, pk0[p], pflags, cmax,
+                          ta_transform_derivative(a) ? W->T + p * tp + o : NULL, &U);
         }
         TA_PROF(pt, bwd_mods);
         bwd_probs(a, s, R, p, W->S + p * tp + o, W->dP + p * tp + o, W->Z + p * tp + o,
-                  a->softcap > 0 ? W->T + p * tp + o : NULL, m, pk0[p], 1, dK != NULL, &U);
+                  ta_transform_derivative(a) ? W->T + p * tp + o : NULL, m, pk0[p], 1, dK != NULL, &U);
         TA_PROF(pt, bwd_probs);
     }
     /* now S holds P and dP holds dS, on each panel's key range */
@@ -330,8 +331,8 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
     TA_PROF(pt, bwd_mods);
     for (int64_t p = 0; p < npan; p++) {
         ta_user_tile U = bwd_user(W, p, tp, j0, n, j0);
-        bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp, a->softcap > 0 ? W->T + p * tp : NULL,
-                  n, j0, sc, dK != NULL, &U);
+        bwd_probs(a, s, R, p, W->S + p * tp, W->dP + p * tp, W->Z + p * tp,
+                  ta_transform_derivative(a) ? W->T + p * tp : NULL, n, j0, sc, dK != NULL, &U);
     }
     TA_PROF(pt, bwd_probs);
     if (dK) {

@@ -83,6 +83,11 @@ typedef struct ta_args {
  * ALiBi, bias: tile.h's ta_score_transform and ta_row_transform); a new transform's field joins here. */
 static inline int ta_transforms(const ta_args *a) { return a->softcap > 0 || a->alibi || a->bias; }
 
+/* Whether those transforms have a derivative other than 1 (the softcap's 1 - tanh^2): the backward pass
+ * then has tile.h's ta_score_transform keep it per score and multiplies dS by it; a new transform with
+ * a derivative joins here. */
+static inline int ta_transform_derivative(const ta_args *a) { return a->softcap > 0; }
+
 /* User functions (score_mod / mask_mod compiled by tileattn.programs, see programs/codegen.py for
  * their signatures) and a block map, read through ta_args.user. Score functions work on the
  * kernels' `real` (the program was compiled for the call's working precision). Indices passed to

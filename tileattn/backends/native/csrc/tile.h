@@ -368,7 +368,8 @@ TA_INLINE void ta_score_finish(const ta_args *a, const ta_rows *R, int64_t p, re
  * the whole pipeline from the raw scale * q.k to base-2 logits. Without modifiers S already holds
  * base-2 logits: every tile of a problem computes its logits with the same arithmetic, so the
  * backward pass reproduces the forward's bits whatever the tiling. Folds the column max into cmax
- * (PW values); tanh_out (backward with softcap), when not NULL, receives 1 - tanh^2 of each score.
+ * (PW values); tanh_out (a backward whose transforms have a derivative, ta.h), when not NULL, receives
+ * their derivative at each score (a softcap's 1 - tanh^2).
  * U: the tile's user state (user.h), NULL without user functions; its visibility applies with
  * TA_TILE_USER, its score_mod with TA_TILE_MODS (in one fused sweep with the rest when nothing else
  * transforms the scores: U->alpha then scales them first). */
