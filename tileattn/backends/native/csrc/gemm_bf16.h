@@ -18,6 +18,8 @@
 #if defined(TA_ISA_AVX512) && defined(__AVX512BF16__) && TA_REAL_BITS == 32
 #define TA_HAVE_BF16DOT 1
 
+#include <time.h>
+
 #include "tile.h"
 
 TA_INLINE void ta_mk_bf16(const int kind, const int mr, int64_t K2, const uint32_t *A, int64_t ld,
@@ -101,9 +103,34 @@ static void ta_gemm_bf16(int64_t M, int64_t npan, int64_t K2, int kind, const ui
         }
 }
 
+/* Seconds of thread CPU time for 480000 vdpbf16ps (bf16) or FMAs (0): api.c's throughput probe,
+ * which decides whether the bf16 dot-product tiles beat fp32 tiles on this core. */
+static double ta_bf16dot_probe_seconds(int bf16) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+    __m512 acc[24];
+    for (int i = 0; i < 24; i++) acc[i] = _mm512_set1_ps((float)i);
+    const __m512 x = _mm512_set1_ps(1e-3f);
+    const __m512bh xb = (__m512bh)_mm512_set1_epi16(0x3a83); /* ~1e-3 in bf16 */
+    if (bf16)
+        for (int it = 0; it < 20000; it++)
+#pragma GCC unroll 24
+            for (int i = 0; i < 24; i++) acc[i] = _mm512_dpbf16_ps(acc[i], xb, xb);
+    else
+        for (int it = 0; it < 20000; it++)
+#pragma GCC unroll 24
+            for (int i = 0; i < 24; i++) acc[i] = _mm512_fmadd_ps(acc[i], x, x);
+    float sink = 0;
+    for (int i = 0; i < 24; i++) sink += _mm512_reduce_add_ps(acc[i]);
+    __asm__ volatile("" : : "x"(sink));
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
 /* Round two fp32 vectors (keys 2kp and 2kp+1, 16 lanes each) to bf16 and interleave them into the
  * pair layout of a B panel: (x0[0], x1[0], x0[1], x1[1], ...). `order` = ta_bf16_order(), hoisted. */
-static inline __m512i ta_bf16_order(void) {
+typedef __m512i ta_pairs_order;
+static inline ta_pairs_order ta_bf16_order(void) {
     return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
                             19, 3, 18, 2, 17, 1, 16, 0);
 }
@@ -111,6 +138,10 @@ static inline __m512i ta_bf16_order(void) {
 static inline __m512i ta_bf16_pairs(__m512 x0, __m512 x1, __m512i order) {
     return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
 }
+
+/* ta_bf16_pairs(x0, x1, order) stored at dst: VW pairs, 2 VW bf16 (a macro: the stores compile
+ * exactly as the expression written out) */
+#define ta_bf16_store_pairs(dst, x0, x1, order) _mm512_storeu_si512((dst), ta_bf16_pairs((x0), (x1), (order)))
 
 /* ------------------------------------------------------------------------------- packing to pairs */
 
