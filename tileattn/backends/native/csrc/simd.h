@@ -6,6 +6,8 @@
  *
  *   TA_ISA_AVX512   64-byte vectors (16 fp32 lanes), needs AVX-512 F/BW/VL and FMA
  *   TA_ISA_AVX2     32-byte vectors (8 fp32 lanes), needs AVX2 and FMA
+ *   TA_ISA_NEON     16-byte vectors (4 fp32 lanes, one register each), aarch64 Advanced SIMD; with
+ *                   the bf16 extension the bf16 dot-product tiles (gemm_bf16.h: BFDOT)
  *   TA_ISA_GENERIC  GCC/clang vector extensions only, 32-byte vectors where the target has AVX or
  *                   NEON's 32 registers (one AVX register, two NEON registers per vector), 16 bytes
  *                   elsewhere (SSE2 without AVX, ...); FMAs wherever the compiler contracts a*b+c
@@ -31,8 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if (defined(TA_ISA_AVX512) + defined(TA_ISA_AVX2) + defined(TA_ISA_GENERIC)) != 1
-#error "define exactly one of TA_ISA_AVX512, TA_ISA_AVX2, TA_ISA_GENERIC"
+#if (defined(TA_ISA_AVX512) + defined(TA_ISA_AVX2) + defined(TA_ISA_NEON) + defined(TA_ISA_GENERIC)) != 1
+#error "define exactly one of TA_ISA_AVX512, TA_ISA_AVX2, TA_ISA_NEON, TA_ISA_GENERIC"
 #endif
 
 #if defined(TA_ISA_AVX512)
@@ -51,6 +53,15 @@
 #define TA_VBYTES 32
 #define TA_MR 6
 #define TA_ISA_NAME "avx2"
+#elif defined(TA_ISA_NEON)
+#if !defined(__aarch64__) || !defined(__ARM_NEON)
+#error "TA_ISA_NEON needs an aarch64 target"
+#endif
+#include <arm_neon.h>
+/* one register a vector: 12 x 2 accumulators, two B vectors and the broadcasts fit NEON's 32 */
+#define TA_VBYTES 16
+#define TA_MR 12
+#define TA_ISA_NAME "neon"
 #elif defined(__AVX__) || defined(__aarch64__)
 #define TA_VBYTES 32
 #define TA_MR 6
@@ -141,6 +152,18 @@ TA_INLINE vr vset1(real x) { return _mm256_set1_pd(x); }
 TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm256_fmadd_pd(a, b, c); }
 TA_INLINE vr vmax_(vr a, vr b) { return _mm256_max_pd(a, b); }
 TA_INLINE vr vmin_(vr a, vr b) { return _mm256_min_pd(a, b); }
+#elif defined(TA_ISA_NEON) && TA_REAL_BITS == 32
+/* max and min as the x86 instructions compute them (the second operand when either is NaN), which
+ * FMAX/FMIN do not (a NaN in either operand wins): the kernels' NaN propagation is that form's */
+TA_INLINE vr vset1(real x) { return vdupq_n_f32(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return vfmaq_f32(c, a, b); }
+TA_INLINE vr vmax_(vr a, vr b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+#elif defined(TA_ISA_NEON)
+TA_INLINE vr vset1(real x) { return vdupq_n_f64(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return vfmaq_f64(c, a, b); }
+TA_INLINE vr vmax_(vr a, vr b) { return vbslq_f64(vcgtq_f64(a, b), a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return vbslq_f64(vcltq_f64(a, b), a, b); }
 #else
 /* a one-source shuffle of lane 0 is what compilers turn into a broadcast (a loop over the lanes
  * became a chain of lane inserts) */
@@ -364,6 +387,10 @@ TA_INLINE vr vsums(const vr *v) {
         w[k] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
+#elif defined(TA_ISA_NEON) && TA_REAL_BITS == 32
+    return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+#elif defined(TA_ISA_NEON)
+    return vpaddq_f64(v[0], v[1]);
 #else
     vr r;
     for (int t = 0; t < VW; t++) r[t] = vsum(v[t]);
@@ -439,6 +466,38 @@ TA_INLINE vr vload_e4m3(const void *p, const int finite) {
     return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(NAN), nan32);
 }
 #endif
+#elif TA_REAL_BITS == 32 && defined(TA_ISA_NEON)
+#define TA_VCVT_INT 1
+#define TA_VCVT_F16 1 /* FCVTL: every aarch64 CPU converts fp16 */
+TA_INLINE int8x8_t ta_load4_s8(const void *p) { /* 4 bytes in the low lanes */
+    uint32_t four;
+    memcpy(&four, p, 4);
+    return vreinterpret_s8_u32(vdup_n_u32(four));
+}
+TA_INLINE vr ta_s8_to_f32(int8x8_t x) { return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(x)))); }
+TA_INLINE vr vload_bf16(const void *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)p), 16)); }
+TA_INLINE vr vload_i8(const void *p) { return ta_s8_to_f32(ta_load4_s8(p)); }
+TA_INLINE vr vload_i4(const void *p) {
+    uint16_t two;
+    memcpy(&two, p, 2);
+    uint8x8_t x = vreinterpret_u8_u16(vdup_n_u16(two));
+    uint8x8_t lo = vand_u8(x, vdup_n_u8(15)), hi = vshr_n_u8(x, 4);
+    return ta_s8_to_f32(vsub_s8(vreinterpret_s8_u8(veor_u8(vzip1_u8(lo, hi), vdup_n_u8(8))), vdup_n_s8(8)));
+}
+TA_INLINE vr vload_f16(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+TA_INLINE vr vload_e5m2(const void *p) {
+    uint16x4_t h = vshl_n_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_s8(ta_load4_s8(p)))), 8);
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+TA_INLINE vr vload_e4m3(const void *p, const int finite) {
+    int8x8_t x = ta_load4_s8(p);
+    int16x4_t h = vand_s16(vshl_n_s16(vget_low_s16(vmovl_s8(x)), 7), vdup_n_s16((short)0xbfff));
+    vr r = vcvt_f32_f16(vreinterpret_f16_s16(h));
+    if (finite) return r;
+    uint8x8_t nan = vceq_u8(vand_u8(vreinterpret_u8_s8(x), vdup_n_u8(0x7f)), vdup_n_u8(0x7f));
+    uint32x4_t nan32 = vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(nan)))));
+    return vbslq_f32(nan32, vdupq_n_f32(NAN), r);
+}
 #endif
 
 /* Whether any byte of the rows [0, n) (width bytes each) has its low seven bits set (e4m3's NaN).
@@ -457,6 +516,20 @@ static inline int vany_byte_7f(const void *const *rows, int64_t n, int64_t width
         }
     }
     return any != 0;
+#elif defined(TA_ISA_NEON)
+    const uint8x16_t m = vdupq_n_u8(0x7f);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = (const uint8_t *)rows[j];
+        if (j + 16 < n)
+            for (int64_t c = 0; c < width; c += 64) __builtin_prefetch((const char *)rows[j + 16] + c, 0, 3);
+        uint8x16_t hit = vdupq_n_u8(0);
+        int64_t c = 0;
+        for (; c + 16 <= width; c += 16) hit = vorrq_u8(hit, vceqq_u8(vandq_u8(vld1q_u8(row + c), m), m));
+        for (; c < width; c++)
+            if ((row[c] & 0x7f) == 0x7f) return 1;
+        if (vmaxvq_u8(hit)) return 1;
+    }
+    return 0;
 #else
     for (int64_t j = 0; j < n; j++)
         for (int64_t c = 0; c < width; c++)
@@ -482,6 +555,17 @@ static inline ta_fp_mode flush_subnormals(void) {
     return mode;
 }
 static inline void restore_fp_mode(ta_fp_mode mode) { _mm_setcsr(mode); }
+#elif defined(__aarch64__)
+/* FPCR.FZ (bit 24) flushes subnormal operands and results of single and double precision (half
+ * precision, the fp16 and fp8 conversions included, has its own bit, FZ16, left alone) */
+typedef uint64_t ta_fp_mode;
+static inline ta_fp_mode flush_subnormals(void) {
+    ta_fp_mode mode;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(mode));
+    __asm__ volatile("msr fpcr, %0" : : "r"(mode | ((ta_fp_mode)1 << 24)));
+    return mode;
+}
+static inline void restore_fp_mode(ta_fp_mode mode) { __asm__ volatile("msr fpcr, %0" : : "r"(mode)); }
 #else
 typedef int ta_fp_mode;
 static inline ta_fp_mode flush_subnormals(void) { return 0; }
@@ -542,6 +626,48 @@ static const char ta_cpu_features[] __attribute__((unused)) = TA_FEATURE_MARKER
 #endif
 #ifdef __AVX512FP16__
     "avx512_fp16,"
+#endif
+#ifdef __aarch64__
+    "fp,asimd,"
+#endif
+#ifdef __ARM_FEATURE_ATOMICS
+    "atomics,"
+#endif
+#ifdef __ARM_FEATURE_CRC32
+    "crc32,"
+#endif
+#ifdef __ARM_FEATURE_QRDMX
+    "asimdrdm,"
+#endif
+#ifdef __ARM_FEATURE_FP16_SCALAR_ARITHMETIC
+    "fphp,"
+#endif
+#ifdef __ARM_FEATURE_FP16_VECTOR_ARITHMETIC
+    "asimdhp,"
+#endif
+#ifdef __ARM_FEATURE_DOTPROD
+    "asimddp,"
+#endif
+#ifdef __ARM_FEATURE_COMPLEX
+    "fcma,"
+#endif
+#ifdef __ARM_FEATURE_JCVT
+    "jscvt,"
+#endif
+#ifdef __ARM_FEATURE_FRINT
+    "frint,"
+#endif
+#ifdef __ARM_FEATURE_BF16_VECTOR_ARITHMETIC
+    "bf16,"
+#endif
+#ifdef __ARM_FEATURE_MATMUL_INT8
+    "i8mm,"
+#endif
+#ifdef __ARM_FEATURE_SVE
+    "sve,"
+#endif
+#ifdef __ARM_FEATURE_SVE2
+    "sve2,"
 #endif
     ";";
 
