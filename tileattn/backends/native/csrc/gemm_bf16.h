@@ -10,7 +10,7 @@
  *   COLS  A2(r, kp) = A32[r + kp * ld]    V packed as key pairs (Vp[kp][c] = (V[2kp][c], V[2kp+1][c]))
  *
  * where A32 views the bf16 data as 32-bit pairs and ld counts pairs. Only compiled where the
- * compiler enables AVX512_BF16 or Arm's bf16 extension (-march=armv8.6-a, +bf16).
+ * compiler enables AVX512_BF16 or Arm's bf16 extension (+bf16, implied from armv8.6-a).
  */
 #ifndef TA_GEMM_BF16_H
 #define TA_GEMM_BF16_H
