@@ -1,11 +1,13 @@
-"""The wheel's build step: on Linux x86-64, the native kernels prebuilt for three x86-64 levels.
+"""The wheel's build step: on Linux, the native kernels prebuilt for three levels of the compiler's
+architecture (x86-64, or aarch64: a cross compiler in ``$CC`` builds the aarch64 wheel).
 
 The project's metadata is in pyproject.toml; this file only adds the prebuilt libraries
 (:mod:`tileattn.backends.native.prebuilt`) to the wheel's ``tileattn/backends/native/prebuilt/`` and
-marks that wheel platform-specific (``py3-none-linux_x86_64``; ``scripts/build_wheel.sh`` repairs it
+marks that wheel platform-specific (``py3-none-linux_<arch>``; ``scripts/build_wheel.sh`` repairs it
 into a manylinux wheel with libgomp bundled). ``TILEATTN_PREBUILT`` decides:
 
-* ``auto`` (default): prebuild on Linux x86-64 when a C compiler takes all three flag sets; otherwise
+* ``auto`` (default): prebuild on Linux when a C compiler for x86-64 or aarch64 takes all three flag
+  sets of its architecture; otherwise
   (another platform, no compiler, an old compiler) the pure ``py3-none-any`` wheel, whose native
   engine compiles on first use, as the sdist always does
 * ``1``: prebuild or fail (CI's ship check)
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import sys
 import types
 from pathlib import Path
@@ -56,8 +57,8 @@ def _plan():
     prebuilt = _prebuilt_module()
     find_compiler, BuildError = prebuilt.build.find_compiler, prebuilt.BuildError
     why = None
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        why = f"prebuilt libraries are for Linux x86-64, not {sys.platform} {platform.machine()}"
+    if sys.platform != "linux":
+        why = f"prebuilt libraries are for Linux, not {sys.platform}"
     else:
         try:
             cc = tuple(find_compiler())
@@ -98,7 +99,8 @@ class BdistWheel(bdist_wheel):
     def get_tag(self):
         if self.root_is_pure:
             return super().get_tag()
-        return "py3", "none", "linux_x86_64"  # no Python extension: any CPython 3 loads the libraries
+        # no Python extension: any CPython 3 loads the libraries; the architecture is the compiler's target
+        return "py3", "none", "linux_" + _prebuilt_module().toolchain.target_arch(_plan()).name
 
 
 setuptools.setup(distclass=Distribution,

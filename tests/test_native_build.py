@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tileattn.backends.native import build
+from tileattn.backends.native import build, prebuilt
 from tileattn.programs import toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +176,7 @@ def test_no_compiler_makes_the_kernels_unavailable_with_the_reason(tmp_path):
 
 @pytest.mark.parametrize("env,words", [
     (dict(CC="", PATH="/nonexistent-dir"), "no C compiler found"),
-    (dict(TILEATTN_NATIVE_ISA="sse9"), "TILEATTN_NATIVE_ISA='sse9'; expected one of avx512, avx2, generic"),
+    (dict(TILEATTN_NATIVE_ISA="sse9"), "TILEATTN_NATIVE_ISA='sse9'; expected one of avx512, avx2, neon, generic"),
 ], ids=["no-compiler-on-PATH", "unknown-isa"])
 def test_build_errors_say_why(env, words, tmp_path, monkeypatch):
     for name, value in env.items():
@@ -236,12 +236,19 @@ def _cross_compiler():
 
 @pytest.mark.skipif(_cross_compiler() is None,
                     reason="no aarch64 cross compiler here (apt-get install gcc-aarch64-linux-gnu to run this check)")
-def test_generic_variant_cross_compiles_for_aarch64(tmp_path):
-    """The portable variant is what an aarch64 machine builds (NEON through vector extensions, FMAs
-    from contraction): both translation units and the link, with the flags build.py uses."""
-    lib = build._compile(_cross_compiler(), ("-march=armv8-a", "-fopenmp"), "generic", tmp_path)
+@pytest.mark.parametrize("isa,flags", [("generic", ("-march=armv8-a",)), ("neon", ("-march=armv8.4-a+bf16+i8mm",))])
+def test_aarch64_variants_cross_compile(isa, flags, tmp_path):
+    """What an aarch64 machine builds: the portable variant (NEON through vector extensions, FMAs from
+    contraction) and the NEON one (with BFDOT at armv8.4-a+bf16): both translation units and the
+    link, with the flags build.py uses; the library lists the cpuinfo Features it needs. scripts/check_aarch64.sh
+    runs them under emulation."""
+    lib = build._compile(_cross_compiler(), flags + ("-fopenmp",), isa, tmp_path)
     header = lib.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
+    wants = prebuilt.features_of(lib)
+    assert {"fp", "asimd"} <= wants and ("bf16" in wants) == (isa == "neon")
+
+
 CALL_AFTER_DAMAGE = """
 import json, warnings
 import torch, tileattn

@@ -291,3 +291,35 @@ def test_the_cpu_flag_rule_is_the_compile_paths_rule():
         except build.BuildError:
             return
         assert prebuilt.cpu_variant(prebuilt.cpu_flags()) == toolchain.choose(cc)[0]
+
+
+GRAVITON3 = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+"""
+GRAVITON2 = GRAVITON3.replace("Features\t: fp", "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
+                              "fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs\nx:").split("\nx:")[0] + "\n"
+
+
+def test_the_isa_table_is_the_one_list():
+    """Every variant is a branch of simd.h; every prebuilt level a unique folder of a variant of its
+    architecture; on aarch64 the cpuinfo "Features" line decides, the Graviton 3 runs the bf16 level
+    and the Graviton 2 the dotprod one."""
+    simd = (Path(build.CSRC) / "simd.h").read_text()
+    names = [level.name for row in toolchain.ISA_TABLE for level in row.levels]
+    assert len(names) == len(set(names))
+    for row in toolchain.ISA_TABLE:
+        assert f"defined(TA_ISA_{row.name.upper()})" in simd, row.name
+        assert all(level.isa == row.name and row.arch in (None, level.arch) for level in row.levels)
+    assert [level.name for level in toolchain.levels("aarch64")] == ["neon-bf16", "neon-dotprod", "neon"]
+    assert [level.name for level in toolchain.levels("x86_64")] == [level.name for level in prebuilt.LEVELS] or \
+        prebuilt.HOST_ARCH != "x86_64"
+    g3 = prebuilt.cpuinfo_flags(GRAVITON3.splitlines())
+    g2 = prebuilt.cpuinfo_flags(GRAVITON2.splitlines())
+    assert "bf16" in g3 and "bf16" not in g2 and "asimddp" in g2
+    assert toolchain.cpu_variant(g3, "aarch64") == "neon" == toolchain.cpu_variant(g2, "aarch64")
+    assert toolchain.cpu_variant(frozenset(), "aarch64") == "generic"
+    runs = lambda flags: [lv.name for lv in toolchain.levels("aarch64") if set(lv.cpu) <= flags]  # noqa: E731
+    assert runs(g3) == ["neon-bf16", "neon-dotprod", "neon"] and runs(g2) == ["neon-dotprod", "neon"]
+    assert prebuilt.cpuinfo_flags(["flags\t\t: fpu sse2 avx2", "Features: x"]) == {"fpu", "sse2", "avx2"}

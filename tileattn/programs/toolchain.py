@@ -3,16 +3,18 @@ engine's kernels (:mod:`tileattn.backends.native.build`) and the compiled user f
 (:mod:`tileattn.programs.compiler`).
 
 Compiler: ``$CC`` if set, else the first of ``cc``, ``gcc``, ``clang`` on ``PATH``. Variants of the
-instruction set, best first:
+instruction set, best first (:data:`ISA_TABLE`, the one list that this module, the engine's build
+and its prebuilt libraries read):
 
 * ``avx512``: AVX-512 F/BW/VL + FMA (``-march=native`` on such a CPU)
 * ``avx2``: AVX2 + FMA, built with ``-mno-avx512f`` so it runs on CPUs without AVX-512
+* ``neon``: aarch64 Advanced SIMD (``-mcpu=native``; BFDOT where the CPU has bf16)
 * ``generic``: portable vector extensions only (the machine's own flags; on x86 without AVX-512)
 
 Each variant adds ``-fopenmp`` where the compiler links an OpenMP program; without an OpenMP
 runtime the kernels run on their own pool of POSIX threads (``tileattn env`` says which).
 
-``TILEATTN_NATIVE_ISA`` (``avx512``, ``avx2``, ``generic``) forces one. The cache root is
+``TILEATTN_NATIVE_ISA`` (``avx512``, ``avx2``, ``neon``, ``generic``) forces one. The cache root is
 ``$TILEATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/tileattn``, else ``~/.cache/tileattn``.
 
 A library in the cache is only ever loaded after a check: its size and SHA-256 are recorded beside it
@@ -34,11 +36,100 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 ISA_ENV = "TILEATTN_NATIVE_ISA"
-ISAS = ("avx512", "avx2", "generic")
+
+
+# ------------------------------------------------------------------------------ the instruction sets
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str       #: as platform.machine() and the manylinux tags spell it
+    macro: str      #: what the compiler predefines for it
+    native: tuple   #: the flags of a build for the compiling machine's own CPU
+    cpuinfo: str    #: the /proc/cpuinfo field that lists the CPU's features
+
+
+@dataclass(frozen=True)
+class Level:
+    """A prebuilt library of the platform wheel (:mod:`tileattn.backends.native.prebuilt`)."""
+
+    name: str       #: its folder under prebuilt/
+    isa: str        #: the variant it is
+    arch: str       #: the architecture its flags compile for
+    flags: tuple    #: compile flags besides BASE_FLAGS and -fopenmp, never -march=native
+    cpu: tuple      #: /proc/cpuinfo features the CPU must have (everything the flags let the compiler emit)
+
+
+@dataclass(frozen=True)
+class Isa:
+    """A variant of the kernels: simd.h's TA_ISA_<NAME> branch."""
+
+    name: str
+    arch: Optional[str]   #: the architecture it is written for; None: any
+    macros: tuple         #: compiler macros a build needs (with the native flags)
+    cpu: tuple            #: /proc/cpuinfo features a CPU needs for the compile path to pick it
+    levels: tuple = ()    #: its prebuilt libraries, best first
+    extra: tuple = ()     #: (architecture, flags) added to the native flags there
+    uses: tuple = ()      #: macros that change what a build of it uses (a cache key, build.json)
+
+
+ARCHES = (
+    Arch("x86_64", "__x86_64__", ("-march=native",), "flags"),
+    Arch("aarch64", "__aarch64__", ("-mcpu=native",), "Features"),
+)
+_NO_AVX512 = (("x86_64", ("-mno-avx512f",)),)
+_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
+_V3 = _V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  # abm: LZCNT
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+_A80 = ("fp", "asimd")
+_A82 = _A80 + ("atomics", "crc32", "asimdrdm", "fphp", "asimdhp", "asimddp")
+#: armv8.4-a, not 8.6-a: Graviton 3 (Neoverse V1) is armv8.4 with bf16 and i8mm, and lacks 8.5's FRINT
+_A84 = _A80 + ("atomics", "crc32", "asimdrdm", "asimddp", "fcma", "jscvt", "bf16", "i8mm")
+#: the variants, best first. AMX needs no CPU flag here (the kernels ask the OS at run time); the
+#: prebuilt levels' cpu lists are what csrc/simd.h writes into each library (ta_cpu_features)
+ISA_TABLE = (
+    Isa("avx512", "x86_64", ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__FMA__"),
+        ("avx512f", "avx512bw", "avx512vl", "fma"),
+        (Level("avx512", "avx512", "x86_64", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+               _V4 + ("avx512_bf16",)),),
+        uses=("__AVX512BF16__", "__AVX512FP16__")),
+    Isa("avx2", "x86_64", ("__AVX2__", "__FMA__"), ("avx2", "fma"),
+        (Level("avx2", "avx2", "x86_64", ("-march=x86-64-v3",), _V3),), _NO_AVX512, ("__F16C__",)),
+    Isa("neon", "aarch64", ("__ARM_NEON",), ("asimd",),
+        (Level("neon-bf16", "neon", "aarch64", ("-march=armv8.4-a+bf16+i8mm",), _A84),
+         Level("neon-dotprod", "neon", "aarch64", ("-march=armv8.2-a+fp16+dotprod",), _A82),
+         Level("neon", "neon", "aarch64", ("-march=armv8-a",), _A80)),
+        uses=("__ARM_FEATURE_BF16_VECTOR_ARITHMETIC", "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC",
+              "__ARM_FEATURE_DOTPROD", "__ARM_FEATURE_MATMUL_INT8", "__ARM_FEATURE_SVE")),
+    Isa("generic", None, (), (), (Level("generic", "generic", "x86_64", ("-march=x86-64-v2",), _V2),), _NO_AVX512,
+        ("__AVX__", "__F16C__", "__FMA__")),
+)
+ISAS = tuple(row.name for row in ISA_TABLE)
+ISA = {row.name: row for row in ISA_TABLE}
+#: macros that decide which variant can run and what it can use (the cache key, build.json)
+ISA_MACROS = tuple(dict.fromkeys([arch.macro for arch in ARCHES] +
+                                 [m for row in ISA_TABLE for m in row.macros + row.uses]))
+
+
+def levels(arch: str) -> tuple:
+    """The prebuilt levels for ``arch``, best first."""
+    return tuple(level for row in ISA_TABLE for level in row.levels if level.arch == arch)
+
+
+def isas_of(arch: Optional[str]) -> tuple:
+    """The variants a machine of ``arch`` may build or run, best first."""
+    return tuple(row for row in ISA_TABLE if row.arch in (None, arch))
+
+
+def cpu_variant(flags: frozenset, arch: Optional[str]) -> str:
+    """The variant the compile path builds on a CPU of ``arch`` with these /proc/cpuinfo features
+    (:func:`variant`'s rule, read from the CPU instead of the compiler's macros)."""
+    return next(row.name for row in isas_of(arch) if set(row.cpu) <= flags)
 BASE_FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fno-strict-aliasing")
 #: the size and SHA-256 of a cached library, written when it is built, checked before it is loaded
 RECORD_NAME = "library.json"
@@ -92,8 +183,17 @@ def macros(cc: tuple, flags: tuple):
     return frozenset(line.split()[1] for line in res.stdout.splitlines() if line.startswith("#define "))
 
 
+def target_arch(cc: tuple) -> Optional[Arch]:
+    """The architecture ``cc`` compiles for (a cross compiler's target), None when not in ARCHES."""
+    found = macros(cc, ())
+    if found is None:
+        raise BuildError(f"compiler {' '.join(cc)!r} cannot preprocess C")
+    return next((arch for arch in ARCHES if arch.macro in found), None)
+
+
 def _arch_flags(cc: tuple) -> tuple:
-    for flags in (("-march=native",), ("-mcpu=native",), ()):
+    arch = target_arch(cc)
+    for flags in ((arch.native,) if arch else ()) + (("-march=native",), ("-mcpu=native",), ()):
         if macros(cc, flags) is not None:
             return flags
     raise BuildError(f"compiler {' '.join(cc)!r} cannot preprocess C")
@@ -101,22 +201,14 @@ def _arch_flags(cc: tuple) -> tuple:
 
 def variant(cc: tuple, isa: str):
     """(flags, macros) for one variant, or a reason string when this CPU/compiler cannot build it."""
-    arch = _arch_flags(cc)
-    base = macros(cc, arch)
-    x86 = "__x86_64__" in base
-    if isa == "avx512":
-        flags = arch
-        need = ("__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__FMA__")
-    elif isa == "avx2":
-        flags = arch + (("-mno-avx512f",) if x86 else ())
-        need = ("__AVX2__", "__FMA__")
-    else:
-        flags = arch + (("-mno-avx512f",) if x86 else ())
-        need = ()
+    row, arch = ISA[isa], target_arch(cc)
+    if row.arch is not None and (arch is None or arch.name != row.arch):
+        return f"{isa} is for {row.arch}, and the compiler builds for {arch.name if arch else 'another architecture'}"
+    flags = _arch_flags(cc) + sum((extra for name, extra in row.extra if arch and name == arch.name), ())
     found = macros(cc, flags)
     if found is None:
         return f"the compiler rejects {' '.join(flags)}"
-    missing = [m.strip("_") for m in need if m not in found]
+    missing = [m.strip("_") for m in row.macros if m not in found]
     if missing:
         return f"this CPU (as the compiler sees it with {' '.join(flags) or 'no flags'}) lacks {', '.join(missing)}"
     if openmp_links(cc, flags):

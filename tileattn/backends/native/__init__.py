@@ -1,5 +1,5 @@
 """The native engine: FlashAttention forward, decode and backward in C (:mod:`.kernels`), prebuilt in
-the Linux x86-64 wheel or compiled on first use for this machine's CPU (:mod:`.prebuilt` chooses,
+the Linux x86-64 and aarch64 wheels or compiled on first use for this machine's CPU (:mod:`.prebuilt` chooses,
 :mod:`.build` compiles), registered ahead of the PyTorch-ops ``cpu`` engine.
 
 What the kernels do natively is declared as data (:data:`.kernels.CAPABILITIES`); dispatch routes

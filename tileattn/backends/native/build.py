@@ -4,17 +4,17 @@ wheel's prebuilt library does not serve: :mod:`.prebuilt` decides).
 The C sources in ``csrc/`` are compiled by the machine's C compiler (the toolchain shared with the
 compiled user functions, :mod:`tileattn.programs.toolchain`: ``$CC`` if set, else the first of ``cc``,
 ``gcc``, ``clang`` on ``PATH``) with ``-O3`` and the CPU's own instruction set
-(``-march=native``, or ``-mcpu=native`` where that is the spelling). Three variants exist:
+(``-march=native`` on x86, ``-mcpu=native`` on aarch64). The variants (``toolchain.ISA_TABLE``):
 
 * ``avx512``: AVX-512 F/BW/VL + FMA (uses ``vdpbf16ps`` where the CPU has AVX512_BF16)
 * ``avx2``: AVX2 + FMA, built with ``-mno-avx512f`` so it runs on CPUs without AVX-512
+* ``neon``: aarch64 Advanced SIMD (uses BFDOT where the CPU has bf16)
 * ``generic``: portable vector extensions only (no intrinsics), for CPUs without a hand-written
-  variant (aarch64 NEON, ...): the machine's own flags, so the compiler picks the vector instructions
-  and contracts a*b+c into FMAs (on x86 it is built without AVX-512: AVX2 + FMA through the
-  portable code)
+  variant: the machine's own flags, so the compiler picks the vector instructions and contracts
+  a*b+c into FMAs (on x86 it is built without AVX-512: AVX2 + FMA through the portable code)
 
 The best variant the CPU supports is chosen, or the one named by ``TILEATTN_NATIVE_ISA``
-(``avx512``, ``avx2``, ``generic``; for tests and for machines whose compiler misreports).
+(``avx512``, ``avx2``, ``neon``, ``generic``; for tests and for machines whose compiler misreports).
 ``TILEATTN_NATIVE_PROFILE=1`` builds the same variant with per-phase time-stamp counters
 (``-DTA_PROFILE=1``, csrc/profile.h) into its own cache folder; ``kernels.profile()`` reads them.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 
 from ...programs import toolchain
 from ...programs.toolchain import (  # noqa: F401  (the toolchain's names, as the engine's build spells them)
-    BASE_FLAGS, ISA_ENV, ISAS, RECORD_NAME, BuildError, find_compiler,
+    BASE_FLAGS, ISA_ENV, ISA_MACROS, ISAS, RECORD_NAME, BuildError, find_compiler,
 )
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -54,16 +54,13 @@ LIB_NAME = "libtileattn_native.so"
 PROFILE_ENV = "TILEATTN_NATIVE_PROFILE"
 #: translation units: (source, value of TA_REAL_BITS); the kernels are compiled once per real type
 UNITS = (("kernels.c", 32), ("kernels.c", 64))
-#: macros that decide which variant can run and what it can use
-ISA_MACROS = ("__x86_64__", "__aarch64__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__", "__AVX512BF16__",
-              "__AVX512FP16__", "__AVX2__", "__FMA__", "__F16C__", "__AVX__", "__ARM_NEON")
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildInfo:
     compiler: str            #: the command used, e.g. "cc"
     compiler_version: str    #: first line of ``--version``
-    isa: str                 #: avx512, avx2 or generic
+    isa: str                 #: a variant of toolchain.ISAS
     flags: tuple             #: flags given to every compile
     path: str                #: the shared library
     build_seconds: float     #: time this process spent compiling (0.0 when the cache had it)

@@ -1,8 +1,9 @@
 """The native library prebuilt into the platform wheel, and which library a process loads.
 
-The Linux x86-64 wheel (``setup.py``, docs/install.md) carries the kernels compiled for three x86-64
-levels, each with an explicit flag set, never ``-march=native`` (which would bake the build machine's
-instruction set into the wheel), all with ``-fopenmp`` (``auditwheel repair`` bundles libgomp):
+The Linux wheels (``setup.py``, docs/install.md) carry the kernels compiled for three levels of their
+architecture (``toolchain.ISA_TABLE``), each with an explicit flag set, never ``-march=native`` /
+``-mcpu=native`` (which would bake the build machine's instruction set into the wheel), all with
+``-fopenmp`` (``auditwheel repair`` bundles libgomp). x86-64:
 
 * ``avx512``: ``-march=x86-64-v4 -mavx512bf16 -mamx-tile -mamx-bf16``: the AMX bf16 tiles (used only
   where Linux grants the tile state: ``ta_amx_available``) and the vdpbf16ps tiles; runs on CPUs with
@@ -10,7 +11,14 @@ instruction set into the wheel), all with ``-fopenmp`` (``auditwheel repair`` bu
 * ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C, BMI: Haswell, Zen 1 and later)
 * ``generic``: ``-march=x86-64-v2`` (SSE4.2: the portable code on 16-byte vectors)
 
-Each sits in ``prebuilt/<variant>/`` beside its size/SHA-256 record (``library.json``, checked before
+aarch64 (the ``neon`` variant at three levels):
+
+* ``neon-bf16``: ``-march=armv8.4-a+bf16+i8mm``: the BFDOT tiles (Graviton 3 and 4, Neoverse V1/V2/N2,
+  Apple M2 and later; not armv8.6-a, whose FRINT the Graviton 3 lacks)
+* ``neon-dotprod``: ``-march=armv8.2-a+fp16+dotprod`` (Graviton 2, Neoverse N1, Ampere Altra, Apple M1)
+* ``neon``: ``-march=armv8-a`` (every aarch64 CPU)
+
+Each sits in ``prebuilt/<level>/`` beside its size/SHA-256 record (``library.json``, checked before
 every load like a cached library's) and ``build.json`` (compiler, flags, macros). The CPU's
 features come from ``/proc/cpuinfo``; a prebuilt library is loaded only on a CPU that has every
 feature its flags let the compiler use (:data:`LEVELS`).
@@ -18,10 +26,10 @@ feature its flags let the compiler use (:data:`LEVELS`).
 Which library a process loads (:func:`resolve`) follows ``TILEATTN_NATIVE``:
 
 * ``auto`` (default): the prebuilt library of the variant the compile path would build for this CPU
-  (its best: avx512 where the CPU has AVX-512 F/BW/VL + FMA, else avx2 where it has AVX2 + FMA, else
-  generic; ``TILEATTN_NATIVE_ISA`` forces one) when that is avx512 or avx2: they measured as fast
-  as the ``-march=native`` builds (docs/install.md). A compile for this CPU instead when the variant
-  is generic (its ``-march=native`` build is faster: :data:`NATIVE_WINS`), when no prebuilt library
+  (its best: avx512 where the CPU has AVX-512 F/BW/VL + FMA, else avx2 where it has AVX2 + FMA, neon
+  on aarch64, else generic; ``TILEATTN_NATIVE_ISA`` forces one) when that is avx512 or avx2: they
+  measured as fast as the ``-march=native`` builds (docs/install.md). A compile for this CPU instead
+  when the variant is generic or neon (:data:`NATIVE_WINS`), when no prebuilt library
   is that variant (a CPU with AVX-512 but without AVX512_BF16, a source install), or when it is
   damaged (with one warning). Where that compile fails, the best prebuilt library the CPU runs;
   a damaged one is never loaded: the next variant this CPU runs serves (with one warning), and with
@@ -44,12 +52,14 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional, Tuple
 
 from ...programs import toolchain
+from ...programs.toolchain import Level  # noqa: F401  (a prebuilt level, as this module's users name it)
 from . import build
 from .build import LIB_NAME, BuildError, BuildInfo
 
@@ -60,26 +70,26 @@ MODES = ("auto", "prebuilt", "compile")
 META_NAME = "build.json"
 
 
-@dataclasses.dataclass(frozen=True)
-class Level:
-    isa: str        #: the variant, as build.py names it
-    flags: tuple    #: compile flags besides BASE_FLAGS and -fopenmp
-    cpu: tuple      #: /proc/cpuinfo flags the CPU must have (everything the flags let the compiler emit)
-
-
-_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
-_V3 = _V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")  # abm: LZCNT
-_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+#: the architecture this process runs on, as the ISA table names it
+HOST_ARCH = platform.machine()
 #: variants whose -march=native build measured faster than the prebuilt one (docs/install.md: generic,
-#: whose prebuilt library is SSE4.2 while a compile uses whatever the CPU has above it); ``auto``
-#: compiles these where a compiler works
-NATIVE_WINS = frozenset({"generic"})
-#: the prebuilt variants, best first; AMX needs no CPU flag here (the kernels ask the OS at run time)
-LEVELS = (
-    Level("avx512", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"), _V4 + ("avx512_bf16",)),
-    Level("avx2", ("-march=x86-64-v3",), _V3),
-    Level("generic", ("-march=x86-64-v2",), _V2),
-)
+#: whose prebuilt library is SSE4.2 while a compile uses whatever the CPU has above it), or that were
+#: never measured against it (neon: docs/install.md; a -mcpu=native build can only match or beat a
+#: fixed level); ``auto`` compiles these where a compiler works
+NATIVE_WINS = frozenset({"generic", "neon"})
+#: the prebuilt levels of this architecture, best first (toolchain.ISA_TABLE)
+LEVELS = toolchain.levels(HOST_ARCH)
+
+
+def cpuinfo_flags(lines) -> frozenset:
+    """The feature flags of the first CPU that /proc/cpuinfo's ``lines`` describe: x86's "flags",
+    aarch64's "Features" (empty when there is neither)."""
+    keys = {arch.cpuinfo for arch in toolchain.ARCHES}
+    for line in lines:
+        key, colon, value = line.partition(":")
+        if colon and key.strip() in keys:
+            return frozenset(value.split())
+    return frozenset()
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,12 +99,9 @@ def host_flags() -> frozenset:
     (:func:`features_of`) reads."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+            return cpuinfo_flags(f)
     except OSError:
-        pass
-    return frozenset()
+        return frozenset()
 
 
 def cpu_flags() -> frozenset:
@@ -141,43 +148,51 @@ def cpu_variant(flags: frozenset, isa: Optional[str] = None) -> str:
         if forced not in build.ISAS:
             raise BuildError(f"{build.ISA_ENV}={forced!r}; expected one of {', '.join(build.ISAS)}")
         return forced
-    if {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
-        return "avx512"
-    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+    return toolchain.cpu_variant(flags, HOST_ARCH)
 
 
 # ------------------------------------------------------------------------------ building (setup.py)
 
 
+def target_levels(cc: tuple) -> tuple:
+    """The levels the compiler ``cc`` builds: those of the architecture it compiles for (a cross
+    compiler builds another architecture's wheel)."""
+    arch = toolchain.target_arch(cc)
+    return toolchain.levels(arch.name) if arch else ()
+
+
 def unbuildable(cc: tuple) -> Optional[str]:
-    """Why the compiler ``cc`` cannot build every level (its flags, or OpenMP), or None."""
-    for level in LEVELS:
+    """Why the compiler ``cc`` cannot build every level of its architecture (its flags, or OpenMP), or
+    None."""
+    if not target_levels(cc):
+        return f"compiler {' '.join(cc)!r} builds for an architecture without prebuilt levels"
+    for level in target_levels(cc):
         flags = level.flags + ("-fopenmp",)
         macros = toolchain.macros(cc, flags)
         if macros is None or "_OPENMP" not in macros:
-            return f"compiler {' '.join(cc)!r} rejects {' '.join(flags)} (prebuilt {level.isa})"
+            return f"compiler {' '.join(cc)!r} rejects {' '.join(flags)} (prebuilt {level.name})"
     return None
 
 
 def compile_all(dest: Path, cc: tuple) -> list:
-    """Compile every level into ``dest/<variant>/`` with its records; the variants built. Runs at wheel
-    build time (setup.py), with explicit flags only."""
+    """Compile every level of the compiler's architecture into ``dest/<level>/`` with its records; the
+    levels built. Runs at wheel build time (setup.py), with explicit flags only."""
     why = unbuildable(cc)
     if why:
         raise BuildError(why)
     version = toolchain.compiler_version(cc)
     built = []
-    for level in LEVELS:
+    for level in target_levels(cc):
         flags = level.flags + ("-fopenmp",)
         macros = toolchain.macros(cc, flags)
-        folder = dest / level.isa
+        folder = dest / level.name
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix="build-") as tmp:
             toolchain.install(build._compile(cc, flags, level.isa, Path(tmp)), folder / LIB_NAME)
         meta = dict(compiler=" ".join(cc), compiler_version=version, isa=level.isa, flags=list(flags),
-                    features=[m for m in build.ISA_MACROS if m in macros], cpu=list(level.cpu))
+                    features=[m for m in build.ISA_MACROS if m in macros], cpu=list(level.cpu), level=level.name)
         (folder / META_NAME).write_text(json.dumps(meta, indent=1))
-        built.append(level.isa)
+        built.append(level.name)
     return built
 
 
@@ -223,9 +238,9 @@ def best_prebuilt(flags: frozenset, only: Optional[str] = None) -> Found:
             continue
         missing = [f for f in level.cpu if f not in flags]
         if missing:
-            passed.append(f"prebuilt {level.isa} needs {', '.join(missing)}, which this CPU lacks")
+            passed.append(f"prebuilt {level.name} needs {', '.join(missing)}, which this CPU lacks")
             continue
-        info, broken = verified(PREBUILT_DIR / level.isa)
+        info, broken = verified(PREBUILT_DIR / level.name)
         if info is not None:
             return Found(info, "; ".join(passed), damaged=damaged)
         # a damaged (or mislabelled) variant is passed over for the next one this CPU runs

@@ -15,11 +15,7 @@
 #include "kernels.h"
 #include "profile.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
-
-/* Below this many multiply-adds a call runs on the calling thread: an OpenMP fork/join costs a few
+/* Below this many multiply-adds a call runs on the calling thread: a team's fork/join costs a few
  * microseconds, more than a small decode step's compute. */
 #define TA_PARALLEL_MIN_WORK (1 << 19)
 
@@ -29,62 +25,9 @@
 const char *ta_abi(void) { return TA_FIELDS(TA_DESCRIBE); }
 const char *ta_user_abi(void) { return TA_USER_FIELDS(TA_DESCRIBE); }
 
-/* The CPU features this library was compiled to use, as Linux's /proc/cpuinfo names them, after a
- * marker so Python can read them from the file's bytes before loading it (prebuilt.py): a library
- * copied into another variant's folder must be refused, not loaded into a process whose CPU would
- * die of SIGILL at the first kernel call. ta_isa_features returns the same list once loaded; its body
- * is a pointer to a constant, so calling it runs no vector instruction (the list ends at the first
- * ";"). AMX is left out: the kernels
- * ask the OS for the tile state at run time (amx.h). */
-#define TA_FEATURE_MARKER "tileattn-isa-features:"
-static const char ta_features[] = TA_FEATURE_MARKER
-#ifdef __SSE4_2__
-    "sse4_2,"
-#endif
-#ifdef __POPCNT__
-    "popcnt,"
-#endif
-#ifdef __AVX__
-    "avx,"
-#endif
-#ifdef __AVX2__
-    "avx2,"
-#endif
-#ifdef __FMA__
-    "fma,"
-#endif
-#ifdef __F16C__
-    "f16c,"
-#endif
-#ifdef __BMI__
-    "bmi1,"
-#endif
-#ifdef __BMI2__
-    "bmi2,"
-#endif
-#ifdef __AVX512F__
-    "avx512f,"
-#endif
-#ifdef __AVX512BW__
-    "avx512bw,"
-#endif
-#ifdef __AVX512CD__
-    "avx512cd,"
-#endif
-#ifdef __AVX512DQ__
-    "avx512dq,"
-#endif
-#ifdef __AVX512VL__
-    "avx512vl,"
-#endif
-#ifdef __AVX512BF16__
-    "avx512_bf16,"
-#endif
-#ifdef __AVX512FP16__
-    "avx512_fp16,"
-#endif
-    ";";
-const char *ta_isa_features(void) { return ta_features + sizeof TA_FEATURE_MARKER - 1; }
+/* The CPU features this library was compiled for (simd.h), without the marker. Its body is a pointer
+ * to a constant, so calling it runs no vector instruction. */
+const char *ta_isa_features(void) { return ta_cpu_features + sizeof TA_FEATURE_MARKER - 1; }
 
 const char *ta_build_info(void) {
     return "isa=" TA_ISA_NAME ";amx="
@@ -94,7 +37,7 @@ const char *ta_build_info(void) {
            "0"
 #endif
            ";bf16dot="
-#if defined(TA_ISA_AVX512) && defined(__AVX512BF16__)
+#ifdef TA_HAVE_BF16DOT
            "1"
 #else
            "0"
@@ -112,37 +55,13 @@ const char *ta_build_info(void) {
  * AVX512_BF16): kernels.py turns the bf16 dot-product tiles on where they are faster. Measured, not
  * assumed: on Zen 4 vdpbf16ps does twice the fp32 rate, on the Sapphire Rapids this was written on
  * half of it. */
-#ifdef TA_HAVE_BF16DOT
-static double probe_seconds(int bf16) {
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
-    __m512 acc[24];
-    for (int i = 0; i < 24; i++) acc[i] = _mm512_set1_ps((float)i);
-    const __m512 x = _mm512_set1_ps(1e-3f);
-    const __m512bh xb = (__m512bh)_mm512_set1_epi16(0x3a83); /* ~1e-3 in bf16 */
-    if (bf16)
-        for (int it = 0; it < 20000; it++)
-#pragma GCC unroll 24
-            for (int i = 0; i < 24; i++) acc[i] = _mm512_dpbf16_ps(acc[i], xb, xb);
-    else
-        for (int it = 0; it < 20000; it++)
-#pragma GCC unroll 24
-            for (int i = 0; i < 24; i++) acc[i] = _mm512_fmadd_ps(acc[i], x, x);
-    float sink = 0;
-    for (int i = 0; i < 24; i++) sink += _mm512_reduce_add_ps(acc[i]);
-    __asm__ volatile("" : : "x"(sink));
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
-    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-}
-#endif
-
 double ta_probe_bf16dot(void) {
 #ifdef TA_HAVE_BF16DOT
     double f32 = INFINITY, bf16 = INFINITY; /* the fastest of five runs each: preemption only slows */
     for (int rep = 0; rep < 5; rep++) {
-        double t = probe_seconds(0);
+        double t = ta_bf16dot_probe_seconds(0);
         f32 = t < f32 ? t : f32;
-        t = probe_seconds(1);
+        t = ta_bf16dot_probe_seconds(1);
         bf16 = t < bf16 ? t : bf16;
     }
     return bf16 > 0 ? 2.0 * f32 / bf16 : 0; /* a vdpbf16ps does twice an FMA's multiply-adds */
@@ -367,25 +286,6 @@ void ta_scratch_trim(void) {
             tls_cap[s] = 0;
         }
 }
-
-/* Tasks run with subnormal results flushed to zero (the thread's own floating-point mode, restored
- * when its tasks end). A row's accumulator is subnormal while its first keys carry probabilities
- * near 2^-126 (ALiBi's far keys, a softcap's floor), and every FMA with a subnormal operand takes a
- * microcode assist on Intel cores: a decode step with ALiBi ran 1.3x slower than without. What is
- * flushed is below 2^-126 of a row whose largest probability is 1, far under fp32's rounding. */
-#if defined(__x86_64__) || defined(__i386__)
-typedef unsigned int ta_fp_mode;
-static ta_fp_mode flush_subnormals(void) {
-    const ta_fp_mode mode = _mm_getcsr();
-    _mm_setcsr(mode | _MM_FLUSH_ZERO_ON);
-    return mode;
-}
-static void restore_fp_mode(ta_fp_mode mode) { _mm_setcsr(mode); }
-#else
-typedef int ta_fp_mode;
-static ta_fp_mode flush_subnormals(void) { return 0; }
-static void restore_fp_mode(ta_fp_mode mode) { (void)mode; }
-#endif
 
 static void record_status(int *status, int st) {
     int expected = TA_OK;

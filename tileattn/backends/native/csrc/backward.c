@@ -348,12 +348,12 @@ static void bwd_tile_amx(const ta_args *a, const bwd_plan *P, const ta_seq *s, c
         for (int64_t p = 0; p < npan; p++) {
             uint16_t *d = W->dsp + p * tp;
             const real *dS = W->dP + p * tp;
-            const __m512i order = ta_bf16_order();
+            const ta_pairs_order order = ta_bf16_order();
             for (int64_t kp = 0; kp < np / 2; kp++)
                 for (int v = 0; v < TA_NV; v++) {
                     vr x0 = 2 * kp < n ? vload(dS + 2 * kp * PW + v * VW) : vzero();
                     vr x1 = 2 * kp + 1 < n ? vload(dS + (2 * kp + 1) * PW + v * VW) : vzero();
-                    _mm512_storeu_si512(d + (kp * PW + v * VW) * 2, ta_bf16_pairs(x0, x1, order));
+                    ta_bf16_store_pairs(d + (kp * PW + v * VW) * 2, x0, x1, order);
                 }
         }
         ta_amx_pack_vt(W->kt2, np, a, s, a->k, a->k_st, s->k0, R->hk, j0, n, D, dpad);

@@ -69,35 +69,6 @@ static int64_t dec_block_tokens(int64_t q_len, int64_t G) {
     return DEC_BLOCK_ROWS / G > 0 ? DEC_BLOCK_ROWS / G : 1;
 }
 
-/* out[t] = sum of the lanes of v[t], t < VW: a transposing reduction tree. */
-TA_INLINE vr dec_hsum(const vr *v) {
-#if defined(TA_ISA_AVX512) && TA_REAL_BITS == 32
-    __m512 u[8], w[4], z[2];
-    for (int k = 0; k < 8; k++)
-        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int k = 0; k < 2; k++)
-        z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-#elif defined(TA_ISA_AVX2) && TA_REAL_BITS == 32
-    __m256 u[4], w[2];
-    for (int k = 0; k < 4; k++)
-        u[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 2; k++)
-        w[k] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
-#else
-    vr r;
-    for (int t = 0; t < VW; t++) r[t] = vsum(v[t]);
-    return r;
-#endif
-}
-
 /* Accumulators of the score kernel: half the vector registers. */
 #if TA_VBYTES == 64
 #define DEC_ACC 16
@@ -149,7 +120,7 @@ TA_INLINE void dec_dots(const int kd, const int nr, const int grouped, const rea
         for (int r = 0; r < nr; r++)
             for (int u = 0; u < kg; u++) acc[r][t0 + u] = x[r][u];
     }
-    for (int r = 0; r < nr; r++) vstore(out + r * out_ld, dec_hsum(acc[r]) * alpha);
+    for (int r = 0; r < nr; r++) vstore(out + r * out_ld, vsums(acc[r]) * alpha);
 }
 
 /* Software prefetch of the rows [j0, j1) of rows (row_bytes each, clipped to n rows): a cache whose
@@ -497,7 +468,7 @@ static int dec_block(const ta_args *a, const void *plan, const void *task) {
         dec_row_ptrs(a, &s, a->k, a->k_st, s.k0, hk, j0, n, es, krows);
         dec_row_ptrs(a, &s, a->v, a->v_st, s.v0, hk, j0, n, es, vrows);
         /* most e4m3 chunks hold no NaN: a scan here spares every widening its NaN check */
-        if (kd == TA_F8E4M3 && !ta_e4m3_any_nan(krows, n, D) && !ta_e4m3_any_nan(vrows, n, Dv)) kd = TA_F8E4M3_FINITE;
+        if (kd == TA_F8E4M3 && !vany_byte_7f(krows, n, D) && !vany_byte_7f(vrows, n, Dv)) kd = TA_F8E4M3_FINITE;
         if (P->kG) {
             dec_groups_fill(&kgroups, gmem, a, &s, hk, a->k_scale, a->k_scale_st, P->ks, a->k_offset, a->k_offset_st,
                             P->ko, P->kG, D, j0, n, np);

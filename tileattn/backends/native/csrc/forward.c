@@ -78,7 +78,7 @@ static void fwd_softmax_pairs(const ta_args *a, const ta_rows *R, int64_t p, con
     const int64_t base = p * PW;
     const int drop = a->dropout_p > 0;
     const vr sc = vset1(scale), thr = vset1((real)TA_RESCALE_THRESHOLD);
-    const __m512i order = ta_bf16_order();
+    const ta_pairs_order order = ta_bf16_order();
     for (int v = 0; v < TA_NV; v++) {
         const real *Sv = S + v * VW;
         uint16_t *Pv = pairs + v * VW * 2;
@@ -101,7 +101,7 @@ static void fwd_softmax_pairs(const ta_args *a, const ta_rows *R, int64_t p, con
                         p0 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), p0, vzero());
                         p1 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j + 1), p1, vzero());
                     }
-                    _mm512_storeu_si512(Pv + (j / 2) * PW * 2, ta_bf16_pairs(p0, p1, order));
+                    ta_bf16_store_pairs(Pv + (j / 2) * PW * 2, p0, p1, order);
                 }
                 vi grow = mx > mo + thr;
                 int any = 0;
@@ -136,7 +136,7 @@ static void fwd_softmax_pairs(const ta_args *a, const ta_rows *R, int64_t p, con
                 p0 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j), p0, vzero());
                 p1 = vselect(ta_drop_keep(a, R, base + v * VW, j0 + j + 1), p1, vzero());
             }
-            _mm512_storeu_si512(Pv + (j / 2) * PW * 2, ta_bf16_pairs(p0, p1, order));
+            ta_bf16_store_pairs(Pv + (j / 2) * PW * 2, p0, p1, order);
         }
         vstore(l + base + v * VW, vload(l + base + v * VW) + ls);
     }

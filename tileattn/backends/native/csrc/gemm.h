@@ -34,11 +34,7 @@
 
 #define TA_NV 2
 #define PW (TA_NV * VW)
-#if defined(TA_ISA_AVX512)
-#define TA_MR 12
-#else
-#define TA_MR 6
-#endif
+/* TA_MR, the rows of the register block, comes with the ISA (simd.h) */
 
 enum { TA_A_ROWS, TA_A_COLS, TA_A_PANELS };
 

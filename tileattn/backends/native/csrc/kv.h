@@ -41,30 +41,6 @@ static inline int64_t ta_kv_elsize(int64_t kd) {
     return kd == TA_F64 ? 8 : kd == TA_F32 ? 4 : kd >= TA_I8 ? 1 : 2;
 }
 
-/* Whether any of the rows [0, n) (width bytes each) of an e4m3 tensor holds a NaN. The first pass
- * over a chunk's rows: it prefetches rows ahead (strided rows defeat the hardware prefetcher). */
-static inline int ta_e4m3_any_nan(const void *const *rows, int64_t n, int64_t width) {
-#if defined(TA_ISA_AVX512)
-    const __m512i m = _mm512_set1_epi8(0x7f);
-    __mmask64 any = 0;
-    for (int64_t j = 0; j < n; j++) {
-        if (j + 16 < n)
-            for (int64_t c = 0; c < width; c += 64) __builtin_prefetch((const char *)rows[j + 16] + c, 0, 3);
-        for (int64_t c = 0; c < width; c += 64) {
-            __mmask64 live = width - c >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (width - c)) - 1);
-            __m512i x = _mm512_maskz_loadu_epi8(live, (const char *)rows[j] + c);
-            any |= _mm512_mask_cmpeq_epi8_mask(live, _mm512_and_si512(x, m), m);
-        }
-    }
-    return any != 0;
-#else
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t c = 0; c < width; c++)
-            if ((((const uint8_t *)rows[j])[c] & 0x7f) == 0x7f) return 1;
-    return 0;
-#endif
-}
-
 static inline int ta_qs_kind(const void *p, const int64_t st[6]) {
     if (!p) return TA_QS_NONE;
     int token = st[2] != 0 || st[3] != 0, channel = st[5] > 1 && st[4] != 0;
@@ -116,9 +92,9 @@ static inline double ta_kv_load1(const void *row, int64_t i, int64_t kd) {
 
 /* ---------------------------------------------------------------------------- vector conversions */
 
-/* Whether ta_kv_vload converts e4m3 through an fp16 conversion in registers, which yields 2^-8 of
- * the value: the kernel folds the 2^8 into its scales (exact). */
-#if TA_REAL_BITS == 32 && (defined(TA_ISA_AVX512) || (defined(TA_ISA_AVX2) && defined(__F16C__)))
+/* Whether ta_kv_vload converts e4m3 through an fp16 conversion in registers (simd.h), which yields
+ * 2^-8 of the value: the kernel folds the 2^8 into its scales (exact). */
+#ifdef TA_VCVT_F16
 #define TA_E4M3_IN_REGISTERS 1
 #else
 #define TA_E4M3_IN_REGISTERS 0
@@ -129,65 +105,25 @@ static inline real ta_kv_unit(int64_t kd) {
     return (kd == TA_F8E4M3 || kd == TA_F8E4M3_FINITE) && TA_E4M3_IN_REGISTERS ? 256 : 1;
 }
 
-/* The VW / 2 bytes of int4 from p as VW sign-extended int8 lanes in channel order (the low nibble of
- * byte c is channel 2c): nibbles split, interleaved back, then (x ^ 8) - 8. */
-#if defined(TA_ISA_AVX2) || defined(TA_ISA_AVX512)
-TA_INLINE __m128i ta_i4_bytes(__m128i x) {
-    const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-    __m128i lo = _mm_and_si128(x, low), hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
-    return _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), eight), eight);
-}
-#endif
-
 /* VW elements [i, i + VW) of a row of format kd as real lanes (times 1 / ta_kv_unit(kd)). kd is a
- * compile-time constant at every call, so each format gets its own instructions: one widening load
- * (and a shift or an int->float conversion) for bf16, fp16, int8 and e5m2; e4m3 adds a mask and a
- * NaN check; int4 splits nibbles (ta_i4_bytes). Without a vector form, element by element. */
+ * compile-time constant at every call, so each format gets its own instructions: simd.h's widening
+ * loads where the ISA has them (one load and a shift or an int->float conversion for bf16, fp16,
+ * int8 and e5m2; e4m3 adds a mask and a NaN check; int4 splits nibbles), else element by element. */
 TA_INLINE vr ta_kv_vload(const void *row, int64_t i, const int kd) {
-#if TA_REAL_BITS == 32 && defined(TA_ISA_AVX512)
+#ifdef TA_VCVT_INT
     const char *p = (const char *)row;
     switch (kd) {
-    case TA_F32: return _mm512_loadu_ps(p + 4 * i);
-    case TA_BF16:
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(p + 2 * i))), 16));
-    case TA_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(p + 2 * i)));
-    case TA_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(p + i))));
-    case TA_I4: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ta_i4_bytes(_mm_loadl_epi64((const void *)(p + i / 2)))));
-    case TA_F8E5M2: return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)(p + i))), 8));
+    case TA_F32: return vload((const real *)(p + 4 * i));
+    case TA_BF16: return vload_bf16(p + 2 * i);
+#ifdef TA_VCVT_F16
+    case TA_F16: return vload_f16(p + 2 * i);
+#endif
+    case TA_I8: return vload_i8(p + i);
+    case TA_I4: return vload_i4(p + i / 2);
+#ifdef TA_VCVT_F16
+    case TA_F8E5M2: return vload_e5m2(p + i);
     case TA_F8E4M3:
-    case TA_F8E4M3_FINITE: {
-        __m128i x = _mm_loadu_si128((const void *)(p + i));
-        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7), _mm256_set1_epi16((short)0xbfff));
-        if (kd == TA_F8E4M3_FINITE) return _mm512_cvtph_ps(h);
-        __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(x, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
-        return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(NAN));
-    }
-    default: break;
-    }
-#elif TA_REAL_BITS == 32 && defined(TA_ISA_AVX2)
-    const char *p = (const char *)row;
-    switch (kd) {
-    case TA_F32: return _mm256_loadu_ps((const float *)(p + 4 * i));
-    case TA_BF16:
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(p + 2 * i))), 16));
-    case TA_I8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)(p + i))));
-    case TA_I4: {
-        int32_t four;
-        memcpy(&four, p + i / 2, 4);
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ta_i4_bytes(_mm_cvtsi32_si128(four))));
-    }
-#ifdef __F16C__
-    case TA_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const void *)(p + 2 * i)));
-    case TA_F8E5M2: return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const void *)(p + i))), 8));
-    case TA_F8E4M3:
-    case TA_F8E4M3_FINITE: {
-        __m128i x = _mm_loadl_epi64((const void *)(p + i));
-        __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16((short)0xbfff));
-        if (kd == TA_F8E4M3_FINITE) return _mm256_cvtph_ps(h);
-        __m128i nan = _mm_cmpeq_epi8(_mm_and_si128(x, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
-        __m256 nan32 = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan));
-        return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(NAN), nan32);
-    }
+    case TA_F8E4M3_FINITE: return vload_e4m3(p + i, kd == TA_F8E4M3_FINITE);
 #endif
     default: break;
     }

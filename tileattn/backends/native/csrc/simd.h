@@ -6,13 +6,25 @@
  *
  *   TA_ISA_AVX512   64-byte vectors (16 fp32 lanes), needs AVX-512 F/BW/VL and FMA
  *   TA_ISA_AVX2     32-byte vectors (8 fp32 lanes), needs AVX2 and FMA
+ *   TA_ISA_NEON     16-byte vectors (4 fp32 lanes, one register each), aarch64 Advanced SIMD; with
+ *                   the bf16 extension the bf16 dot-product tiles (gemm_bf16.h: BFDOT)
  *   TA_ISA_GENERIC  GCC/clang vector extensions only, 32-byte vectors where the target has AVX or
  *                   NEON's 32 registers (one AVX register, two NEON registers per vector), 16 bytes
  *                   elsewhere (SSE2 without AVX, ...); FMAs wherever the compiler contracts a*b+c
  *
  * Vectors are GCC vector-extension types, so plain arithmetic (+ - * /, comparisons, shifts) works
  * on them everywhere and compiles to the ISA's instructions; only the operations without an
- * operator (broadcast, FMA, max, min) go through intrinsics where the ISA has them.
+ * operator (broadcast, FMA, max, min, the widening loads of narrow formats, the transposing sum,
+ * the byte scan) go through intrinsics where the ISA has them. This header and the matrix-unit
+ * headers (amx.h, gemm_bf16.h) are the only files that name an intrinsic or an ISA: the kernels
+ * speak the vocabulary below. Each ISA branch defines
+ *
+ *   TA_VBYTES   bytes per vector
+ *   TA_MR       rows of the micro-GEMM's register block (gemm.h): 2 TA_MR accumulators, two B
+ *               vectors and a broadcast must fit the register file
+ *   TA_ISA_NAME the variant's name, as build.py spells it
+ *
+ * and the CPU features it was compiled for (TA_CPU_FEATURES, the names of Linux's /proc/cpuinfo).
  */
 #ifndef TA_SIMD_H
 #define TA_SIMD_H
@@ -21,8 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if (defined(TA_ISA_AVX512) + defined(TA_ISA_AVX2) + defined(TA_ISA_GENERIC)) != 1
-#error "define exactly one of TA_ISA_AVX512, TA_ISA_AVX2, TA_ISA_GENERIC"
+#if (defined(TA_ISA_AVX512) + defined(TA_ISA_AVX2) + defined(TA_ISA_NEON) + defined(TA_ISA_GENERIC)) != 1
+#error "define exactly one of TA_ISA_AVX512, TA_ISA_AVX2, TA_ISA_NEON, TA_ISA_GENERIC"
 #endif
 
 #if defined(TA_ISA_AVX512)
@@ -31,6 +43,7 @@
 #endif
 #include <immintrin.h>
 #define TA_VBYTES 64
+#define TA_MR 12
 #define TA_ISA_NAME "avx512"
 #elif defined(TA_ISA_AVX2)
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -38,12 +51,24 @@
 #endif
 #include <immintrin.h>
 #define TA_VBYTES 32
+#define TA_MR 6
 #define TA_ISA_NAME "avx2"
+#elif defined(TA_ISA_NEON)
+#if !defined(__aarch64__) || !defined(__ARM_NEON)
+#error "TA_ISA_NEON needs an aarch64 target"
+#endif
+#include <arm_neon.h>
+/* one register a vector: 12 x 2 accumulators, two B vectors and the broadcasts fit NEON's 32 */
+#define TA_VBYTES 16
+#define TA_MR 12
+#define TA_ISA_NAME "neon"
 #elif defined(__AVX__) || defined(__aarch64__)
 #define TA_VBYTES 32
+#define TA_MR 6
 #define TA_ISA_NAME "generic"
 #else
 #define TA_VBYTES 16
+#define TA_MR 6
 #define TA_ISA_NAME "generic"
 #endif
 
@@ -127,6 +152,18 @@ TA_INLINE vr vset1(real x) { return _mm256_set1_pd(x); }
 TA_INLINE vr vfma(vr a, vr b, vr c) { return _mm256_fmadd_pd(a, b, c); }
 TA_INLINE vr vmax_(vr a, vr b) { return _mm256_max_pd(a, b); }
 TA_INLINE vr vmin_(vr a, vr b) { return _mm256_min_pd(a, b); }
+#elif defined(TA_ISA_NEON) && TA_REAL_BITS == 32
+/* max and min as the x86 instructions compute them (the second operand when either is NaN), which
+ * FMAX/FMIN do not (a NaN in either operand wins): the kernels' NaN propagation is that form's */
+TA_INLINE vr vset1(real x) { return vdupq_n_f32(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return vfmaq_f32(c, a, b); }
+TA_INLINE vr vmax_(vr a, vr b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+#elif defined(TA_ISA_NEON)
+TA_INLINE vr vset1(real x) { return vdupq_n_f64(x); }
+TA_INLINE vr vfma(vr a, vr b, vr c) { return vfmaq_f64(c, a, b); }
+TA_INLINE vr vmax_(vr a, vr b) { return vbslq_f64(vcgtq_f64(a, b), a, b); }
+TA_INLINE vr vmin_(vr a, vr b) { return vbslq_f64(vcltq_f64(a, b), a, b); }
 #else
 /* a one-source shuffle of lane 0 is what compilers turn into a broadcast (a loop over the lanes
  * became a chain of lane inserts) */
@@ -324,5 +361,314 @@ TA_INLINE vr vtanh(vr x) {
     return vbits(vibits(t) | (vibits(x) & vibits(vset1((real)-0.0)))); /* the sign of x */
 #endif
 }
+
+/* ------------------------------------------------------------------------- sums across lanes */
+
+/* out[t] = the sum of the lanes of v[t], t < VW: a transposing reduction tree (the decode kernel's
+ * dot products, VW keys at a time). */
+TA_INLINE vr vsums(const vr *v) {
+#if defined(TA_ISA_AVX512) && TA_REAL_BITS == 32
+    __m512 u[8], w[4], z[2];
+    for (int k = 0; k < 8; k++)
+        u[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; k++)
+        z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+#elif defined(TA_ISA_AVX2) && TA_REAL_BITS == 32
+    __m256 u[4], w[2];
+    for (int k = 0; k < 4; k++)
+        u[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; k++)
+        w[k] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
+#elif defined(TA_ISA_NEON) && TA_REAL_BITS == 32
+    return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+#elif defined(TA_ISA_NEON)
+    return vpaddq_f64(v[0], v[1]);
+#else
+    vr r;
+    for (int t = 0; t < VW; t++) r[t] = vsum(v[t]);
+    return r;
+#endif
+}
+
+/* ------------------------------------------------------------------ narrow formats to real lanes */
+
+/* VW stored elements from p (any alignment) as fp32 lanes, one widening load each (fp32 builds):
+ *
+ *   TA_VCVT_INT  vload_bf16, vload_i8, vload_i4 (VW / 2 bytes of two's complement nibbles, the low
+ *                nibble of a byte first)
+ *   TA_VCVT_F16  vload_f16, vload_e5m2 (the top byte of an fp16), vload_e4m3 (through the fp16
+ *                conversion: 2^-8 of the values, which the decode kernel folds into its scales;
+ *                0x7f / 0xff are NaN unless `finite` says the bytes hold none)
+ *
+ * Where a macro is not defined the callers convert element by element (common.h, kv.h). */
+#if TA_REAL_BITS == 32 && (defined(TA_ISA_AVX512) || defined(TA_ISA_AVX2))
+/* 8 bytes of int4 as 16 sign-extended int8 lanes in channel order: nibbles split, interleaved back,
+ * then (x ^ 8) - 8 */
+TA_INLINE __m128i ta_i4_bytes(__m128i x) {
+    const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    __m128i lo = _mm_and_si128(x, low), hi = _mm_and_si128(_mm_srli_epi16(x, 4), low);
+    return _mm_sub_epi8(_mm_xor_si128(_mm_unpacklo_epi8(lo, hi), eight), eight);
+}
+#endif
+
+#if TA_REAL_BITS == 32 && defined(TA_ISA_AVX512)
+#define TA_VCVT_INT 1
+#define TA_VCVT_F16 1
+TA_INLINE vr vload_bf16(const void *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+}
+TA_INLINE vr vload_i8(const void *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))); }
+TA_INLINE vr vload_i4(const void *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ta_i4_bytes(_mm_loadl_epi64(p))));
+}
+TA_INLINE vr vload_f16(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256(p)); }
+TA_INLINE vr vload_e5m2(const void *p) {
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(p)), 8));
+}
+TA_INLINE vr vload_e4m3(const void *p, const int finite) {
+    __m128i x = _mm_loadu_si128(p);
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7), _mm256_set1_epi16((short)0xbfff));
+    if (finite) return _mm512_cvtph_ps(h);
+    __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(x, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(NAN));
+}
+#elif TA_REAL_BITS == 32 && defined(TA_ISA_AVX2)
+#define TA_VCVT_INT 1
+TA_INLINE vr vload_bf16(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16));
+}
+TA_INLINE vr vload_i8(const void *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p))); }
+TA_INLINE vr vload_i4(const void *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ta_i4_bytes(_mm_cvtsi32_si128(four))));
+}
+#ifdef __F16C__
+#define TA_VCVT_F16 1
+TA_INLINE vr vload_f16(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128(p)); }
+TA_INLINE vr vload_e5m2(const void *p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(p)), 8));
+}
+TA_INLINE vr vload_e4m3(const void *p, const int finite) {
+    __m128i x = _mm_loadl_epi64(p);
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16((short)0xbfff));
+    if (finite) return _mm256_cvtph_ps(h);
+    __m128i nan = _mm_cmpeq_epi8(_mm_and_si128(x, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    __m256 nan32 = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan));
+    return _mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(NAN), nan32);
+}
+#endif
+#elif TA_REAL_BITS == 32 && defined(TA_ISA_NEON)
+#define TA_VCVT_INT 1
+#define TA_VCVT_F16 1 /* FCVTL: every aarch64 CPU converts fp16 */
+TA_INLINE int8x8_t ta_load4_s8(const void *p) { /* 4 bytes in the low lanes */
+    uint32_t four;
+    memcpy(&four, p, 4);
+    return vreinterpret_s8_u32(vdup_n_u32(four));
+}
+TA_INLINE vr ta_s8_to_f32(int8x8_t x) { return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(x)))); }
+TA_INLINE vr vload_bf16(const void *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)p), 16)); }
+TA_INLINE vr vload_i8(const void *p) { return ta_s8_to_f32(ta_load4_s8(p)); }
+TA_INLINE vr vload_i4(const void *p) {
+    uint16_t two;
+    memcpy(&two, p, 2);
+    uint8x8_t x = vreinterpret_u8_u16(vdup_n_u16(two));
+    uint8x8_t lo = vand_u8(x, vdup_n_u8(15)), hi = vshr_n_u8(x, 4);
+    return ta_s8_to_f32(vsub_s8(vreinterpret_s8_u8(veor_u8(vzip1_u8(lo, hi), vdup_n_u8(8))), vdup_n_s8(8)));
+}
+TA_INLINE vr vload_f16(const void *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+TA_INLINE vr vload_e5m2(const void *p) {
+    uint16x4_t h = vshl_n_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_s8(ta_load4_s8(p)))), 8);
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+TA_INLINE vr vload_e4m3(const void *p, const int finite) {
+    int8x8_t x = ta_load4_s8(p);
+    int16x4_t h = vand_s16(vshl_n_s16(vget_low_s16(vmovl_s8(x)), 7), vdup_n_s16((short)0xbfff));
+    vr r = vcvt_f32_f16(vreinterpret_f16_s16(h));
+    if (finite) return r;
+    uint8x8_t nan = vceq_u8(vand_u8(vreinterpret_u8_s8(x), vdup_n_u8(0x7f)), vdup_n_u8(0x7f));
+    uint32x4_t nan32 = vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(nan)))));
+    return vbslq_f32(nan32, vdupq_n_f32(NAN), r);
+}
+#endif
+
+/* Whether any byte of the rows [0, n) (width bytes each) has its low seven bits set (e4m3's NaN).
+ * It prefetches rows ahead: strided rows defeat the hardware prefetcher. */
+static inline int vany_byte_7f(const void *const *rows, int64_t n, int64_t width) {
+#if defined(TA_ISA_AVX512)
+    const __m512i m = _mm512_set1_epi8(0x7f);
+    __mmask64 any = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (j + 16 < n)
+            for (int64_t c = 0; c < width; c += 64) __builtin_prefetch((const char *)rows[j + 16] + c, 0, 3);
+        for (int64_t c = 0; c < width; c += 64) {
+            __mmask64 live = width - c >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (width - c)) - 1);
+            __m512i x = _mm512_maskz_loadu_epi8(live, (const char *)rows[j] + c);
+            any |= _mm512_mask_cmpeq_epi8_mask(live, _mm512_and_si512(x, m), m);
+        }
+    }
+    return any != 0;
+#elif defined(TA_ISA_NEON)
+    const uint8x16_t m = vdupq_n_u8(0x7f);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = (const uint8_t *)rows[j];
+        if (j + 16 < n)
+            for (int64_t c = 0; c < width; c += 64) __builtin_prefetch((const char *)rows[j + 16] + c, 0, 3);
+        uint8x16_t hit = vdupq_n_u8(0);
+        int64_t c = 0;
+        for (; c + 16 <= width; c += 16) hit = vorrq_u8(hit, vceqq_u8(vandq_u8(vld1q_u8(row + c), m), m));
+        for (; c < width; c++)
+            if ((row[c] & 0x7f) == 0x7f) return 1;
+        if (vmaxvq_u8(hit)) return 1;
+    }
+    return 0;
+#else
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < width; c++)
+            if ((((const uint8_t *)rows[j])[c] & 0x7f) == 0x7f) return 1;
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------- the thread's floating-point mode */
+
+/* Tasks run with subnormal results flushed to zero (the thread's own floating-point mode, restored
+ * when its tasks end: api.c). A row's accumulator is subnormal while its first keys carry
+ * probabilities near 2^-126 (ALiBi's far keys, a softcap's floor), and every FMA with a subnormal
+ * operand takes a microcode assist on Intel cores: a decode step with ALiBi ran 1.3x slower than
+ * without. What is flushed is below 2^-126 of a row whose largest probability is 1, far under fp32's
+ * rounding. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int ta_fp_mode;
+static inline ta_fp_mode flush_subnormals(void) {
+    const ta_fp_mode mode = _mm_getcsr();
+    _mm_setcsr(mode | _MM_FLUSH_ZERO_ON);
+    return mode;
+}
+static inline void restore_fp_mode(ta_fp_mode mode) { _mm_setcsr(mode); }
+#elif defined(__aarch64__)
+/* FPCR.FZ (bit 24) flushes subnormal operands and results of single and double precision (half
+ * precision, the fp16 and fp8 conversions included, has its own bit, FZ16, left alone) */
+typedef uint64_t ta_fp_mode;
+static inline ta_fp_mode flush_subnormals(void) {
+    ta_fp_mode mode;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(mode));
+    __asm__ volatile("msr fpcr, %0" : : "r"(mode | ((ta_fp_mode)1 << 24)));
+    return mode;
+}
+static inline void restore_fp_mode(ta_fp_mode mode) { __asm__ volatile("msr fpcr, %0" : : "r"(mode)); }
+#else
+typedef int ta_fp_mode;
+static inline ta_fp_mode flush_subnormals(void) { return 0; }
+static inline void restore_fp_mode(ta_fp_mode mode) { (void)mode; }
+#endif
+
+/* ---------------------------------------------------------- the CPU features the build relies on */
+
+/* What the compiler was allowed to emit, as Linux's /proc/cpuinfo names it (x86 "flags", aarch64
+ * "Features"), after a marker so Python can read the list from the library's bytes before loading
+ * it (prebuilt.py): a library copied into another variant's folder must be refused, not loaded into
+ * a process whose CPU would die of SIGILL at the first kernel call. api.c's ta_isa_features returns
+ * the list once loaded (it ends at the first ";"). AMX is left out: the kernels ask the OS for the
+ * tile state at run time (amx.h). */
+#define TA_FEATURE_MARKER "tileattn-isa-features:"
+static const char ta_cpu_features[] __attribute__((unused)) = TA_FEATURE_MARKER
+#ifdef __SSE4_2__
+    "sse4_2,"
+#endif
+#ifdef __POPCNT__
+    "popcnt,"
+#endif
+#ifdef __AVX__
+    "avx,"
+#endif
+#ifdef __AVX2__
+    "avx2,"
+#endif
+#ifdef __FMA__
+    "fma,"
+#endif
+#ifdef __F16C__
+    "f16c,"
+#endif
+#ifdef __BMI__
+    "bmi1,"
+#endif
+#ifdef __BMI2__
+    "bmi2,"
+#endif
+#ifdef __AVX512F__
+    "avx512f,"
+#endif
+#ifdef __AVX512BW__
+    "avx512bw,"
+#endif
+#ifdef __AVX512CD__
+    "avx512cd,"
+#endif
+#ifdef __AVX512DQ__
+    "avx512dq,"
+#endif
+#ifdef __AVX512VL__
+    "avx512vl,"
+#endif
+#ifdef __AVX512BF16__
+    "avx512_bf16,"
+#endif
+#ifdef __AVX512FP16__
+    "avx512_fp16,"
+#endif
+#ifdef __aarch64__
+    "fp,asimd,"
+#endif
+#ifdef __ARM_FEATURE_ATOMICS
+    "atomics,"
+#endif
+#ifdef __ARM_FEATURE_CRC32
+    "crc32,"
+#endif
+#ifdef __ARM_FEATURE_QRDMX
+    "asimdrdm,"
+#endif
+#ifdef __ARM_FEATURE_FP16_SCALAR_ARITHMETIC
+    "fphp,"
+#endif
+#ifdef __ARM_FEATURE_FP16_VECTOR_ARITHMETIC
+    "asimdhp,"
+#endif
+#ifdef __ARM_FEATURE_DOTPROD
+    "asimddp,"
+#endif
+#ifdef __ARM_FEATURE_COMPLEX
+    "fcma,"
+#endif
+#ifdef __ARM_FEATURE_JCVT
+    "jscvt,"
+#endif
+#ifdef __ARM_FEATURE_FRINT
+    "frint,"
+#endif
+#ifdef __ARM_FEATURE_BF16_VECTOR_ARITHMETIC
+    "bf16,"
+#endif
+#ifdef __ARM_FEATURE_MATMUL_INT8
+    "i8mm,"
+#endif
+#ifdef __ARM_FEATURE_SVE
+    "sve,"
+#endif
+#ifdef __ARM_FEATURE_SVE2
+    "sve2,"
+#endif
+    ";";
 
 #endif

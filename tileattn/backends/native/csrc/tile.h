@@ -134,10 +134,8 @@ static void ta_load_row(real *dst, const void *src, int64_t n, int64_t dtype) {
     } else {
         const uint16_t *s = (const uint16_t *)src;
         int64_t i = 0;
-#if defined(TA_ISA_AVX512)
-        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(s + i))));
-#elif defined(TA_ISA_AVX2) && defined(__F16C__)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(s + i))));
+#ifdef TA_VCVT_F16
+        for (; i + VW <= n; i += VW) vstore(dst + i, vload_f16(s + i));
 #endif
         for (; i < n; i++) dst[i] = ta_f16_to_f32(s[i]);
     }
