@@ -21,11 +21,11 @@ from typing import Optional
 
 import torch
 
-from ..core.api import run
+from ..core.api import attention_partial, flash_attention
 from ..core.layouts import LAYOUT, LAYOUTS, from_canonical, to_canonical, token_axes
-from ..core.spec import build_spec, tracing
+from ..core.spec import tracing
 from . import composed, native
-from .checks import check_impl, check_norm_qkv, check_out_proj, layout_of
+from .checks import check_impl, layout_of, norm_qkv_call, out_width
 from .ops import norm_qkv_cache_op, norm_qkv_op
 from .ops import forward as _forward
 from .projection import needs_fp32_gemm, out_proj
@@ -96,10 +96,10 @@ def norm_qkv(x, norm_weight, w_qkv, *, eps, num_heads, num_kv_heads, head_dim, b
         ValueError / TypeError before any compute or write, naming the argument.
     """
     impl = check_impl(impl)
-    call = check_norm_qkv(x, norm_weight, w_qkv, eps=eps, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, bias_qkv=bias_qkv, rope=rope, rotary_interleaved=rotary_interleaved,
-                          q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm_eps=qk_norm_eps,
-                          layout=layout, kv_cache=kv_cache, cache_seqlens=cache_seqlens, block_table=block_table)
+    call = norm_qkv_call(x, norm_weight, w_qkv, eps=eps, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, bias_qkv=bias_qkv, rope=rope, rotary_interleaved=rotary_interleaved,
+                         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm_eps=qk_norm_eps,
+                         layout=layout, kv_cache=kv_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     if not _native_serves(x, impl):
         lowp_cpu = needs_fp32_gemm(x.dtype, x.device)
         return composed.norm_qkv(call, torch.float32 if lowp_cpu else None)
@@ -144,18 +144,18 @@ def attention_out_proj(q, k, v, w_o, bias=None, **kwargs):
     """
     layout = layout_of(kwargs)
     return_lse = kwargs.pop("return_lse", False)
-    backend = kwargs.pop("backend", "auto")
     flat = _token_major(layout)
     if flat != layout:
         q = from_canonical(to_canonical(q, layout, None), flat)
         if kwargs.get("block_table") is None:  # a paged pool is not in q's layout
             k, v = (from_canonical(to_canonical(t, layout, None), flat) for t in (k, v))
         kwargs["layout"] = flat
-    spec = build_spec(q, k, v, **kwargs)
-    check_out_proj(spec.heads_q * spec.head_dim_v, w_o, bias, q)
-    partial = needs_fp32_gemm(q.dtype, q.device)
-    out, lse = run(spec, backend, partial=partial)
-    width = spec.heads_q * spec.head_dim_v
-    tokens = out.shape[:len(token_axes(flat))]
+    width = out_width(q, k, v, w_o, bias, kwargs)
+    tokens = q.shape[:len(token_axes(flat))]
+    # a decode step's few rows: rounding them to q's dtype costs nothing and takes the lean call
+    if needs_fp32_gemm(q.dtype, q.device) and tokens.numel() > native.GEMV_ROWS:
+        out, lse = attention_partial(q, k, v, **kwargs)
+    else:
+        out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
     y = out_proj(out.reshape(*tokens, width), w_o, bias, out_dtype=q.dtype)
     return (y, lse) if return_lse else y

@@ -14,11 +14,18 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from ..core import plans
 from ..core.layouts import LAYOUTS, hidden_batched, token_axes
-from ..core.modifiers import fail
-from ..core.spec import FLOAT_DTYPES, tracing
+from ..core.modifiers import fail, tensor_metadata
+from ..core.spec import FLOAT_DTYPES, build_spec, tracing
 
 IMPLS = ("auto", "native", "composed")
+#: this module's kinds of entry in tileattn's plan memo (:mod:`tileattn.core.plans`): norm_qkv calls
+#: that passed every check, and attention_out_proj calls whose w_o passed (value: True)
+MEMO_KIND = "fused_norm_qkv"
+OUT_MEMO_KIND = "fused_out_proj"
+#: the numbers of a norm_qkv call that its memo key holds
+_SCALARS = ("eps", "num_heads", "num_kv_heads", "head_dim", "rotary_interleaved", "qk_norm_eps", "layout")
 
 
 class NormQKVCall(NamedTuple):
@@ -160,6 +167,70 @@ def check_norm_qkv(x, norm_weight, w_qkv, *, eps, num_heads, num_kv_heads, head_
                        (eps, qk_eps), layout)
 
 
+def _metadata(*tensors) -> Optional[tuple]:
+    """What validation read of these tensors (None entries kept), or None when one is not plain."""
+    found = []
+    for t in tensors:
+        if t is None:
+            found.append(None)
+            continue
+        if not isinstance(t, torch.Tensor):
+            return None
+        meta = tensor_metadata(t)
+        if meta is None:
+            return None
+        found.append(meta)
+    return tuple(found)
+
+
+def _parts(value) -> tuple:
+    return value if isinstance(value, (tuple, list)) else (value,)
+
+
+def norm_qkv_call(x, norm_weight, w_qkv, *, eps, num_heads, num_kv_heads, head_dim, bias_qkv, rope,
+                  rotary_interleaved, q_norm_weight, k_norm_weight, qk_norm_eps, layout, kv_cache, cache_seqlens,
+                  block_table) -> NormQKVCall:
+    """:func:`check_norm_qkv`, whose verdict is kept in tileattn's plan memo for the calls that repeat
+    a call's shapes, dtypes, strides and numbers (a decode loop): those are put in normal form with no
+    check but the values of ``cache_seqlens`` and ``block_table``, which change every step."""
+    kwargs = dict(eps=eps, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, bias_qkv=bias_qkv,
+                  rope=rope, rotary_interleaved=rotary_interleaved, q_norm_weight=q_norm_weight,
+                  k_norm_weight=k_norm_weight, qk_norm_eps=qk_norm_eps, layout=layout, kv_cache=kv_cache,
+                  cache_seqlens=cache_seqlens, block_table=block_table)
+    key = None
+    if isinstance(w_qkv, (torch.Tensor, tuple, list)) and (bias_qkv is None or isinstance(
+            bias_qkv, (torch.Tensor, tuple, list))) and (rope is None or isinstance(rope, tuple)) \
+            and (kv_cache is None or isinstance(kv_cache, tuple)):
+        meta = _metadata(x, norm_weight, *_parts(w_qkv), *(() if bias_qkv is None else _parts(bias_qkv)),
+                         *(rope or ()), q_norm_weight, k_norm_weight, *(kv_cache or ()), cache_seqlens, block_table)
+        if meta is not None:
+            key = (MEMO_KIND, meta, isinstance(w_qkv, torch.Tensor), bias_qkv is None or isinstance(
+                bias_qkv, torch.Tensor), rope is None, kv_cache is None, torch.is_grad_enabled(),
+                *(kwargs[name] for name in _SCALARS))
+    try:
+        seen = key is not None and plans.get(key) is not None
+    except TypeError:  # an unhashable number: no memo
+        key, seen = None, False
+    if not seen:
+        call = check_norm_qkv(x, norm_weight, w_qkv, **kwargs)
+        if key is not None:
+            plans.put(key, True)
+        return call
+    heads, kv_heads, dim = int(num_heads), int(num_kv_heads), int(head_dim)
+    widths = [heads * dim, kv_heads * dim, kv_heads * dim]
+    weights = tuple(w_qkv.split(widths)) if isinstance(w_qkv, torch.Tensor) else tuple(w_qkv)
+    biases = (None, None, None) if bias_qkv is None else (
+        tuple(bias_qkv.split(widths)) if isinstance(bias_qkv, torch.Tensor) else tuple(bias_qkv))
+    cos, sin = rope if rope is not None else (None, None)
+    if kv_cache is not None and not tracing():
+        seqlen = hidden_batched(x, layout).shape[1]
+        _check_cache_values(cache_seqlens, block_table, seqlen, kv_cache[0].shape[:2])
+    return NormQKVCall(x, norm_weight, weights, biases, cos, sin, q_norm_weight, k_norm_weight, kv_cache,
+                       cache_seqlens, block_table, (heads, kv_heads, dim, 0 if cos is None else 2 * cos.shape[-1],
+                                                    int(rotary_interleaved)),
+                       (float(eps), float(eps if qk_norm_eps is None else qk_norm_eps)), layout)
+
+
 def _check_rope(rope, x, batch, seqlen, dim, axes):
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
         fail(TypeError, "rope", type(rope).__name__, "(cos, sin) or None")
@@ -213,8 +284,6 @@ def _check_cache(kv_cache, cache_seqlens, block_table, x, batch, seqlen, kv_head
              "already holds (its new rows go after them)")
     if cache_seqlens.device != x.device:
         fail(ValueError, "cache_seqlens", f"device {cache_seqlens.device}", f"device {x.device}, as x")
-    blocks, block_size = kv_cache[0].shape[:2]
-    capacity = block_size
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
                 or block_table.shape[0] != batch:
@@ -223,20 +292,25 @@ def _check_cache(kv_cache, cache_seqlens, block_table, x, batch, seqlen, kv_head
             fail(TypeError, "block_table", given, f"an int32 tensor of shape ({batch}, max_blocks)")
         if block_table.device != x.device:
             fail(ValueError, "block_table", f"device {block_table.device}", f"device {x.device}, as x")
-        capacity = block_table.shape[1] * block_size
     if not tracing():
-        lengths = cache_seqlens.tolist()
-        worst = max(lengths, default=0)
-        if min(lengths, default=0) < 0 or worst + seqlen > capacity:
-            fail(ValueError, "cache_seqlens", lengths, f"lengths >= 0 leaving room for {seqlen} new rows in a cache "
-                 f"of {capacity} positions per sequence")
-        if paged:
-            # only the pages the new rows land in are read
-            for b, used in enumerate(lengths):
-                pages = block_table[b, used // block_size:(used + seqlen - 1) // block_size + 1].tolist()
-                if seqlen and (min(pages) < 0 or max(pages) >= blocks):
-                    fail(ValueError, "block_table", f"pages {pages} for sequence {b}", f"indices in [0, {blocks})")
+        _check_cache_values(cache_seqlens, block_table, seqlen, kv_cache[0].shape[:2])
     return tuple(kv_cache)
+
+
+def _check_cache_values(cache_seqlens, block_table, seqlen, pool):
+    """Every new row lands inside its sequence's cache (and, paged, on a page of the pool)."""
+    blocks, block_size = pool
+    capacity = block_size if block_table is None else block_table.shape[1] * block_size
+    lengths = cache_seqlens.tolist()
+    if min(lengths, default=0) < 0 or max(lengths, default=0) + seqlen > capacity:
+        fail(ValueError, "cache_seqlens", lengths, f"lengths >= 0 leaving room for {seqlen} new rows in a cache "
+             f"of {capacity} positions per sequence")
+    if block_table is not None and seqlen:
+        # only the pages the new rows land in are read
+        for b, used in enumerate(lengths):
+            pages = block_table[b, used // block_size:(used + seqlen - 1) // block_size + 1].tolist()
+            if min(pages) < 0 or max(pages) >= blocks:
+                fail(ValueError, "block_table", f"pages {pages} for sequence {b}", f"indices in [0, {blocks})")
 
 
 def check_out_proj(out_width: int, w_o, bias, like: torch.Tensor):
@@ -250,6 +324,26 @@ def check_out_proj(out_width: int, w_o, bias, like: torch.Tensor):
         fail(TypeError, "w_o", f"dtype {w_o.dtype}", f"q's dtype {like.dtype}")
     if bias is not None:
         _tensor("bias", bias, (w_o.shape[0],), like, "the output projection's bias")
+
+
+def out_width(q, k, v, w_o, bias, kwargs) -> int:
+    """heads * head_dim_v of the attention ``flash_attention(q, k, v, **kwargs)`` computes, after
+    checking its arguments and that ``w_o`` (and ``bias``) project it; kept in the plan memo for the
+    calls that repeat the shapes (the attention's own keywords are checked by the attention itself)."""
+    meta = _metadata(q, k, v, w_o, bias)
+    key = None if meta is None else (OUT_MEMO_KIND, meta, kwargs.get("layout"), kwargs.get("num_heads"),
+                                     kwargs.get("block_table") is None)
+    try:
+        width = plans.get(key) if key is not None else None
+    except TypeError:  # an unhashable num_heads: the checks say what is wrong with it
+        key, width = None, None
+    if width is None:
+        spec = build_spec(q, k, v, **{name: value for name, value in kwargs.items() if name != "backend"})
+        width = spec.heads_q * spec.head_dim_v
+        check_out_proj(width, w_o, bias, q)
+        if key is not None:
+            plans.put(key, width)
+    return width
 
 
 def layout_of(kwargs) -> str:

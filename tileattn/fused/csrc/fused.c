@@ -233,37 +233,100 @@ int ta_fused_epilogue_backward(const void *g, int gdt, int64_t gs0, int64_t gs1,
 
 /* c[m*ldc + n] = sum_k a[m*lda + k] * w[n*ldw + k] for m < M (M small: a decode step's rows), a in fp32,
  * w in bf16 or fp16 read as stored, c in fp32: every weight is read from memory once and converted in
- * registers, where converting the weights to fp32 first would write and read them again, and torch's
- * bf16 GEMM on a CPU without bf16 instructions runs at a fraction of the fp32 rate. */
+ * registers, where converting the weights to fp32 first would write and read them again. Vectors of 8
+ * lanes (GCC/clang vector extensions: AVX2 registers, two NEON ones); a block of R weight rows shares
+ * each load of a's rows, with M * R accumulators in registers (M and R constant per instantiation). */
 #define TA_GEMV_ROWS 8
-#define TA_GEMV_LANES 16
-int ta_fused_gemm_lowp(const float *a, int64_t M, int64_t K, int64_t lda, const uint16_t *w, int wdt, int64_t N,
-                       int64_t ldw, float *c, int64_t ldc, int threads) {
-    if (M > TA_GEMV_ROWS || K > TA_FUSED_MAX_WIDTH) return -1;
-    int nt = threads_for(threads, N * K);
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *row = w + n * ldw;
-        float acc[TA_GEMV_ROWS][TA_GEMV_LANES] = {{0}};
-        float wf[TA_GEMV_LANES];
-        int64_t k = 0;
-        for (; k + TA_GEMV_LANES <= K; k += TA_GEMV_LANES) {
-            if (wdt == BF16)
-                load_bf16(row + k, TA_GEMV_LANES, wf);
-            else
-                for (int l = 0; l < TA_GEMV_LANES; l++) wf[l] = h2f(row[k + l]);
-            for (int64_t m = 0; m < M; m++)
-                for (int l = 0; l < TA_GEMV_LANES; l++) acc[m][l] += a[m * lda + k + l] * wf[l];
+typedef float ta_v8f __attribute__((vector_size(32)));
+typedef uint16_t ta_v8u16 __attribute__((vector_size(16)));
+typedef uint32_t ta_v8u32 __attribute__((vector_size(32)));
+#ifdef TA_HAVE_FLOAT16
+typedef ta_half ta_v8h __attribute__((vector_size(16)));
+#endif
+
+static inline __attribute__((always_inline)) ta_v8f load8_w(const uint16_t *p, int wdt) {
+    ta_v8u16 u;
+    memcpy(&u, p, 16);
+    if (wdt == BF16) {
+        ta_v8u32 wide = __builtin_convertvector(u, ta_v8u32) << 16;
+        ta_v8f f;
+        memcpy(&f, &wide, 32);
+        return f;
+    }
+#ifdef TA_HAVE_FLOAT16
+    ta_v8h h;
+    memcpy(&h, &u, 16);
+    return __builtin_convertvector(h, ta_v8f);
+#else
+    ta_v8f f;
+    for (int l = 0; l < 8; l++) f[l] = h2f(u[l]);
+    return f;
+#endif
+}
+
+static inline __attribute__((always_inline)) void gemv_block(const int M, const int R, const float *a, int64_t K,
+                                                            int64_t lda, const uint16_t *w, int wdt, int64_t ldw,
+                                                            int64_t n, float *c, int64_t ldc) {
+    ta_v8f acc[TA_GEMV_ROWS][4];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = (ta_v8f){0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        ta_v8f wv[4];
+        for (int r = 0; r < R; r++) wv[r] = load8_w(w + (n + r) * ldw + k, wdt);
+        for (int m = 0; m < M; m++) {
+            ta_v8f av;
+            memcpy(&av, a + m * lda + k, 32);
+            for (int r = 0; r < R; r++) acc[m][r] += av * wv[r];
         }
-        for (int64_t m = 0; m < M; m++) {
+    }
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) {
             float sum = 0.0f;
-            for (int l = 0; l < TA_GEMV_LANES; l++) sum += acc[m][l];
+            for (int l = 0; l < 8; l++) sum += acc[m][r][l];
             for (int64_t kk = k; kk < K; kk++) {
                 float wk;
-                load_f(row + kk, wdt, 1, &wk);
+                load_f(w + (n + r) * ldw + kk, wdt, 1, &wk);
                 sum += a[m * lda + kk] * wk;
             }
-            c[m * ldc + n] = sum;
+            c[m * ldc + n + r] = sum;
+        }
+}
+
+/* rows of w a block takes: 4 for one row of a, 2 for two, else 1 (M * R accumulators stay within the
+ * 16 vector registers of AVX2) */
+#define TA_GEMV_R(M) ((M) == 1 ? 4 : (M) == 2 ? 2 : 1)
+#define TA_GEMV_CASE(M)                                                                             \
+    case M: {                                                                                       \
+        int rows = n + TA_GEMV_R(M) <= end ? TA_GEMV_R(M) : 1;                                      \
+        if (rows == TA_GEMV_R(M))                                                                   \
+            gemv_block(M, TA_GEMV_R(M), a, K, lda, w, wdt, ldw, n, c, ldc);                         \
+        else                                                                                        \
+            gemv_block(M, 1, a, K, lda, w, wdt, ldw, n, c, ldc);                                    \
+        n += rows;                                                                                  \
+        break;                                                                                      \
+    }
+
+int ta_fused_gemm_lowp(const float *a, int64_t M, int64_t K, int64_t lda, const uint16_t *w, int wdt, int64_t N,
+                       int64_t ldw, float *c, int64_t ldc, int threads) {
+    if (M < 1 || M > TA_GEMV_ROWS || (wdt != BF16 && wdt != F16)) return -1;
+    int nt = threads_for(threads, N * K);
+    /* chunks of 64 weight rows, a block of rows never crossing a chunk's end */
+    int64_t chunks = (N + 63) / 64;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        int64_t end = (chunk + 1) * 64 < N ? (chunk + 1) * 64 : N;
+        for (int64_t n = chunk * 64; n < end;) {
+            switch (M) {
+                TA_GEMV_CASE(1)
+                TA_GEMV_CASE(2)
+                TA_GEMV_CASE(3)
+                TA_GEMV_CASE(4)
+                TA_GEMV_CASE(5)
+                TA_GEMV_CASE(6)
+                TA_GEMV_CASE(7)
+                TA_GEMV_CASE(8)
+            }
         }
     }
     return 0;
