@@ -129,7 +129,7 @@ def _ratios(samples, a, b):
     return [x / y for x, y in zip(samples[a], samples[b])]
 
 
-def bench_block(seqlen, dtype, backward, reps):
+def bench_block(seqlen, dtype, backward, reps, warmup=1):
     g = torch.Generator().manual_seed(seqlen)
     x0 = torch.randn(1, seqlen, HIDDEN, generator=g).to(dtype)
     cos, sin, cos_full, sin_full = tables(torch.arange(seqlen), dtype)
@@ -148,7 +148,7 @@ def bench_block(seqlen, dtype, backward, reps):
 
     with torch.set_grad_enabled(backward):
         samples = time_interleaved({"composed": step(composed_block, cos_full, sin_full),
-                                    "fused": step(fused_block, cos, sin)}, reps=reps, warmup=1,
+                                    "fused": step(fused_block, cos, sin)}, reps=reps, warmup=warmup,
                                    clock=time.thread_time)
     return samples
 
@@ -312,6 +312,8 @@ def parse_args(argv=None):
     p.add_argument("--cache", type=int, default=8192)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--long-seqlen", type=int, default=8192)
+    p.add_argument("--model-reps", type=int, default=5)
     p.add_argument("--decode-reps", type=int, default=15)
     p.add_argument("--decode-iters", type=int, default=20)
     p.add_argument("--memory-seqlen", type=int, default=2048)
@@ -347,31 +349,43 @@ def main(argv=None):
         if "block" in sections:
             for seqlen in (int(s) for s in args.seqlens.split(",")):
                 for pname in args.passes.split(","):
-                    s = bench_block(seqlen, dtype, pname == "fwd+bwd", args.reps)
+                    backward = pname == "fwd+bwd"
+                    # the composed bf16 backward runs torch's bf16 GEMMs (about 1 GFLOP/s on a CPU without
+                    # bf16 instructions): at --long-seqlen and above one unwarmed round (~7 min at 8k) only
+                    long = dtype == torch.bfloat16 and backward and seqlen >= args.long_seqlen
+                    reps = 1 if long else args.reps
+                    s = bench_block(seqlen, dtype, backward, reps, warmup=0 if long else 1)
                     ratio = _ratios(s, "composed", "fused")
                     add(dict(section="block", dtype=str(dtype).replace("torch.", ""), length=seqlen, **{"pass": pname},
                              composed_s=statistics.median(s["composed"]), fused_s=statistics.median(s["fused"]),
                              speedup=statistics.median(ratio), speedup_min=min(ratio), speedup_max=max(ratio),
-                             target=1.15))
+                             target=1.15, reps=reps))
         if "decode" in sections:
             s = bench_decode(args.cache, dtype, args.decode_reps, args.decode_iters)
             ratio = _ratios(s, "composed", "fused")
             add(dict(section="decode", dtype=str(dtype).replace("torch.", ""), length=args.cache, **{"pass": "decode"},
                      composed_s=statistics.median(s["composed"]), fused_s=statistics.median(s["fused"]),
-                     speedup=statistics.median(ratio), speedup_min=min(ratio), speedup_max=max(ratio), target=1.3))
+                     speedup=statistics.median(ratio), speedup_min=min(ratio), speedup_max=max(ratio), target=1.3,
+                     reps=args.decode_reps))
         if "memory" in sections:
             m = bench_memory(args.memory_seqlen, dname)
             add(dict(section="memory", dtype=str(dtype).replace("torch.", ""), length=args.memory_seqlen,
                      **{"pass": "fwd+bwd peak MiB"}, composed_s=m["composed"] / 2 ** 20,
                      fused_s=m["fused"] / 2 ** 20, speedup=m["composed"] / max(m["fused"], 1), speedup_min=math.nan,
-                     speedup_max=math.nan, target=1.0))
+                     speedup_max=math.nan, target=1.0, reps=1))
+    model_rows = []
     if "model" in sections:
         for dname in args.model_dtypes.split(","):
-            for row in bench_model(DTYPES[dname], args.prompt, args.new_tokens, args.train_len, args.reps):
+            for row in bench_model(DTYPES[dname], args.prompt, args.new_tokens, args.train_len,
+                                   args.model_reps):
                 add(row)
+                model_rows.append(rows.pop())
     meta["load_after"] = loadavg()
-    write_results(args.out, rows, meta)
-    plot(rows, args.out)
+    if rows:
+        write_results(args.out, rows, meta)
+        plot(rows, args.out)
+    if model_rows:
+        write_results(args.out + "_model", model_rows, dict(meta, model=model_config().to_dict()))
 
 
 if __name__ == "__main__":

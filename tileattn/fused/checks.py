@@ -77,9 +77,10 @@ def _tensor(name, t, shape, like, what):
     return t
 
 
-def _split(name, value, widths, hidden, x, what, optional):
+def _split(name, value, widths, hidden, x, noun, optional):
     """(t_q, t_k, t_v) of a packed tensor (rows q, k, v) or of a sequence of three tensors."""
     cols = () if hidden is None else (hidden,)
+    what = f"the q, k and v projections' {noun}s stacked by rows"
     if isinstance(value, torch.Tensor):
         _tensor(name, value, (sum(widths),) + cols, x, what)
         return tuple(value.split(list(widths), 0))
@@ -91,7 +92,7 @@ def _split(name, value, widths, hidden, x, what, optional):
         if t is None and optional:
             parts.append(None)
             continue
-        parts.append(_tensor(f"{name}[{'qkv'.index(part)}]", t, (width,) + cols, x, f"{what} of {part}"))
+        parts.append(_tensor(f"{name}[{'qkv'.index(part)}]", t, (width,) + cols, x, f"the {part} projection's {noun}"))
     return tuple(parts)
 
 
@@ -130,12 +131,11 @@ def check_norm_qkv(x, norm_weight, w_qkv, *, eps, num_heads, num_kv_heads, head_
     widths = (heads * dim, kv_heads * dim, kv_heads * dim)
     if norm_weight is not None:
         _tensor("norm_weight", norm_weight, (hidden,), x, "the RMSNorm weight")
-    weights = _split("w_qkv", w_qkv, widths, hidden, x, "the q, k and v projections' weights, stacked by rows",
-                     optional=False)
+    weights = _split("w_qkv", w_qkv, widths, hidden, x, "weight", optional=False)
     for i, w in enumerate(weights):
         _same_dtype("w_qkv" if isinstance(w_qkv, torch.Tensor) else f"w_qkv[{i}]", w, x)
     biases = (None, None, None) if bias_qkv is None else _split(
-        "bias_qkv", bias_qkv, widths, None, x, "the projections' biases", optional=True)
+        "bias_qkv", bias_qkv, widths, None, x, "bias", optional=True)
     for name, t in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if t is not None:
             _tensor(name, t, (dim,), x, "a per-head RMSNorm weight (Qwen3, Gemma 3)")
@@ -198,7 +198,8 @@ def norm_qkv_call(x, norm_weight, w_qkv, *, eps, num_heads, num_kv_heads, head_d
                   k_norm_weight=k_norm_weight, qk_norm_eps=qk_norm_eps, layout=layout, kv_cache=kv_cache,
                   cache_seqlens=cache_seqlens, block_table=block_table)
     key = None
-    if isinstance(w_qkv, (torch.Tensor, tuple, list)) and (bias_qkv is None or isinstance(
+    # traced calls are checked as they are traced (a plan memo is host state a graph must not read)
+    if not tracing() and isinstance(w_qkv, (torch.Tensor, tuple, list)) and (bias_qkv is None or isinstance(
             bias_qkv, (torch.Tensor, tuple, list))) and (rope is None or isinstance(rope, tuple)) \
             and (kv_cache is None or isinstance(kv_cache, tuple)):
         meta = _metadata(x, norm_weight, *_parts(w_qkv), *(() if bias_qkv is None else _parts(bias_qkv)),
@@ -330,7 +331,7 @@ def out_width(q, k, v, w_o, bias, kwargs) -> int:
     """heads * head_dim_v of the attention ``flash_attention(q, k, v, **kwargs)`` computes, after
     checking its arguments and that ``w_o`` (and ``bias``) project it; kept in the plan memo for the
     calls that repeat the shapes (the attention's own keywords are checked by the attention itself)."""
-    meta = _metadata(q, k, v, w_o, bias)
+    meta = None if tracing() else _metadata(q, k, v, w_o, bias)
     key = None if meta is None else (OUT_MEMO_KIND, meta, kwargs.get("layout"), kwargs.get("num_heads"),
                                      kwargs.get("block_table") is None)
     try:

@@ -104,6 +104,12 @@ def available():
     return True, ""
 
 
+# A compiled graph takes the answer as a constant (what torch._dynamo.assume_constant_result marks,
+# without importing Dynamo: tileattn.core.ops._flat_fields does the same): it loads the library once
+# while tracing rather than tracing the lock and the load.
+available._dynamo_marked_constant = True
+
+
 def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else t.data_ptr()
 
