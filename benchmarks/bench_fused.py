@@ -3,7 +3,7 @@ composed of PyTorch operators around ``tileattn.flash_attention`` (six operators
 Llama writes it), and a Llama-class model with ``fuse(model)`` against ``attn_implementation="sdpa"``.
 
     python benchmarks/bench_fused.py                       # every section -> benchmarks/results/fused.{csv,json,png}
-    python benchmarks/bench_fused.py --sections block --seqlens 512 --dtypes fp32 --reps 3
+    python benchmarks/bench_fused.py --sections block --seqlens 512 --dtypes fp32 --budget 30
 
 Sections:
 
@@ -21,7 +21,9 @@ Sections:
 
 Timing: one thread (``--threads``), each contender's thread CPU time (``time.thread_time``: what a
 single-threaded call keeps on a shared machine), contenders interleaved, start rotated each round;
-medians of ``--reps`` rounds and the fused/composed ratio of each round's pair. The load average
+medians of the rounds and the composed/fused ratio of each round's pair. A block row gets one untimed
+round, then 3 to 9 rounds (as many as fit in ``--budget`` seconds), except bf16 forward + backward at
+``--long-seqlen``: one unwarmed round (the composed side's bf16 GEMMs take minutes there). The load average
 before and after is recorded with the CPU's name.
 """
 
@@ -129,7 +131,9 @@ def _ratios(samples, a, b):
     return [x / y for x, y in zip(samples[a], samples[b])]
 
 
-def bench_block(seqlen, dtype, backward, reps, warmup=1):
+def bench_block(seqlen, dtype, backward, budget, long):
+    """{contender: [seconds per round]}: one untimed round (none for a ``long`` row), then as many rounds
+    as fit in ``budget`` seconds (3 to 9; one for a long row)."""
     g = torch.Generator().manual_seed(seqlen)
     x0 = torch.randn(1, seqlen, HIDDEN, generator=g).to(dtype)
     cos, sin, cos_full, sin_full = tables(torch.arange(seqlen), dtype)
@@ -146,11 +150,13 @@ def bench_block(seqlen, dtype, backward, reps, warmup=1):
                     t.grad = None
         return run
 
+    contenders = {"composed": step(composed_block, cos_full, sin_full), "fused": step(fused_block, cos, sin)}
     with torch.set_grad_enabled(backward):
-        samples = time_interleaved({"composed": step(composed_block, cos_full, sin_full),
-                                    "fused": step(fused_block, cos, sin)}, reps=reps, warmup=warmup,
-                                   clock=time.thread_time)
-    return samples
+        reps = 1
+        if not long:
+            warm = time_interleaved(contenders, reps=1, clock=time.thread_time)
+            reps = max(3, min(9, int(budget / sum(s[0] for s in warm.values()))))
+        return time_interleaved(contenders, reps=reps, clock=time.thread_time)
 
 
 def bench_decode(cache_len, dtype, reps, iters):
@@ -311,7 +317,7 @@ def parse_args(argv=None):
     p.add_argument("--passes", default="fwd,fwd+bwd")
     p.add_argument("--cache", type=int, default=8192)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget", type=float, default=120.0, help="seconds of timed rounds per block row")
     p.add_argument("--long-seqlen", type=int, default=8192)
     p.add_argument("--model-reps", type=int, default=5)
     p.add_argument("--decode-reps", type=int, default=15)
@@ -353,8 +359,8 @@ def main(argv=None):
                     # the composed bf16 backward runs torch's bf16 GEMMs (about 1 GFLOP/s on a CPU without
                     # bf16 instructions): at --long-seqlen and above one unwarmed round (~7 min at 8k) only
                     long = dtype == torch.bfloat16 and backward and seqlen >= args.long_seqlen
-                    reps = 1 if long else args.reps
-                    s = bench_block(seqlen, dtype, backward, reps, warmup=0 if long else 1)
+                    s = bench_block(seqlen, dtype, backward, args.budget, long)
+                    reps = len(s["fused"])
                     ratio = _ratios(s, "composed", "fused")
                     add(dict(section="block", dtype=str(dtype).replace("torch.", ""), length=seqlen, **{"pass": pname},
                              composed_s=statistics.median(s["composed"]), fused_s=statistics.median(s["fused"]),
