@@ -9,12 +9,13 @@ Each wrapper takes tensors whose shapes, dtypes and devices the caller validated
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,8 +37,7 @@ _P, _I, _I64, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_doubl
 _SIGNATURES = {
     "ta_fused_rms": (_P, _I, _I64, _I64, _I64, _I64, _I64, _P, _D, _P, _I, _P, _I64, _I),
     "ta_fused_rms_backward": (_P, _I, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _P, _I),
-    "ta_fused_epilogue": (_P, _I, _I64, _I64, _I64, _I64, _I64, _P, _P, _D, _P, _P, _I64, _I64, _I64, _I, _P, _I,
-                          _I64, _I64, _I64, _P, _P, _I64, _I64, _I),
+    "ta_fused_epilogues": (_P, _D),
     "ta_fused_epilogue_backward": (_P, _I, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P, _D, _P, _P, _P,
                                    _I64, _I64, _I64, _I, _P, _I64, _I),
     "ta_fused_gemm_lowp": (_P, _I64, _I64, _I64, _P, _I, _I64, _I64, _P, _I64, _I),
@@ -118,6 +118,26 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+#: the passes :func:`recording` collects: (C function, bytes read, bytes written), or None
+_record: Optional[list] = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the C passes run inside the block as ``(function, bytes read, bytes written)``: what
+    the passes move is counted, not timed (hub chapter 18 counts a block's passes with it)."""
+    global _record
+    outer, _record = _record, []
+    try:
+        yield _record
+    finally:
+        _record = outer
+
+
+def _bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def _call(name: str, *args) -> None:
     status = getattr(library(), name)(*args)
     if status == -2:
@@ -131,6 +151,8 @@ def rms(x3: torch.Tensor, weight: Optional[torch.Tensor], eps: float, rstd: torc
     """rstd (B*S,) of the rows of ``x3`` (B, S, H; unit-stride rows) and, when given, xhat (B*S, H)
     = x * rstd * weight. ``weight``, ``rstd`` and ``xhat`` are of the compute dtype."""
     n0, n1, h = x3.shape
+    if _record is not None:
+        _record.append(("rms", _bytes(x3), _bytes(xhat, None if have_rstd else rstd)))
     _call("ta_fused_rms", x3.data_ptr(), _DTYPE[x3.dtype], n0, n1, x3.stride(0), x3.stride(1), h, _ptr(weight), eps,
           rstd.data_ptr(), int(have_rstd), _ptr(xhat), 0 if xhat is None else xhat.stride(0), _threads())
 
@@ -139,23 +161,41 @@ def rms_backward(x3, weight, rstd, dxhat, dx3, dw_part) -> None:
     """dx3 (x3's shape, dtype and any row strides) and the per-block partial sums of the weight's
     gradient (dw_part: (blocks, H), or None) from dxhat (B*S, H) of ``rms``'s xhat."""
     n0, n1, h = x3.shape
+    if _record is not None:
+        _record.append(("rms_backward", _bytes(x3, dxhat), _bytes(x3, dw_part)))
     _call("ta_fused_rms_backward", x3.data_ptr(), _DTYPE[x3.dtype], n0, n1, x3.stride(0), x3.stride(1), h,
           _ptr(weight), rstd.data_ptr(), dxhat.data_ptr(), dxhat.stride(0), dx3.data_ptr(), dx3.stride(0),
           dx3.stride(1), _ptr(dw_part), _threads())
 
 
-def epilogue(y, sizes, bias, norm, rope, interleaved, dst, dst_strides, cache=None) -> None:
-    """One projection's epilogue: rows of ``y`` (B*S, heads*D) -> ``dst`` at (b, s, head) strides
-    ``dst_strides``. ``sizes`` = (B, S, heads, D); ``norm`` = (weight, eps) or None; ``rope`` =
-    (cos, sin, strides (b, s), rotary dims) or None; ``cache`` = (positions (B,) int32, block table or
-    None, page size) to write row (b, s) at position positions[b] + s."""
-    n0, n1, heads, d = sizes
-    nw, neps = norm if norm is not None else (None, 0.0)
+class Part(NamedTuple):
+    """One projection's epilogue (:func:`epilogues`)."""
+
+    y: torch.Tensor                        #: the GEMM's output (B*S, heads*D), unit-stride rows
+    heads: int
+    bias: Optional[torch.Tensor]           #: (heads*D,) compute dtype
+    norm: Optional[torch.Tensor]           #: (D,) per-head RMSNorm weight, compute dtype
+    rotated: bool
+    dst: torch.Tensor
+    dst_strides: Tuple[int, int, int]      #: (b, s, head) element strides of dst
+    cache: Optional[tuple] = None          #: (positions (B,) int32, block table or None, page size)
+
+
+def epilogues(parts: Sequence[Part], seq: Tuple[int, int], dim: int, rope, interleaved: bool, norm_eps: float) -> None:
+    """The projections' epilogues in one C call: each part's rows ``y`` -> ``dst`` (+ bias, per-head
+    RMSNorm with ``norm_eps``, RoPE when ``rotated``), or with ``cache`` row (b, s) to position
+    positions[b] + s. ``seq`` = (B, S); ``rope`` = (cos, sin, strides (b, s), rotary dims) or None."""
     cos, sin, (cs0, cs1), rot = rope if rope is not None else (None, None, (0, 0), 0)
-    pos, table, page = cache if cache is not None else (None, None, 1)
-    _call("ta_fused_epilogue", y.data_ptr(), _DTYPE[y.dtype], y.stride(0), n0, n1, heads, d, _ptr(bias), _ptr(nw),
-          neps, _ptr(cos), _ptr(sin), cs0, cs1, rot, int(interleaved), dst.data_ptr(), _DTYPE[dst.dtype],
-          *dst_strides, _ptr(pos), _ptr(table), 0 if table is None else table.stride(0), page, _threads())
+    values = [seq[0], seq[1], dim, rot, int(interleaved), cs0, cs1, _ptr(cos) or 0, _ptr(sin) or 0, _threads(),
+              len(parts)]
+    for p in parts:
+        pos, table, page = p.cache if p.cache is not None else (None, None, 1)
+        values += [p.y.data_ptr(), _DTYPE[p.y.dtype], p.y.stride(0), p.heads, _ptr(p.bias) or 0, _ptr(p.norm) or 0,
+                   int(p.rotated), p.dst.data_ptr(), _DTYPE[p.dst.dtype], *p.dst_strides, _ptr(pos) or 0,
+                   _ptr(table) or 0, 0 if table is None else table.stride(0), page]
+        if _record is not None:
+            _record.append(("epilogue", _bytes(p.y), p.y.shape[0] * p.y.shape[1] * p.dst.element_size()))
+    _call("ta_fused_epilogues", (ctypes.c_int64 * len(values))(*values), norm_eps)
 
 
 def epilogue_backward(g, g_strides, sizes, pre, norm, dnw_part, rope, interleaved, dy) -> None:
@@ -164,6 +204,8 @@ def epilogue_backward(g, g_strides, sizes, pre, norm, dnw_part, rope, interleave
     n0, n1, heads, d = sizes
     nw, neps = norm if norm is not None else (None, 0.0)
     cos, sin, (cs0, cs1), rot = rope if rope is not None else (None, None, (0, 0), 0)
+    if _record is not None:
+        _record.append(("epilogue_backward", dy.numel() * g.element_size() + _bytes(pre), _bytes(dy)))
     _call("ta_fused_epilogue_backward", g.data_ptr(), _DTYPE[g.dtype], *g_strides, n0, n1, heads, d, _ptr(pre),
           0 if pre is None else pre.stride(0), _ptr(nw), neps, _ptr(dnw_part), _ptr(cos), _ptr(sin), cs0, cs1, rot,
           int(interleaved), dy.data_ptr(), dy.stride(0), _threads())
@@ -175,6 +217,8 @@ def gemm_lowp(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     m, k = a.shape
     n = w.shape[0]
     c = torch.empty(m, n, dtype=torch.float32)
+    if _record is not None:
+        _record.append(("gemm_lowp", _bytes(a, w), _bytes(c)))
     _call("ta_fused_gemm_lowp", a.data_ptr(), m, k, a.stride(0), w.data_ptr(), _DTYPE[w.dtype], n, w.stride(0),
           c.data_ptr(), c.stride(0), _threads())
     return c

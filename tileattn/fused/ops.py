@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..core.layouts import hidden_batched, to_batched, user_shape
+from ..core.layouts import hidden_batched, output_strides, to_batched, token_axes, user_shape
 from . import native
 
 _LOWP = (torch.float16, torch.bfloat16)
@@ -62,6 +62,15 @@ def _rope(cos: Optional[Tensor], sin: Optional[Tensor], acc: torch.dtype):
     return c, s, strides, 2 * c.shape[-1]
 
 
+def _new_strides(layout: str, batch: int, heads: int, seqlen: int, dim: int) -> Tuple[int, int, int]:
+    """(batch, row, head) strides of a new contiguous tensor in ``layout`` (:func:`_token_strides`
+    without making one: a decode step's few microseconds)."""
+    if len(token_axes(layout)) == 1:                        # packed (T, heads, D)
+        return 0, heads * dim, dim
+    b, h, s = output_strides(layout, batch, heads, seqlen, dim)
+    return b, s, h
+
+
 def _token_strides(t: Tensor, layout: str, heads: int) -> Tuple[int, int, int]:
     """(batch, row, head) strides of a tensor in ``layout`` (its head dim is unit-stride)."""
     st = to_batched(t, layout, heads).stride()
@@ -91,7 +100,7 @@ def forward(x, norm_weight, weights, biases, cos, sin, q_norm, k_norm, ints, flo
     xhat = torch.empty(rows, hidden, dtype=acc)
     native.rms(x3, _vector(norm_weight, acc), eps, rstd, False, xhat)
     rope = _rope(cos, sin, acc)
-    results, pres = [], []
+    parts, pres = [], []
     for i, (w, b, n, norm) in enumerate(zip(weights, biases, (heads, kv_heads, kv_heads), (q_norm, k_norm, None))):
         y = project(xhat, w)
         bias = _vector(b, acc)
@@ -105,10 +114,10 @@ def forward(x, norm_weight, weights, biases, cos, sin, q_norm, k_norm, ints, flo
             strides, slots = (st[0], st[1], st[2]), (cache[2], cache[3], dst.shape[1])
         else:
             dst = torch.empty(user_shape(layout, batch, n, seqlen, dim), dtype=x.dtype)
-            strides, slots = _token_strides(dst, layout, n), None
-        native.epilogue(y, (batch, seqlen, n, dim), bias, None if norm is None else (_vector(norm, acc), qk_eps),
-                        rope if i < 2 else None, interleaved, dst, strides, slots)
-        results.append(dst)
+            strides, slots = _new_strides(layout, batch, n, seqlen, dim), None
+        parts.append(native.Part(y, n, bias, _vector(norm, acc), i < 2 and rope is not None, dst, strides, slots))
+    native.epilogues(parts, (batch, seqlen), dim, rope, bool(interleaved), qk_eps)
+    results = [p.dst for p in parts]
     return (*results, rstd, pres[0], pres[1])
 
 

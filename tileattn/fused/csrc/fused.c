@@ -194,25 +194,44 @@ int ta_fused_rms_backward(const void *x, int xdt, int64_t n0, int64_t n1, int64_
     return rms_backward_f32(x, xdt, n0, n1, xs0, xs1, H, w, rstd, dxhat, ldd, dx, ds0, ds1, dw_part, threads);
 }
 
-/* The epilogue of one projection (q, k or v): for every row (b, s) and head h of y (the GEMM's output,
- * heads*D values a row at y + (b*n1 + s)*ldy, type ydt), optionally + bias, then a per-head RMSNorm
- * (nw: D weights, eps neps), then RoPE on the first rot dims (cos/sin: rot/2 values of the row's
- * position at cs + b*cs0 + s*cs1, likewise sn; interleaved pairs (2i, 2i+1) or halves (i, i + rot/2)),
- * stored (type ddt) at dst + b*ds0 + s*ds1 + h*dsh. With cache_pos the row goes to position
- * p = cache_pos[b] + s of sequence b instead of s: at dst + b*ds0 + p*ds1 (contiguous cache) or, with
- * a block table, dst + page*ds0 + (p % page_size)*ds1 with page = bt[b*bt_st + p / page_size].
- * bias, nw, cs and sn are of the compute type (fp64 when ydt or ddt is fp64, else fp32). */
-int ta_fused_epilogue(const void *y, int ydt, int64_t ldy, int64_t n0, int64_t n1, int64_t heads, int64_t D,
-                      const void *bias, const void *nw, double neps, const void *cs, const void *sn, int64_t cs0,
-                      int64_t cs1, int64_t rot, int interleaved, void *dst, int ddt, int64_t ds0, int64_t ds1,
-                      int64_t dsh, const int32_t *cache_pos, const int32_t *bt, int64_t bt_st, int64_t page_size,
-                      int threads) {
-    if (heads * D > TA_FUSED_MAX_WIDTH) return -1;
-    if (ydt == F64 || ddt == F64)
-        return epilogue_f64(y, ydt, ldy, n0, n1, heads, D, bias, nw, neps, cs, sn, cs0, cs1, rot, interleaved, dst,
-                            ddt, ds0, ds1, dsh, cache_pos, bt, bt_st, page_size, threads);
-    return epilogue_f32(y, ydt, ldy, n0, n1, heads, D, bias, nw, (float)neps, cs, sn, cs0, cs1, rot, interleaved,
-                        dst, ddt, ds0, ds1, dsh, cache_pos, bt, bt_st, page_size, threads);
+/* The epilogues of the projections (q, k, v), one call: for every row (b, s) and head h of a part's y
+ * (its GEMM's output, heads*D values a row at y + (b*n1 + s)*ldy, type ydt), optionally + bias, then a
+ * per-head RMSNorm (nw: D weights, eps neps), then, for a part that is rotated, RoPE on the first rot
+ * dims (cos/sin: rot/2 values of the row's position at cs + b*cs0 + s*cs1, likewise sn; interleaved
+ * pairs (2i, 2i+1) or halves (i, i + rot/2)), stored (type ddt) at dst + b*ds0 + s*ds1 + h*dsh. With
+ * cache_pos the row goes to position p = cache_pos[b] + s of sequence b instead of s: at
+ * dst + b*ds0 + p*ds1 (contiguous cache) or, with a block table, dst + page*ds0 + (p % page_size)*ds1
+ * with page = bt[b*bt_st + p / page_size]. bias, nw, cs and sn are of the compute type (fp64 when ydt
+ * or ddt is fp64, else fp32).
+ *
+ * The arguments travel as one array of int64 (pointers included), read in the order of the enums
+ * below: a decode step's call passes one array instead of three calls of two dozen arguments. */
+enum { EP_N0, EP_N1, EP_D, EP_ROT, EP_INTERLEAVED, EP_CS0, EP_CS1, EP_COS, EP_SIN, EP_THREADS, EP_PARTS, EP_HEAD };
+enum { PT_Y, PT_YDT, PT_LDY, PT_HEADS, PT_BIAS, PT_NW, PT_ROTATED, PT_DST, PT_DDT, PT_DS0, PT_DS1, PT_DSH, PT_POS,
+       PT_BT, PT_BT_ST, PT_PAGE, PT_FIELDS };
+
+#define PTR(v) ((void *)(intptr_t)(v))
+int ta_fused_epilogues(const int64_t *a, double neps) {
+    for (int64_t i = 0; i < a[EP_PARTS]; i++) {
+        const int64_t *p = a + EP_HEAD + i * PT_FIELDS;
+        if (p[PT_HEADS] * a[EP_D] > TA_FUSED_MAX_WIDTH) return -1;
+        int64_t rot = p[PT_ROTATED] ? a[EP_ROT] : 0;
+        int wide = p[PT_YDT] == F64 || p[PT_DDT] == F64, status;
+        if (wide)
+            status = epilogue_f64(PTR(p[PT_Y]), (int)p[PT_YDT], p[PT_LDY], a[EP_N0], a[EP_N1], p[PT_HEADS], a[EP_D],
+                                  PTR(p[PT_BIAS]), PTR(p[PT_NW]), neps, PTR(a[EP_COS]), PTR(a[EP_SIN]), a[EP_CS0],
+                                  a[EP_CS1], rot, (int)a[EP_INTERLEAVED], PTR(p[PT_DST]), (int)p[PT_DDT], p[PT_DS0],
+                                  p[PT_DS1], p[PT_DSH], PTR(p[PT_POS]), PTR(p[PT_BT]), p[PT_BT_ST], p[PT_PAGE],
+                                  (int)a[EP_THREADS]);
+        else
+            status = epilogue_f32(PTR(p[PT_Y]), (int)p[PT_YDT], p[PT_LDY], a[EP_N0], a[EP_N1], p[PT_HEADS], a[EP_D],
+                                  PTR(p[PT_BIAS]), PTR(p[PT_NW]), (float)neps, PTR(a[EP_COS]), PTR(a[EP_SIN]),
+                                  a[EP_CS0], a[EP_CS1], rot, (int)a[EP_INTERLEAVED], PTR(p[PT_DST]), (int)p[PT_DDT],
+                                  p[PT_DS0], p[PT_DS1], p[PT_DSH], PTR(p[PT_POS]), PTR(p[PT_BT]), p[PT_BT_ST],
+                                  p[PT_PAGE], (int)a[EP_THREADS]);
+        if (status) return status;
+    }
+    return 0;
 }
 
 /* The epilogue's gradient: from g (the gradient of its output, type gdt, at g + b*gs0 + s*gs1 + h*gsh)
