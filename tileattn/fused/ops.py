@@ -86,6 +86,36 @@ def project(xhat: Tensor, w: Tensor) -> Tensor:
     return torch.mm(xhat, w.detach().t().to(xhat.dtype))
 
 
+#: rows (or columns) of a bf16/fp16 weight converted at a time for a GEMM in the compute dtype: the
+#: fp32 copy alive during a backward GEMM is this many rows, not the whole weight (the backward's peak)
+WEIGHT_CHUNK = 256
+
+
+def times_weight(a: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ w`` in out's dtype for a weight ``w`` (N, K) of any float dtype, converted
+    WEIGHT_CHUNK columns at a time."""
+    if w.dtype == out.dtype:
+        out.addmm_(a, w) if accumulate else torch.mm(a, w, out=out)
+        return
+    for c0 in range(0, w.shape[1], WEIGHT_CHUNK):
+        part = w[:, c0:c0 + WEIGHT_CHUNK].to(out.dtype)
+        if accumulate:
+            out[:, c0:c0 + WEIGHT_CHUNK].addmm_(a, part)
+        else:
+            out[:, c0:c0 + WEIGHT_CHUNK] = torch.mm(a, part)
+
+
+def weight_grad(dy: Tensor, a: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dy.T @ a`` (N, K) rounded to ``dtype``, computed WEIGHT_CHUNK rows at a time when that
+    rounds (no full-size copy in the compute dtype)."""
+    if dtype == dy.dtype:
+        return torch.mm(dy.t(), a)
+    out = torch.empty(dy.shape[1], a.shape[1], dtype=dtype)
+    for r0 in range(0, dy.shape[1], WEIGHT_CHUNK):
+        out[r0:r0 + WEIGHT_CHUNK] = torch.mm(dy[:, r0:r0 + WEIGHT_CHUNK].t(), a)
+    return out
+
+
 def forward(x, norm_weight, weights, biases, cos, sin, q_norm, k_norm, ints, floats, layout, cache=None):
     """(q, k, v, rstd, pre_q, pre_k): q, k, v in ``layout`` (with ``cache`` = (k_cache, v_cache,
     cache_seqlens, block_table): k, v written there and returned as the caches); pre_* the
@@ -152,12 +182,14 @@ def backward(dq, dk, dv, x, norm_weight, weights, biases, cos, sin, q_norm, k_no
         if dnorm is not None:
             grads[8 + i] = dnorm.sum(0).to(norm.dtype)
         if needs[2 + i]:
-            grads[2 + i] = torch.mm(dy.t(), xhat).to(w.dtype)
+            grads[2 + i] = weight_grad(dy, xhat, w.dtype)
         if b is not None and needs[5 + i]:
             grads[5 + i] = dy.sum(0).to(b.dtype)
         if needs[0] or needs[1]:
-            w_acc = w.detach().to(acc)
-            dxhat = torch.mm(dy, w_acc) if dxhat is None else dxhat.addmm_(dy, w_acc)
+            first = dxhat is None
+            if first:
+                dxhat = torch.empty(rows, hidden, dtype=acc)
+            times_weight(dy, w.detach(), dxhat, accumulate=not first)
     if dxhat is None:
         dxhat = torch.zeros(rows, hidden, dtype=acc)
     if needs[0] or needs[1]:

@@ -5,7 +5,8 @@ On a CPU without bf16/fp16 GEMM instructions torch's low-precision GEMM runs at 
 fp32 rate, so a bf16 block multiplies in fp32: the attention output arrives in fp32 already (the
 attention's partial result, never rounded to bf16 and converted back), the weight is converted per
 call, and the result is rounded once. Backward saves the operands as given (no fp32 copy of the
-weight is kept alive between forward and backward) and converts again. A decode step's few rows with
+weight is kept alive between forward and backward) and converts the weight again a slice at a time
+(:func:`tileattn.fused.ops.times_weight`, :func:`~tileattn.fused.ops.weight_grad`). A decode step's few rows with
 a bf16/fp16 weight, outside autograd, read the weight as stored (:func:`tileattn.fused.native.gemm_lowp`).
 """
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ..core.spec import tracing
 from . import native
-from .ops import acc_dtype, project
+from .ops import acc_dtype, project, times_weight, weight_grad
 
 
 class _Linear32(torch.autograd.Function):
@@ -42,9 +43,11 @@ class _Linear32(torch.autograd.Function):
         dy2 = dy.reshape(-1, w.shape[0]).to(acc)
         da = dw = db = None
         if ctx.needs_input_grad[0]:
-            da = torch.mm(dy2, w.to(acc)).to(a.dtype).reshape(a.shape)
+            da = torch.empty(dy2.shape[0], w.shape[1], dtype=acc)
+            times_weight(dy2, w, da, accumulate=False)
+            da = da.to(a.dtype).reshape(a.shape)
         if ctx.needs_input_grad[1]:
-            dw = torch.mm(dy2.t(), a.reshape(-1, a.shape[-1]).to(acc)).to(w.dtype)
+            dw = weight_grad(dy2, a.reshape(-1, a.shape[-1]).to(acc), w.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.bias_dtype)
         return da, dw, db, None
