@@ -29,6 +29,7 @@ HUB = REPO / "hub"
 TUTORIALS = sorted((HUB / "tutorials").glob("[0-9][0-9]_*.py"))
 RECIPES = sorted((HUB / "recipes").glob("*.py"))
 NEEDS_TRANSFORMERS = {"08_real_model.py", "10_decoding.py", "llama.py", "sink_model.py", "train_llama_context_parallel.py",
+                      "18_fused_neighbours.py", "fused_llama.py",
                       "paged_cache_continuous_batching.py", "17_serving_bandwidth.py"}
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 #: Seconds of CPU each script needs, roughly, on this machine: the pool starts the longest first.

@@ -175,15 +175,17 @@ def test_core_modules_never_import_the_tooling():
 #: the layers (programs -> core -> engines -> dialects -> distributed -> tools; programs, the user
 #: functions' compiler, is the lowest and imports nothing else of tileattn). ``tileattn.serving``
 #: (writing quantised caches) sits on the core, and a dialect's cache (transformers' PagedCache)
-#: writes through it. Never the package root itself: it imports every layer, so that arrow would
+#: writes through it. ``tileattn.fused`` (the operators around attention: norm_qkv, attention_out_proj)
+#: sits on the core too, and the transformers dialect fuses models with it. Never the package root itself: it imports every layer, so that arrow would
 #: climb back up (a dialect calls core.api).
 ALLOWED = {
     "tileattn.programs": ("tileattn.programs",),
     "tileattn.core": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
     "tileattn.backends": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
     "tileattn.serving": ("tileattn.core", "tileattn.backends", "tileattn.programs"),
+    "tileattn.fused": ("tileattn.core", "tileattn.programs", "tileattn.fused"),
     "tileattn.dialects": ("tileattn.core", "tileattn.backends", "tileattn.programs", "tileattn.dialects",
-                          "tileattn.serving"),
+                          "tileattn.serving", "tileattn.fused"),
 }
 
 

@@ -196,6 +196,21 @@ def to_batched(x: torch.Tensor, layout: str, num_heads: Optional[int]) -> torch.
     return to_canonical(x, layout, num_heads)
 
 
+def token_axes(layout: str) -> str:
+    """The order of the token axes of ``layout``: ``"bs"``, ``"sb"`` or ``"s"`` (packed). The hidden
+    states (..., width) that projections turn into tensors of this layout have these leading axes."""
+    return "".join(axis for axis in LAYOUT[layout].dims if axis in "bs")
+
+
+def hidden_batched(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """A (B, S, width) view of hidden states in ``layout``'s token order (:func:`token_axes`); packed:
+    (1, T, width)."""
+    axes = token_axes(layout)
+    if len(axes) == 1:
+        return x.unsqueeze(0)
+    return x.transpose(0, 1) if axes == "sb" else x
+
+
 def from_batched(y: torch.Tensor, layout: str) -> torch.Tensor:
     """(B, H, S, D) (TND: (1, H, T, D)) -> a contiguous tensor in ``layout``."""
     if layout == "TND":

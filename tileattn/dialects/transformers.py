@@ -43,6 +43,7 @@ import torch
 
 from ..core.api import attention_partial, flash_attention
 from ..core.merge import merge_weights
+from . import transformers_fuse
 from .sdpa import autocast_dtype, autocast_inputs
 from .transformers_models import (ALLOW_BYPASS_ENV, ARCHITECTURES, HANDLING, Architecture,  # noqa: F401
                                   UnsupportedModelError, _configs, attention_classes, mask_builder,
@@ -541,3 +542,12 @@ def integration_report(name: str = NAME) -> dict:
         "architectures": [row._asdict() for row in ARCHITECTURES],
         "kwargs": [{"kwarg": k, "handling": how, "why": why} for k, (how, why) in KWARGS.items()],
     }
+
+
+def fuse(model):
+    """The attention blocks of a Llama-family model (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) on
+    :mod:`tileattn.fused` (RMSNorm, q/k/v, RoPE as one operator; attention and the output projection),
+    same weights and parameter names; returns the model, switched to the implementation "tileattn".
+    Other architectures are refused by name (:class:`UnsupportedModelError`). Details:
+    :mod:`tileattn.dialects.transformers_fuse`."""
+    return transformers_fuse.fuse(model, register, tileattn_attention_forward)
