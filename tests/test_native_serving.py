@@ -309,6 +309,25 @@ def test_rows_that_see_no_key_and_fp8_nan():
     assert torch.equal(torch.isnan(ref), torch.isnan(out[:1]))
 
 
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("column", [3, 37])
+def test_an_e4m3_nan_anywhere_in_the_cache_is_found(byte, where, column):
+    """The kernels scan an e4m3 cache for NaN bytes (low seven bits set) and take a faster path where
+    there are none: a NaN in a vector's body or in a row's tail past the last whole vector (D 40: 32 + 8
+    bytes on AVX2), in K or V, of either sign, in the last cached row, reaches the output as the fp64
+    reference says."""
+    g = gen(11)
+    q = torch.randn(2, 4, 1, 40, generator=g)
+    kq, vq = (quantised((2, 2, 33, 40), torch.float8_e4m3fn, g) for _ in range(2))
+    scale = torch.rand(1, 2, 1, 1, generator=g) * 0.1
+    (kq if where == "k" else vq).view(torch.uint8)[1, 0, 32, column] = byte
+    out, lse = raw(q, kq, vq, k_scale=scale, v_scale=scale)
+    ref = oracle(q, dequantise(kq, scale, None), dequantise(vq, scale, None), [33, 33])[0]
+    assert torch.isnan(ref[1, :2]).any() and torch.isfinite(ref[0]).all()
+    assert torch.equal(torch.isnan(ref), torch.isnan(out))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "e4m3", "int4"])
 def test_quantised_paged_bits_do_not_depend_on_threads_or_the_batch(fmt):
     q, kq, vq, sc = quantised_case(fmt, "head_token", b=3, s=2600, seed=9)

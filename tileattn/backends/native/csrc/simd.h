@@ -530,10 +530,40 @@ static inline int vany_byte_7f(const void *const *rows, int64_t n, int64_t width
         if (vmaxvq_u8(hit)) return 1;
     }
     return 0;
+#elif defined(TA_ISA_AVX2)
+    const __m256i m = _mm256_set1_epi8(0x7f);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = (const uint8_t *)rows[j];
+        if (j + 16 < n)
+            for (int64_t c = 0; c < width; c += 64) __builtin_prefetch((const char *)rows[j + 16] + c, 0, 3);
+        __m256i hit = _mm256_setzero_si256();
+        int64_t c = 0;
+        for (; c + 32 <= width; c += 32) {
+            const __m256i x = _mm256_loadu_si256((const void *)(row + c));
+            hit = _mm256_or_si256(hit, _mm256_cmpeq_epi8(_mm256_and_si256(x, m), m));
+        }
+        for (; c < width; c++)
+            if ((row[c] & 0x7f) == 0x7f) return 1;
+        if (_mm256_movemask_epi8(hit)) return 1;
+    }
+    return 0;
 #else
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t c = 0; c < width; c++)
-            if ((((const uint8_t *)rows[j])[c] & 0x7f) == 0x7f) return 1;
+    /* eight bytes a step: a byte whose low seven bits are all set carries into its top bit when 1 is
+     * added, and no other byte does (at most 0x7f + 1 = 0x80: no carry into the next byte) */
+    const uint64_t low7 = 0x7f7f7f7f7f7f7f7full, ones = 0x0101010101010101ull, tops = 0x8080808080808080ull;
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = (const uint8_t *)rows[j];
+        uint64_t hit = 0;
+        int64_t c = 0;
+        for (; c + 8 <= width; c += 8) {
+            uint64_t w;
+            memcpy(&w, row + c, 8);
+            hit |= ((w & low7) + ones) & tops;
+        }
+        for (; c < width; c++)
+            if ((row[c] & 0x7f) == 0x7f) return 1;
+        if (hit) return 1;
+    }
     return 0;
 #endif
 }
