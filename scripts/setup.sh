@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.13,<2.15" --index-url https://download.pytorch.org/whl/cpu
+.venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch>=2.13,<2.16" --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -m pip install -q -e ".[test,triton,plot,transformers]"
 .venv/bin/python - <<'PYEOF' || echo "setup.sh: the native kernels could not be checked (see above); the PyTorch-ops engine serves CPU calls"
 from tileattn.backends.native import kernels

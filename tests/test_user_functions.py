@@ -412,7 +412,7 @@ def test_a_block_mask_of_a_band_runs_as_the_band():
     q, k, v = qkv(shape=(2, 2, 2, 300, 300, 16))
     window = examples.sliding_window(40)
     for make in (torch_create_block_mask, create_block_mask):
-        block_mask = make(window, None, None, 300, 300, BLOCK_SIZE=64)
+        block_mask = make(window, None, None, 300, 300, device="cpu", BLOCK_SIZE=64)
         args = build_spec(q, k, v, block_mask=block_mask, align="top_left").kernel_args
         assert args.mask_mod is None and args.block_states is None and (args.left, args.right) == (40, 0)
         assert "band (left=40, right=0)" in tileattn.flex.explain(q, k, v, block_mask=block_mask)["mask_mod"]

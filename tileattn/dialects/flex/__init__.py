@@ -35,11 +35,13 @@ documentation is silent or wrong, what its implementations do, as noted):
   path ignores the lists and applies ``mask_mod`` everywhere, which agrees whenever the lists come
   from ``create_block_mask`` on the same ``mask_mod``. A mask's B and H are 1 (broadcast) or the
   call's (PyTorch's kernels map other sizes by division on CPU and by modulo on GPU; refused here).
-* **Lengths**: ``block_mask.seq_lengths`` must equal (L, S) exactly (ValueError otherwise, pointing
-  at ``BlockMask._adjust``); blocks past the lengths are partial and their out-of-range elements never
-  count. ``BlockMask.from_kv_blocks`` without ``seq_lengths`` rounds the lengths up to whole blocks
-  (rows x Q_BLOCK, ``kv_indices.shape[-1]`` x KV_BLOCK). A sliced BlockMask (``bm[:, :, i]``) carries
-  a ``mask_mod`` that raises; as in PyTorch it is refused until ``mask_mod`` is set again.
+* **Lengths**: ``block_mask.seq_lengths`` must equal (L, S) exactly, else PyTorch's error as the
+  installed torch raises it (ValueError up to torch 2.14, RuntimeError from 2.15; a longer mask's
+  message points at ``BlockMask._adjust``); blocks past the lengths are partial and their
+  out-of-range elements never count. ``BlockMask.from_kv_blocks`` without ``seq_lengths`` rounds the
+  lengths up to whole blocks (rows x Q_BLOCK, ``kv_indices.shape[-1]`` x KV_BLOCK). A sliced
+  BlockMask (``bm[:, :, i]``) carries a ``mask_mod`` that raises; as in PyTorch it is refused until
+  ``mask_mod`` is set again.
 * **Empty rows** (nothing visible): output 0, LSE -inf, max score -inf; gradients through them are 0.
 * **LSE**: natural log, float32 (float64 for float64 inputs), shape (B, Hq, L): ``return_lse=True``
   returns ``(out, lse)`` (deprecated in PyTorch, which warns once); ``return_aux=AuxRequest(lse=True,

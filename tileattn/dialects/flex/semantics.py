@@ -15,7 +15,9 @@ make a call unambiguous).
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -56,19 +58,44 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: PyTorch's advice for a block mask made for other lengths (the same words in torch 2.13 to 2.15).
+SHORTER_MASK = ("block_mask was created for a smaller length than you're using it for, you likely need to create a "
+                "new block mask.")
+LONGER_MASK = ("block_mask was created for a larger length than you're using it for, you can either 1. create a new "
+               "block mask with the correct length, or 2. 'adjust' the existing block mask to the correct length by "
+               "calling block_mask._adjust(q_len, kv_len). This essentially 'crops' the block mask to the upper left "
+               "corner, which does not work for all mask_mods!")
+
+
+@functools.cache
+def length_error_type() -> type:
+    """The exception PyTorch's flex_attention raises for a block mask of other lengths: ValueError up to
+    torch 2.14, RuntimeError from torch 2.15 (its ``_validate_block_mask_shape``, which raises the
+    advice alone, without the sentence on the shapes). Read from the installed torch's version on the
+    first such mask, not at import; a 2.15 pre-release counts as 2.15."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return RuntimeError if found and tuple(map(int, found.groups())) >= (2, 15) else ValueError
+
+
 def check_block_mask(block_mask, q_len, kv_len, batch, heads, device):
     """Refuse a BlockMask that does not fit a call of these sizes: PyTorch's rule that its lengths are
-    the call's, then the operator's checks of its block lists (O(blocks) work)."""
+    the call's (with its exception type and words, :func:`length_error_type`), then the operator's
+    checks of its block lists (O(blocks) work)."""
     check_block_lists(block_mask, batch, heads, device)
     mask_q, mask_kv = block_mask.seq_lengths
     if (q_len, kv_len) != (mask_q, mask_kv):  # PyTorch's words first: code matches on them
-        advice = ("As the block mask was created for a smaller length than you're using it for, you likely need to "
-                  "create a new block mask." if q_len > mask_q or kv_len > mask_kv else
-                  "As the block mask was created for a larger length than you're using it for, you can either 1. "
-                  "create a new block mask with the correct length, or 2. 'adjust' the existing block mask to the "
-                  "correct length by calling block_mask._adjust(q_len, kv_len).")
-        raise ValueError(f"block_mask was created for block_mask.shape={block_mask.shape} but got q_len={q_len} and "
-                         f"kv_len={kv_len}. {advice} (tileattn: argument 'block_mask': a mask for these lengths.)")
+        shorter = q_len > mask_q or kv_len > mask_kv
+        shapes = (f"block_mask was created for block_mask.shape={block_mask.shape} but got q_len={q_len} and "
+                  f"kv_len={kv_len}")
+        ours = "(tileattn: argument 'block_mask': a mask for these lengths.)"
+        if length_error_type() is ValueError:  # torch 2.13 / 2.14: the shapes, then the advice
+            advice = ("As the block mask was created for a smaller length than you're using it for, you likely need to "
+                      "create a new block mask." if shorter else
+                      "As the block mask was created for a larger length than you're using it for, you can either 1. "
+                      "create a new block mask with the correct length, or 2. 'adjust' the existing block mask to the "
+                      "correct length by calling block_mask._adjust(q_len, kv_len).")
+            raise ValueError(f"{shapes}. {advice} {ours}")
+        raise RuntimeError(f"{SHORTER_MASK if shorter else LONGER_MASK} ({shapes}.) {ours}")
 
 
 def validate(query, key, value, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
