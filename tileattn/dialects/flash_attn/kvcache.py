@@ -202,7 +202,7 @@ class _Cache:
                     raise
                 return saved
             index = torch.tensor([b * cap + n + i for b, n in enumerate(lengths) for i in range(new)],
-                                 device=self.k.device)
+                                 dtype=torch.long, device=self.k.device)  # long even when empty (batch 0)
             saved = (index, flat_k.index_select(0, index), flat_v.index_select(0, index))
             flat_k.index_put_((index,), k_new.reshape(-1, *k_new.shape[2:]))
             try:
