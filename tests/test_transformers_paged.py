@@ -85,7 +85,7 @@ def test_each_dtype_reads_as_stored_and_matches_the_fp64_attention_over_the_dequ
     assert cache.lengths() == [6, 18, 10]
     layer = cache.layers[1]
     q = torch.randn(3, 4, 2, 64, generator=g)  # (B, H, q_len, D): the last two tokens of each row
-    _, used, table = cache._step
+    _, used, table, _ = cache._step
     out, _ = transformers_cache.paged_attention(layer.read, q, None, scaling=0.125, softcap=0.0, sinks=None)
 
     def pools(compute):
