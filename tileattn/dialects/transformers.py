@@ -119,7 +119,8 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
     if not isinstance(key, torch.Tensor):  # a PagedCache's layer, read as stored
         return _paged(module, query, key, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                       softcap=softcap, sinks=s_aux if s_aux is not None else sinks, sliding_window=sliding_window,
-                      output_attentions=output_attentions, unsupported=dict(position_bias=position_bias, indices=indices, block_indices=block_indices,
+                      output_attentions=output_attentions,
+                      unsupported=dict(position_bias=position_bias, indices=indices, block_indices=block_indices,
                                        cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k))
     if output_attentions:
         raise NotImplementedError("tileattn never materialises attention weights; use attn_implementation="

@@ -48,6 +48,7 @@ from ..core.api import flash_attention
 from ..core.kvquant import INT4, INT4_STORAGE
 from ..core.modifiers import fail
 from ..serving import store
+from .transformers_models import PADDED
 
 #: Channels per scale of an int4 cache (llama.cpp's Q4_0 block).
 INT4_GROUP = 32
@@ -82,10 +83,12 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, cache: "PagedCache", chunk: Optional[int] = None):
+    def __init__(self, cache: "PagedCache", window: Optional[int] = None, chunk: Optional[int] = None):
         super().__init__()
         self.cache = cache
-        self.chunk = chunk  #: the attention chunk of a chunked layer (Llama-4), applied per row by the reader
+        # the layer's sliding window and attention chunk (Llama-4), from the config as transformers
+        # builds the layer's mask from it; applied per row by the reader
+        self.window, self.chunk = window, chunk
         self.k_scale = self.v_scale = None
         self.read = PagedKV(cache, self)
 
@@ -202,15 +205,19 @@ class PagedCache(Cache):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             fail(ValueError, "num_pages", repr(num_pages), "a positive int (pages in the pool)")
         # lengths, page indices and the mask's width are int32 for the kernels
-        for name, value, given in (("num_pages", num_pages, num_pages), ("max_batch_size", max_batch_size, max_batch_size),
-                                   ("max_cache_len", self.capacity, f"{max_cache_len} ({self.capacity} slots in pages "
-                                                                    f"of {page_size})")):
+        slots = f"{max_cache_len} ({self.capacity} slots in pages of {page_size})"
+        for name, value, given in (("num_pages", num_pages, num_pages), ("max_cache_len", self.capacity, slots),
+                                   ("max_batch_size", max_batch_size, max_batch_size)):
             if value > _INT32_MAX:
                 fail(ValueError, name, given, f"at most {_INT32_MAX} (int32 lengths and page indices)")
         self.num_pages = num_pages
         self.model_dtype = None
         chunk = getattr(text, "attention_chunk_size", None)
-        super().__init__(layers=[PagedLayer(self, chunk if t == "chunked_attention" else None) for t in types])
+        # without layer types, models window every layer when the config has a window (Mistral, Phi-3...)
+        window = getattr(text, "sliding_window", None) or None
+        windowed = ("sliding_attention",) if getattr(text, "layer_types", None) else ("full_attention",)
+        super().__init__(layers=[PagedLayer(self, window if t in windowed else None,
+                                            chunk if t == "chunked_attention" else None) for t in types])
         # The state is tensors (so that a compiled forward reads and advances it): the block table,
         # each sequence's length and page count, the free pages (a stack: the first free_count[0]
         # entries) and the selected rows. Which sequences are claimed is the host's (add/release).
@@ -447,8 +454,8 @@ class PagedCache(Cache):
                                   "reset() it (or release() the rows) to reuse it")
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("tileattn PagedCache does not crop (assisted decoding): use a DynamicCache. The cache "
-                                  "holds what was written before this call; reset() it to reuse it")
+        raise NotImplementedError("tileattn PagedCache does not crop (assisted decoding): use a DynamicCache. The "
+                                  "cache holds what was written before this call; reset() it to reuse it")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("tileattn PagedCache does not repeat sequences: give each row its own prompt")
@@ -535,14 +542,16 @@ def _(pool, scales, slots, new):
 def paged_attention(kv: PagedKV, query, attention_mask, *, scaling, softcap, sinks, sliding_window=None):
     """The attention of ``query`` (B, H, q_len, D) over the layer's pools as stored: ``(out (B, q_len, H, D),
     None)``. ``attention_mask``: transformers' bool (or additive) mask over the cache's capacity, or None;
-    ``sliding_window``: the layer's window (what transformers put into that mask), or None."""
+    ``sliding_window``: the window the model passed (flash-attn's reading), for a layer whose config
+    gave the cache none; the config's wins, as transformers builds the mask from it."""
     cache, layer = kv.cache, kv.layer
+    window = layer.window if layer.window is not None else sliding_window
     _, used, table, lengths = cache._step
     q_len = query.shape[2]
     if lengths is None:
-        mask, bias, window = _traced_masks(cache, attention_mask, used, q_len, sliding_window, layer.chunk)
+        mask, bias, window = _traced_masks(cache, attention_mask, used, q_len, window, layer.chunk)
     else:
-        mask, bias, window = _masks(cache, attention_mask, lengths, used, q_len, sliding_window, layer.chunk)
+        mask, bias, window = _masks(cache, attention_mask, lengths, used, q_len, window, layer.chunk)
     if bias is not None:
         bias = bias.to(query.dtype)
     q = query.transpose(1, 2)
@@ -567,7 +576,8 @@ def _masks(cache, mask, lengths, used, q_len, window, chunk):
     """(mask, bias, window) for flash_attention in eager mode (``lengths``: the rows' lengths, host)."""
     top = max(lengths)
     in_step = min(lengths) == top
-    if mask is None or ((q_len == 1 or not in_step) and _positional(cache, mask, top, q_len, window, chunk)):
+    if mask is None or ((q_len == 1 or not in_step) and not getattr(mask, PADDED, False) and
+                        _positional(cache, mask, top, q_len, window, chunk)):
         # the pattern alone: every row's own, applied by the kernel (mask-free when no chunk)
         return _chunks(cache, used, q_len, chunk), None, None if window is None else (window - 1, 0)
     if in_step or (window is None and chunk is None):
@@ -576,28 +586,30 @@ def _masks(cache, mask, lengths, used, q_len, window, chunk):
         return (mask, None, None) if mask.dtype == torch.bool else (None, mask, None)
     cache.abandon()
     kind = f"window {window}" if window is not None else f"chunks of {chunk}"
-    fail(ValueError, "attention_mask", f"a mask hiding keys beyond the {kind} of the longest row, for rows at "
-         f"different lengths {lengths} (the forward's tokens were taken out again)", "no attention_mask (or one "
-         "of ones) for rows at different lengths: their causality, window and chunks are applied per row; padding "
-         "or a 4-d mask only with rows at one length")
+    what = "padding" if getattr(mask, PADDED, False) else "a mask hiding keys beyond the layer's pattern"
+    fail(ValueError, "attention_mask", f"{what}, on a layer with {kind}, for rows at different lengths {lengths}: "
+         "transformers placed the pattern from the longest row (the forward's tokens were taken out again)",
+         "no attention_mask (or one of ones) for rows at different lengths: their causality, window and chunks are "
+         "applied per row; padding or a 4-d mask only with rows at one length")
 
 
 def _positional(cache, mask, top, q_len, window, chunk) -> bool:
     """Whether ``mask`` hides exactly what transformers' pattern of the layer (causal, and the window
     or the chunks) hides for the longest row, on the keys the rows hold: then nothing else is in it.
-    Read once per forward; a mask edited in place (its version moves) is read again."""
-    key = None
-    if not mask.is_inference():  # an inference tensor has no version counter to notice an edit by
-        key = (id(mask), mask._version, mask.data_ptr(), top, q_len, window, chunk)
-        seen = cache._masks.get(key)
-        if seen is not None and seen[0] is mask:
-            return seen[1]
+    Read once per forward (the readings are dropped when the next one starts, so a mask edited in
+    place between forwards is read again), keyed on the mask's version counter and data as well as
+    the object: an edit within the forward is read again too. An inference tensor has no version
+    counter; one cannot be edited while the forward that reads it runs."""
+    version = None if mask.is_inference() else mask._version
+    key = (id(mask), version, mask.data_ptr(), top, q_len, window, chunk)
+    seen = cache._masks.get(key)
+    if seen is not None and seen[0] is mask:
+        return seen[1]
     found = mask.dim() == 4 and mask.shape[-2] == q_len and mask.shape[-1] >= top
     if found:
         visible = mask[..., :top] if mask.dtype == torch.bool else mask[..., :top] == 0
         found = bool((visible == _pattern(top, q_len, window, chunk, mask.device)).all())
-    if key is not None:
-        cache._masks[key] = (mask, found)
+    cache._masks[key] = (mask, found)
     return found
 
 
