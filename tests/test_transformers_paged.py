@@ -212,3 +212,116 @@ def test_decode_steps_compile_to_one_graph_that_matches_eager():
     compiled = decode(torch.compile(ours.forward, fullgraph=True))
     assert torch.equal(compiled, eager)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def _state(cache):
+    """The cache's bookkeeping, to compare before and after a refusal."""
+    return [t.clone() for t in (cache.block_table, cache.seq_lengths, cache.pages_held, cache.free_pages,
+                                cache.free_count, cache.rows)] + [cache.sequences]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("ids", [[1, 1], [0, 1, 0], [0.9], [True], ["1"], "01", [1.0], torch.tensor([0.0]), 1])
+def test_release_and_select_refuse_repeated_and_non_int_ids_before_any_change(ids):
+    """release([s, s]) once put s's pages on the free list twice (two later sequences then shared
+    them), and 0.9, True and '1' were taken as ids: both methods refuse them, and nothing changes."""
+    _, ours = _models(_config())
+    cache = tt.PagedCache(ours.config, max_batch_size=3, max_cache_len=16, page_size=4)
+    with torch.no_grad():
+        ours(torch.randint(1, VOCAB, (2, 6)), cache=cache)
+    before = _state(cache)
+    for method in (cache.release, cache.select):
+        with pytest.raises((TypeError, ValueError), match="argument 'sequences'.*distinct int sequence ids"):
+            method(ids)
+        assert _same(_state(cache), before)
+
+
+def test_released_pages_are_never_shared_by_two_sequences():
+    """After a sequence leaves, the two that take its pages hold disjoint pages, and each one's
+    logits are those of its prompt alone."""
+    sdpa, ours = _models(_config())
+    g = torch.Generator().manual_seed(6)
+    cache = tt.PagedCache(ours.config, max_batch_size=3, max_cache_len=16, page_size=4, num_pages=8)
+    with torch.no_grad():
+        first = cache.add(2)
+        for s in first:
+            cache.select([s])
+            ours(torch.randint(1, VOCAB, (1, 8)), cache=cache)
+        cache.release(first[:1])
+        prompts = [torch.randint(1, VOCAB, (1, 8), generator=g) for _ in range(2)]
+        got = []
+        for p in prompts:
+            (s,) = cache.add()
+            cache.select([s])
+            got.append(ours(p, cache=cache).logits[0, -1])
+        expected = [sdpa(p).logits[0, -1] for p in prompts]
+    held = [set(cache.block_table[s, :int(cache.pages_held[s])].tolist()) for s in cache.sequences]
+    assert sum(map(len, held)) == len(set().union(*held)) == 6
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, expected))
+
+
+def test_a_4d_mask_edited_in_place_between_forwards_is_read_again():
+    """A caller's 4-d mask that hides nothing, then edited in place to hide the first keys: the
+    second forward reads the edit (it was memoised per mask object and ignored). Oracle: sdpa with a
+    DynamicCache given the same mask."""
+    sdpa, ours = _models(_config())
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    logits = {}
+    with torch.no_grad():
+        for name, model, cache in (("ours", ours, tt.PagedCache(ours.config, max_batch_size=2, max_cache_len=16)),
+                                   ("sdpa", sdpa, transformers.DynamicCache(config=sdpa.config))):
+            mask.fill_(True)
+            model(ids, cache=cache)
+            # ours: the same object both times, over the cache's 16 slots; sdpa: views over the keys it holds
+            model(ids[:, :1], cache=cache, attention_mask=mask if name == "ours" else mask[..., :7])
+            mask[..., :3] = False
+            given = mask if name == "ours" else mask[..., :8]
+            logits[name] = model(ids[:, 1:2], cache=cache, attention_mask=given).logits
+    assert torch.allclose(logits["ours"], logits["sdpa"], atol=1e-4), (logits["ours"] - logits["sdpa"]).abs().max()
+
+
+def test_a_model_with_more_layers_than_the_cache_is_refused_and_its_tokens_taken_out():
+    _, ours = _models(_config())
+    cache = tt.PagedCache(_config(num_hidden_layers=1), max_batch_size=2, max_cache_len=16, page_size=4)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="argument 'layer_idx'.*more layers than the config.*1 layers"):
+            ours(torch.randint(1, VOCAB, (2, 5)), cache=cache)
+    assert cache.sequences == [] and cache.seq_lengths.tolist() == [0, 0]
+    assert int(cache.free_count[0]) == cache.num_pages
+
+
+@pytest.mark.parametrize("mode", [dict(num_beams=2), dict(prompt_lookup_num_tokens=2)])
+def test_beam_search_and_assisted_decoding_are_refused_before_the_prefill_writes(mode):
+    _, ours = _models(_config())
+    cache = tt.PagedCache(ours.config, max_batch_size=4, max_cache_len=32)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="argument '(num_beams|prompt_lookup_num_tokens)'"):
+        ours.generate(torch.randint(1, VOCAB, (1, 5)), cache=cache, max_new_tokens=3, do_sample=False, **mode)
+    assert cache.sequences == [] and cache.nbytes == 0
+
+
+def test_another_attention_implementation_is_refused_and_the_forward_taken_out():
+    sdpa, _ = _models(_config())
+    cache = tt.PagedCache(sdpa.config, max_batch_size=2, max_cache_len=16)
+    with torch.no_grad(), pytest.raises(TypeError, match="read as stored by the 'tileattn'.*taken out of the cache"):
+        sdpa(torch.randint(1, VOCAB, (2, 3)), cache=cache)
+    assert cache.sequences == [] and cache.seq_lengths.tolist() == [0, 0]
+    assert int(cache.free_count[0]) == cache.num_pages
+
+
+def test_sizes_past_int32_and_mla_are_refused_naming_the_argument():
+    config = _config()
+    for kwargs, name in ((dict(max_batch_size=1, max_cache_len=2**40), "max_cache_len"),
+                         (dict(max_batch_size=2**40, max_cache_len=16), "max_batch_size"),
+                         (dict(max_batch_size=2, max_cache_len=16, num_pages=2**33), "num_pages")):
+        with pytest.raises(ValueError, match=f"argument '{name}'.*at most 2147483647"):
+            tt.PagedCache(config, **kwargs)
+    mla = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8)
+    with pytest.raises(ValueError, match="argument 'config'.*MLA.*PagedCache does not support MLA"):
+        tt.PagedCache(mla, max_batch_size=1, max_cache_len=16)

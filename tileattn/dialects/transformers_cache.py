@@ -206,8 +206,8 @@ class PagedCache(Cache):
             fail(ValueError, "num_pages", repr(num_pages), "a positive int (pages in the pool)")
         # lengths, page indices and the mask's width are int32 for the kernels
         slots = f"{max_cache_len} ({self.capacity} slots in pages of {page_size})"
-        for name, value, given in (("num_pages", num_pages, num_pages), ("max_cache_len", self.capacity, slots),
-                                   ("max_batch_size", max_batch_size, max_batch_size)):
+        for name, value, given in (("max_cache_len", self.capacity, slots), ("max_batch_size", max_batch_size,
+                                   max_batch_size), ("num_pages", num_pages, num_pages)):
             if value > _INT32_MAX:
                 fail(ValueError, name, given, f"at most {_INT32_MAX} (int32 lengths and page indices)")
         self.num_pages = num_pages
@@ -419,13 +419,20 @@ class PagedCache(Cache):
         # generate() marks the cache it was given before its first forward: the moment to refuse the
         # modes that would reorder or crop it after the prefill wrote (read from the marking frame)
         caller = sys._getframe(1).f_locals
-        config, mode = caller.get("generation_config"), str(caller.get("generation_mode", ""))
+        config = caller.get("generation_config")
+        mode = getattr(caller.get("generation_mode"), "value", None)
         beams = getattr(config, "num_beams", None) or 1
-        if beams > 1 or "assisted" in mode:
-            fail(NotImplementedError, "num_beams" if beams > 1 else "assistant_model",
-                 f"{beams} beams" if beams > 1 else "assisted generation",
-                 "greedy decoding or sampling: a PagedCache does not reorder or crop sequences (beam search, assisted "
-                 "decoding); use a DynamicCache for them (nothing was written)")
+        if beams > 1:
+            name, given = "num_beams", f"{beams} beams"
+        elif mode == "assisted_generation":
+            lookup = getattr(config, "prompt_lookup_num_tokens", None)
+            name = "prompt_lookup_num_tokens" if lookup else "assistant_model"
+            given = "assisted generation"
+        else:
+            name = None
+        if name is not None:
+            fail(NotImplementedError, name, given, "greedy decoding or sampling: a PagedCache does not reorder or crop "
+                 "sequences (beam search, assisted decoding); use a DynamicCache for them (nothing was written)")
         self.__dict__["_user_defined"] = value
 
     # ------------------------------------------------------------------------- transformers' Cache
