@@ -200,16 +200,21 @@ class PagedCache(Cache):
         self.max_batch_size = max_batch_size
         self.pages_per_sequence = -(-max_cache_len // page_size)
         self.capacity = self.pages_per_sequence * page_size
+        pages = num_pages
         if num_pages is None:
             num_pages = max_batch_size * self.pages_per_sequence
+            pages = (f"None, by default max_batch_size x pages per sequence = {max_batch_size} x "
+                     f"{self.pages_per_sequence} = {num_pages}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             fail(ValueError, "num_pages", repr(num_pages), "a positive int (pages in the pool)")
         # lengths, page indices and the mask's width are int32 for the kernels
         slots = f"{max_cache_len} ({self.capacity} slots in pages of {page_size})"
         for name, value, given in (("max_cache_len", self.capacity, slots), ("max_batch_size", max_batch_size,
-                                   max_batch_size), ("num_pages", num_pages, num_pages)):
+                                   max_batch_size), ("num_pages", num_pages, pages)):
             if value > _INT32_MAX:
-                fail(ValueError, name, given, f"at most {_INT32_MAX} (int32 lengths and page indices)")
+                fail(ValueError, name, given, f"at most {_INT32_MAX} (int32 lengths and page indices)"
+                     + ("; pass num_pages, or a smaller max_batch_size or max_cache_len" if given is pages and
+                        pages != num_pages else ""))
         self.num_pages = num_pages
         self.model_dtype = None
         chunk = getattr(text, "attention_chunk_size", None)
@@ -225,12 +230,16 @@ class PagedCache(Cache):
             self.block_table = torch.zeros(max_batch_size, self.pages_per_sequence, dtype=torch.int32)
             self.seq_lengths = torch.zeros(max_batch_size, dtype=torch.int32)
             self.pages_held = torch.zeros(max_batch_size, dtype=torch.int32)
-            self.free_pages = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)
             self._claimed = [False] * max_batch_size
         except (RuntimeError, MemoryError) as exc:
-            fail(ValueError, "max_batch_size", f"{max_batch_size} sequences of {self.pages_per_sequence} pages and a "
-                 f"pool of {num_pages} pages, whose tables could not be allocated ({type(exc).__name__})",
-                 "sizes whose tables fit in memory")
+            fail(ValueError, "max_batch_size", f"{max_batch_size} sequences of {self.pages_per_sequence} pages, whose "
+                 f"block table could not be allocated ({type(exc).__name__})",
+                 "fewer sequences, or a smaller max_cache_len or larger page_size (fewer pages per sequence)")
+        try:
+            self.free_pages = torch.arange(num_pages - 1, -1, -1, dtype=torch.int32)
+        except (RuntimeError, MemoryError) as exc:
+            fail(ValueError, "num_pages", f"{pages}, whose free list could not be allocated ({type(exc).__name__})",
+                 "fewer pages")
         self.free_count = torch.tensor([num_pages], dtype=torch.int64)
         self.rows = torch.zeros(0, dtype=torch.int64)
         self.device = None
@@ -344,6 +353,8 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------------------------ updates
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            self._check_caller(sys._getframe(1).f_locals.get("self"))
         if not 0 <= layer_idx < len(self.layers):
             self.abandon()
             fail(ValueError, "layer_idx", f"{layer_idx}, from a model with more layers than the config the cache was "
@@ -364,6 +375,35 @@ class PagedCache(Cache):
             else:
                 store(pool, slots, tokens, scale_cache=scales)
         return layer.read, layer.read
+
+    def _check_caller(self, module) -> None:
+        """Refuse a forward before it writes anything when the attention module calling ``update`` (a
+        transformers attention module holds its config) will not read the cache as stored (eager or
+        another of transformers' implementations), or belongs to a model with more layers than the
+        cache. What this cannot see (a module without a config, an implementation of the caller's own)
+        is refused when the layer is read or past the last layer, and the forward's tokens are then
+        taken out again (:meth:`abandon`)."""
+        config = getattr(module, "config", None) if isinstance(module, torch.nn.Module) else None
+        if config is None:
+            return
+        implementation = getattr(config, "_attn_implementation", None)
+        if isinstance(implementation, str):
+            from transformers import AttentionInterface
+
+            from .transformers import tileattn_attention_forward
+
+            function = AttentionInterface().get(implementation)
+            if function is not tileattn_attention_forward and (
+                    function is None or getattr(function, "__module__", "").startswith("transformers")):
+                fail(TypeError, "attn_implementation", f"'{implementation}' ({type(module).__name__}), which reads "
+                     "keys and values as tensors: nothing was written to the cache",
+                     "attn_implementation='tileattn' (tileattn.integrations.transformers.register()): a PagedCache is "
+                     "read as stored by the 'tileattn' attention implementation only")
+        layers = getattr(config, "num_hidden_layers", None)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > len(self.layers):
+            fail(ValueError, "config", f"a PagedCache built from a config of {len(self.layers)} layers, for a model "
+                 f"of {layers} layers ({type(module).__name__}): nothing was written to the cache",
+                 "a PagedCache built from the model's own config (PagedCache(model.config, ...))")
 
     def _advance(self, key_states, value_states) -> None:
         """A new forward: check it, take pages, and lay out where its tokens go (nothing changes
