@@ -132,7 +132,7 @@ class PagedLayer(CacheLayerMixin):
         return self.cache.capacity, 0
 
     def get_seq_length(self):
-        return self.cache.get_seq_length()
+        return self.cache.get_seq_length(self.cache.layers.index(self))
 
     def get_max_length(self) -> int:
         return self.cache.max_cache_len
@@ -246,6 +246,7 @@ class PagedCache(Cache):
         # (slots, lengths, block table, host lengths or None while compiling) of the selected rows for this forward
         self._step = None
         self._taken = None  # what this forward changed, to take it out again (abandon)
+        self._written, self._q_len = -1, 0  # the last layer this forward wrote, and its tokens per row
         self._masks = {}  # this forward's mask readings (_positional, _chunks)
 
     # ------------------------------------------------------------------------------------ storage
@@ -374,6 +375,7 @@ class PagedCache(Cache):
                 paged_store(pool, scales, slots, tokens)
             else:
                 store(pool, slots, tokens, scale_cache=scales)
+        self._written = layer_idx
         return layer.read, layer.read
 
     def _check_caller(self, module) -> None:
@@ -410,6 +412,7 @@ class PagedCache(Cache):
         unless every check passes)."""
         self.check_states(key_states, value_states)
         batch, q_len = key_states.shape[0], key_states.shape[2]
+        self._q_len = q_len
         compiling = torch.compiler.is_compiling()
         claimed = []
         if self.rows.numel() == 0 and not compiling:
@@ -478,11 +481,15 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------------- transformers' Cache
 
     def get_seq_length(self, layer_idx: int = 0):
-        """Tokens held by the longest selected sequence (transformers places new positions after it);
-        a 0-d tensor while torch.compile traces (as a StaticCache's), else an int."""
+        """Tokens held by the longest selected sequence (transformers places new positions after it)
+        in layer ``layer_idx``: a layer the forward in progress has not written yet holds the tokens
+        from before it, as a DynamicCache's layer does (the lengths are shared, and advanced by layer
+        0's write; Llama-4's layers without RoPE take their query temperature from this). A 0-d
+        tensor while torch.compile traces (as a StaticCache's), else an int."""
+        ahead = self._q_len if layer_idx > 0 and self._step is not None and layer_idx > self._written else 0
         if torch.compiler.is_compiling():
-            return self.seq_lengths[self.rows].amax()
-        return int(self.seq_lengths[self.rows].max()) if self.rows.numel() else 0
+            return self.seq_lengths[self.rows].amax() - ahead
+        return int(self.seq_lengths[self.rows].max()) - ahead if self.rows.numel() else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
         return self.capacity, 0
