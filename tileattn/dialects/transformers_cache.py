@@ -27,12 +27,14 @@ sequence) takes the first free ones for its rows; continuous batching selects th
 :meth:`PagedCache.add` claims sequences, :meth:`PagedCache.select` says which sequence each row of
 the next forwards is, :meth:`PagedCache.release` gives a finished sequence's pages back. Rows may
 hold different lengths: each row's queries are the tokens it just wrote, causal at its own end
-(bottom right), and transformers' mask is applied on top (it adds padding and windows; its causal
-part, built from the longest row, hides nothing more).
+(bottom right), with each layer's sliding window and chunks applied from the row's own length
+(transformers places them from the longest row's; see the notes above :func:`_masks`).
 
 Every argument is checked before anything is written: a wrong dtype, a forward batch that is not the
-selected sequences, a sequence that would outgrow ``max_cache_len``, a pool without free pages or
-more sequences than ``max_batch_size`` raise naming the argument, and the cache is as it was.
+selected sequences, a sequence that would outgrow ``max_cache_len``, a pool without free pages, more
+sequences than ``max_batch_size``, repeated or non-int sequence ids, a model read by another attention
+implementation or with more layers than the cache's config raise naming the argument, and the cache
+is as it was. MLA models (DeepSeek-V2/V3) are refused at construction.
 """
 
 from __future__ import annotations
