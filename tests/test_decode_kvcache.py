@@ -463,3 +463,19 @@ def test_options_of_another_type_are_another_step():
     flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=True)
     with pytest.raises((TypeError, ValueError), match="'causal'"):
         flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, causal=1)
+
+
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_a_batch_of_no_sequences_repeats_as_it_passed(new_kv):
+    """Batch 0: the checked step returns an empty output (no index to write); its repeat, served by
+    the repeated step, returns the same (it once failed on the lengths' empty min())."""
+    from tileattn.core import plans
+    plans.clear()
+    q, (k_cache, v_cache), k_new, v_new = _step_inputs(batch=0)
+    extra = (k_new, v_new) if new_kv else ()
+    lens = torch.zeros(0, dtype=torch.int32)
+    outs = [flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, *extra, cache_seqlens=lens, causal=True,
+                                               return_softmax_lse=True) for _ in range(2)]
+    assert plans.count(kvcache.KIND) == 1
+    for out, lse in outs:
+        assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)

@@ -2,6 +2,7 @@
 as stored by the "tileattn" attention implementation."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_each_dtype_reads_as_stored_and_matches_the_fp64_attention_over_the_dequ
     assert cache.lengths() == [6, 18, 10]
     layer = cache.layers[1]
     q = torch.randn(3, 4, 2, 64, generator=g)  # (B, H, q_len, D): the last two tokens of each row
-    _, used, table = cache._step
+    _, used, table, _ = cache._step
     out, _ = transformers_cache.paged_attention(layer.read, q, None, scaling=0.125, softcap=0.0, sinks=None)
 
     def pools(compute):
@@ -212,3 +213,184 @@ def test_decode_steps_compile_to_one_graph_that_matches_eager():
     compiled = decode(torch.compile(ours.forward, fullgraph=True))
     assert torch.equal(compiled, eager)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def _state(cache):
+    """The cache's bookkeeping, to compare before and after a refusal."""
+    return [t.clone() for t in (cache.block_table, cache.seq_lengths, cache.pages_held, cache.free_pages,
+                                cache.free_count, cache.rows)] + [cache.sequences]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("ids", [[1, 1], [0, 1, 0], [0.9], [True], ["1"], "01", [1.0], torch.tensor([0.0]), 1])
+def test_release_and_select_refuse_repeated_and_non_int_ids_before_any_change(ids):
+    """release([s, s]) once put s's pages on the free list twice (two later sequences then shared
+    them), and 0.9, True and '1' were taken as ids: both methods refuse them, and nothing changes."""
+    _, ours = _models(_config())
+    cache = tt.PagedCache(ours.config, max_batch_size=3, max_cache_len=16, page_size=4)
+    with torch.no_grad():
+        ours(torch.randint(1, VOCAB, (2, 6)), cache=cache)
+    before = _state(cache)
+    for method in (cache.release, cache.select):
+        with pytest.raises((TypeError, ValueError), match="argument 'sequences'.*distinct int sequence ids"):
+            method(ids)
+        assert _same(_state(cache), before)
+
+
+def test_released_pages_are_never_shared_by_two_sequences():
+    """After a sequence leaves, the two that take its pages hold disjoint pages, and each one's
+    logits are those of its prompt alone."""
+    sdpa, ours = _models(_config())
+    g = torch.Generator().manual_seed(6)
+    cache = tt.PagedCache(ours.config, max_batch_size=3, max_cache_len=16, page_size=4, num_pages=8)
+    with torch.no_grad():
+        first = cache.add(2)
+        for s in first:
+            cache.select([s])
+            ours(torch.randint(1, VOCAB, (1, 8)), cache=cache)
+        cache.release(first[:1])
+        prompts = [torch.randint(1, VOCAB, (1, 8), generator=g) for _ in range(2)]
+        got = []
+        for p in prompts:
+            (s,) = cache.add()
+            cache.select([s])
+            got.append(ours(p, cache=cache).logits[0, -1])
+        expected = [sdpa(p).logits[0, -1] for p in prompts]
+    held = [set(cache.block_table[s, :int(cache.pages_held[s])].tolist()) for s in cache.sequences]
+    assert sum(map(len, held)) == len(set().union(*held)) == 6
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(got, expected))
+
+
+def test_a_4d_mask_edited_in_place_between_forwards_is_read_again():
+    """A caller's 4-d mask that hides nothing, then edited in place to hide the first keys: the
+    second forward reads the edit (it was memoised per mask object and ignored). Oracle: sdpa with a
+    DynamicCache given the same mask."""
+    sdpa, ours = _models(_config())
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    logits = {}
+    with torch.no_grad():
+        for name, model, cache in (("ours", ours, tt.PagedCache(ours.config, max_batch_size=2, max_cache_len=16)),
+                                   ("sdpa", sdpa, transformers.DynamicCache(config=sdpa.config))):
+            mask.fill_(True)
+            model(ids, cache=cache)
+            # ours: the same object both times, over the cache's 16 slots; sdpa: views over the keys it holds
+            model(ids[:, :1], cache=cache, attention_mask=mask if name == "ours" else mask[..., :7])
+            mask[..., :3] = False
+            given = mask if name == "ours" else mask[..., :8]
+            logits[name] = model(ids[:, 1:2], cache=cache, attention_mask=given).logits
+    assert torch.allclose(logits["ours"], logits["sdpa"], atol=1e-4), (logits["ours"] - logits["sdpa"]).abs().max()
+
+
+def test_a_model_with_more_layers_than_the_cache_is_refused_before_anything_is_written():
+    """It wrote its tokens into the cache's layers, then failed past them with a raw IndexError."""
+    _, ours = _models(_config())
+    cache = tt.PagedCache(_config(num_hidden_layers=1), max_batch_size=2, max_cache_len=16, page_size=4)
+    before = _state(cache)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="argument 'config'.*config of 1 layers, for a model of 2 layers.*"
+                                             "nothing was written.*PagedCache\\(model.config"):
+            ours(torch.randint(1, VOCAB, (2, 5)), cache=cache)
+    assert _same(_state(cache), before) and cache.nbytes == 0
+
+
+@pytest.mark.parametrize("mode", [dict(num_beams=2), dict(prompt_lookup_num_tokens=2)])
+def test_beam_search_and_assisted_decoding_are_refused_before_the_prefill_writes(mode):
+    _, ours = _models(_config())
+    cache = tt.PagedCache(ours.config, max_batch_size=4, max_cache_len=32)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="argument '(num_beams|prompt_lookup_num_tokens)'"):
+        ours.generate(torch.randint(1, VOCAB, (1, 5)), cache=cache, max_new_tokens=3, do_sample=False, **mode)
+    assert cache.sequences == [] and cache.nbytes == 0
+
+
+@pytest.mark.parametrize("call", ["forward", "generate"])
+def test_another_attention_implementation_is_refused_before_anything_is_written(call):
+    """An sdpa model once wrote its prefill into the cache before its attention read the layer."""
+    sdpa, _ = _models(_config())
+    cache = tt.PagedCache(sdpa.config, max_batch_size=2, max_cache_len=16)
+    before = _state(cache)
+    ids = torch.randint(1, VOCAB, (2, 3))
+    with torch.no_grad(), pytest.raises(TypeError, match="argument 'attn_implementation': got 'sdpa'.*nothing was "
+                                                         "written.*attn_implementation='tileattn'"):
+        sdpa(ids, cache=cache) if call == "forward" else sdpa.generate(ids, cache=cache, max_new_tokens=2)
+    assert _same(_state(cache), before) and cache.nbytes == 0
+
+
+def test_what_the_caller_check_cannot_see_is_refused_after_the_write_and_taken_out_again():
+    """Called from no attention module (no config to read): a layer past the cache's, or its keys read
+    as tensors, is refused after the write, and the forward's tokens are taken out again."""
+    cache = tt.PagedCache(_config(), max_batch_size=2, max_cache_len=16, page_size=4)
+    k = torch.randn(2, 2, 3, 64)
+    cache.update(k, k, 0)  # the pools exist from here on
+    cache.reset()
+    before = _state(cache)
+    cache.update(k, k, 0)
+    cache.update(k, k, 1)
+    with pytest.raises(ValueError, match="argument 'layer_idx': got 2, from a model with more layers.*2 layers; the "
+                                         "forward's tokens were taken out again"):
+        cache.update(k, k, 2)
+    assert _same(_state(cache), before)
+    kv, _ = cache.update(k, k, 0)
+    with pytest.raises(TypeError, match="read 'shape'.*taken out of the cache again"):
+        kv.shape
+    assert _same(_state(cache), before)
+
+
+_HUGE = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a size that got through fails to allocate, not swaps
+import torch, transformers
+import tileattn.integrations.transformers as tt
+config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+for kwargs in ({CASES}):
+    try:
+        cache = tt.PagedCache(config, **kwargs)
+        key = torch.zeros(1, 2, 1, 64)
+        cache.update(key, key, 0)  # the pools are allocated by the first write
+        print("accepted", flush=True)
+    except Exception as exc:
+        print(type(exc).__name__, str(exc).replace(chr(10), " "), flush=True)
+"""
+
+
+def test_huge_sizes_are_refused_naming_the_argument_in_a_child_process():
+    """Sizes past int32 (the kernels' lengths and page indices), or tables and pools too large for
+    memory, gave raw overflow or allocation errors (or could take the machine's memory): each is
+    refused naming its argument, in a child process with a bounded address space."""
+    import subprocess
+    import sys
+
+    from conftest import sigint_as_usual
+
+    cases = [(dict(max_batch_size=1, max_cache_len=2**40), "max_cache_len': got 1099511627776 \\(1099511627776 slots"),
+             (dict(max_batch_size=2**40, max_cache_len=16), "max_batch_size': got 1099511627776"),
+             (dict(max_batch_size=2, max_cache_len=16, num_pages=2**33), "num_pages': got 8589934592"),
+             (dict(max_batch_size=2**20, max_cache_len=2**20), "num_pages': got None, by default max_batch_size x "
+              "pages per sequence = 1048576 x 65536 = 68719476736.*pass num_pages"),
+             (dict(max_batch_size=2**31 - 1, max_cache_len=2**20, num_pages=16), "max_batch_size': got 2147483647 "
+              "sequences of 65536 pages.*could not be allocated"),
+             (dict(max_batch_size=1, max_cache_len=16, num_pages=2**31 - 1), "num_pages': got 2147483647, whose free "
+              "list could not be allocated"),
+             (dict(max_batch_size=1, max_cache_len=16, num_pages=2**28), "num_pages': got 268435456 pages of 16 "
+              "tokens.*could not allocate")]
+    script = _HUGE.replace("{CASES}", ", ".join(repr(kwargs) for kwargs, _ in cases))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         preexec_fn=sigint_as_usual)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and len(lines) == len(cases), res.stdout + res.stderr[-3000:]
+    for line, (kwargs, expected) in zip(lines, cases):
+        assert re.match(f"ValueError tileattn: argument '{expected}", line) and "; expected " in line, (kwargs, line)
+
+
+def test_mla_is_refused_naming_it():
+    mla = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8)
+    with pytest.raises(ValueError, match="argument 'config'.*DeepseekV3Config, multi-head latent attention.*PagedCache "
+                                         "does not support MLA"):
+        tt.PagedCache(mla, max_batch_size=1, max_cache_len=16)

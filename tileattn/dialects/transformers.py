@@ -119,7 +119,8 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
     _check_other_kwargs(module, kwargs)
     if not isinstance(key, torch.Tensor):  # a PagedCache's layer, read as stored
         return _paged(module, query, key, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                      softcap=softcap, sinks=s_aux if s_aux is not None else sinks, output_attentions=output_attentions,
+                      softcap=softcap, sinks=s_aux if s_aux is not None else sinks, sliding_window=sliding_window,
+                      output_attentions=output_attentions,
                       unsupported=dict(position_bias=position_bias, indices=indices, block_indices=block_indices,
                                        cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k))
     if output_attentions:
@@ -194,31 +195,56 @@ def tileattn_attention_forward(module, query, key, value, attention_mask, dropou
         return (out * weight.transpose(1, 2).unsqueeze(-1)).to(query.dtype), None
 
 
-def _paged(module, query, kv, attention_mask, *, dropout, scaling, is_causal, softcap, sinks, output_attentions,
-           unsupported):
-    """Attention over a :class:`tileattn.dialects.transformers_cache.PagedCache` layer (``kv``)."""
+def _paged(module, query, kv, attention_mask, *, dropout, scaling, is_causal, softcap, sinks, sliding_window,
+           output_attentions, unsupported):
+    """Attention over a :class:`tileattn.dialects.transformers_cache.PagedCache` layer (``kv``). The
+    layer was written before this call: a refusal takes the forward's tokens out again."""
     from .transformers_cache import PagedKV, paged_attention
 
     if not isinstance(kv, PagedKV):
         _fail(TypeError, "key", _describe(kv), "a tensor (B, Hkv, Sk, D), or a PagedCache's layer")
-    given = [name for name, value in unsupported.items() if value is not None]
-    if given or output_attentions:
-        raise NotImplementedError(f"tileattn PagedCache: {type(module).__name__} passed "
-                                  f"{', '.join(given) or 'output_attentions=True'}, which the paged cache's reader "
-                                  "does not apply; use a DynamicCache or StaticCache for this model")
-    if dropout:
-        _fail(ValueError, "dropout", repr(dropout), "0.0: a PagedCache serves inference (call model.eval())")
-    if is_causal is False or getattr(module, "is_causal", True) is False:
-        _fail(ValueError, "is_causal", False, "a causal decoder: a PagedCache holds the tokens written before")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
-        _fail(ValueError, "s_aux/sinks", _describe(sinks), f"one sink logit per head ({query.shape[1]},) with a "
-              "PagedCache")
-    cast_to = autocast_dtype(query.device.type)
-    if cast_to is not None:
-        query = query.to(cast_to)
-    with _autocast_off(query.device.type, cast_to):
-        return paged_attention(kv, query, attention_mask, scaling=scaling, softcap=float(softcap or 0.0),
-                               sinks=sinks)
+    try:
+        given = [name for name, value in unsupported.items() if value is not None]
+        if given or output_attentions:
+            raise NotImplementedError(f"tileattn PagedCache: {type(module).__name__} passed "
+                                      f"{', '.join(given) or 'output_attentions=True'}, which the paged cache's reader "
+                                      "does not apply; use a DynamicCache or StaticCache for this model")
+        if dropout:
+            _fail(ValueError, "dropout", repr(dropout), "0.0: a PagedCache serves inference (call model.eval())")
+        if is_causal is False or getattr(module, "is_causal", True) is False:
+            _fail(ValueError, "is_causal", False, "a causal decoder: a PagedCache holds the tokens written before")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
+            _fail(ValueError, "s_aux/sinks", _describe(sinks), f"one sink logit per head ({query.shape[1]},) with a "
+                  "PagedCache")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or
+                                           not isinstance(sliding_window, numbers.Integral) or sliding_window < 1):
+            _fail(ValueError, "sliding_window", repr(sliding_window), "None or a positive int")
+        _temperature_per_row(module, kv.cache._step[3], query.shape[2])
+        cast_to = autocast_dtype(query.device.type)
+        if cast_to is not None:
+            query = query.to(cast_to)
+        with _autocast_off(query.device.type, cast_to):
+            return paged_attention(kv, query, attention_mask, scaling=scaling, softcap=float(softcap or 0.0),
+                                   sinks=sinks, sliding_window=None if sliding_window is None else int(sliding_window))
+    except BaseException:
+        kv.cache.abandon()
+        raise
+
+
+def _temperature_per_row(module, lengths, q_len):
+    """Llama-4's layers without RoPE scale their queries by a temperature of the position, which the
+    model computes from the cache's length, the longest row's: refused for rows at different lengths
+    when it differs from a row's own (it changes every ``floor_scale`` positions)."""
+    if lengths is None or not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    size, top = module.floor_scale, max(lengths)
+    bucket = [(top - q_len + q + 1) // size for q in range(q_len)]
+    wrong = [n for n in lengths if [(n - q_len + q + 1) // size for q in range(q_len)] != bucket]
+    if wrong:
+        _fail(ValueError, "position_ids", f"rows at lengths {lengths} through {type(module).__name__}, whose query "
+              f"temperature (attn_temperature_tuning, floor_scale {size}) the model takes from the longest row",
+              "rows whose positions share the longest row's temperature (decode the others in another forward), "
+              "or attn_temperature_tuning=False")
 
 
 def __getattr__(name):

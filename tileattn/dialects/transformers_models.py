@@ -419,6 +419,20 @@ def mask_builder(name: str, allow_bypass: Optional[bool], compiling):
                               f"({ALLOW_BYPASS_ENV} / allow_bypass); tileattn is not used there.", UserWarning,
                               stacklevel=2)
             return eager_mask(*args, **kwargs)
-        return sdpa_mask(*args, **kwargs) if v.sdpa else eager_mask(*args, **kwargs)
+        mask = sdpa_mask(*args, **kwargs) if v.sdpa else eager_mask(*args, **kwargs)
+        return mark_padding(mask, kwargs.get("attention_mask"))
 
     return tileattn_mask
+
+
+#: The attribute set on a mask built from a 2-d attention mask that hides keys (padding). A
+#: PagedCache's reader needs to know: where rows at different lengths share one mask, padding hidden
+#: under the window of the longest row looks like that window, and cannot be applied per row.
+PADDED = "_tileattn_padded"
+
+
+def mark_padding(mask, padding):
+    if isinstance(mask, torch.Tensor) and isinstance(padding, torch.Tensor) and padding.dim() == 2 and \
+            not bool(padding.all()):
+        setattr(mask, PADDED, True)
+    return mask

@@ -203,7 +203,7 @@ class _Cache:
                     raise
                 return saved
             index = torch.tensor([b * cap + n + i for b, n in enumerate(lengths) for i in range(new)],
-                                 device=self.k.device)
+                                 dtype=torch.long, device=self.k.device)  # long even when empty (batch 0)
             saved = (index, flat_k.index_select(0, index), flat_v.index_select(0, index))
             flat_k.index_put_((index,), k_new.reshape(-1, *k_new.shape[2:]))
             try:
@@ -324,7 +324,7 @@ def _step(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, windo
     """The full path's arithmetic for a step whose checks passed before; None when a value needs them."""
     lengths = cache_seqlens.tolist()
     new = 0 if k is None else k.shape[1]
-    if min(lengths) < 0 or max(lengths) + new > k_cache.shape[1]:
+    if lengths and (min(lengths) < 0 or max(lengths) + new > k_cache.shape[1]):  # batch 0: nothing to check
         return None
     cache = _Cache(q, k_cache, v_cache, None, None)
     saved = None if k is None else cache.write(cache_seqlens, k, v, lengths)
