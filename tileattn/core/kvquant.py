@@ -200,6 +200,13 @@ def with_cache_scales(found: tuple, q_dtype, k_dtype) -> tuple:
     return tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))
 
 
+def cache_format(found: tuple, k: torch.Tensor, v: torch.Tensor) -> Optional[KVFormat]:
+    """The format of a call's cache (:meth:`KVQuant.formats`, checked) given its modifiers ``found``, or
+    None for a float cache read without scales."""
+    quant = next((m for m in found if isinstance(m, KVQuant)), None)
+    return None if quant is None else quant.formats(k, v)[0]
+
+
 def without_cache_scales(modifiers: tuple) -> tuple:
     """The modifiers of a call whose cache is dequantised already."""
     return tuple(m for m in modifiers if not isinstance(m, KVQuant))

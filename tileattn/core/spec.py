@@ -34,8 +34,8 @@ from .kernel_args import KernelArgs, lower
 from .layouts import (  # noqa: F401  (LAYOUTS, empty_in_layout, user_shape: importable from here as before)
     LAYOUT, LAYOUTS, empty_in_layout, from_canonical, to_canonical, user_shape,
 )
-from .kvquant import (QUANT_DTYPES, QUANT_NAMES, KVQuant, _has_batch_axis, _per_sequence, dequantise, head_width,
-                      quant_of, with_cache_scales, without_cache_scales)
+from .kvquant import (QUANT_DTYPES, QUANT_NAMES, _has_batch_axis, _per_sequence, cache_format, dequantise,
+                      head_width, quant_of, with_cache_scales, without_cache_scales)
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -457,8 +457,7 @@ def _check_tensors(q, k, v, layout, paged, found):
     found = with_cache_scales(found, q.dtype, k.dtype)
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
-    quant = next((m for m in found if isinstance(m, KVQuant)), None)
-    return found, None if quant is None else quant.formats(k, v)[0]
+    return found, cache_format(found, k, v)
 
 
 def _canonical_views(q, k, v, layout, num_heads, paged):
