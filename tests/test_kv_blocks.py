@@ -155,6 +155,19 @@ def test_a_paged_pool_of_blocks(name):
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", BLOCKS)
+def test_packed_varlen_blocks(name):
+    g = torch.Generator().manual_seed(11)
+    cu_q, cu_k = torch.tensor([0, 1, 4], dtype=torch.int32), torch.tensor([0, 13, 33], dtype=torch.int32)
+    q = torch.randn(4, 4, 32, generator=g)
+    k, kd = _cache(name, (33, 2, 32), g)
+    v, vd = _cache(name, (33, 2, 64), g)
+    kw = dict(layout="TND", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=20, causal=True)
+    want = tileattn.reference(q.double(), kd, vd, **kw)
+    for engine in ENGINES:
+        torch.testing.assert_close(_run(engine, q, k, v, name, **kw).double(), want, atol=2e-5, rtol=1e-5)
+
+
 def test_a_named_default_format_is_the_dtype_s_own_bitwise():
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 1, 32, generator=g)
