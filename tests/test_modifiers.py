@@ -40,7 +40,7 @@ def test_the_variant_keywords_are_declared_by_the_modifier_types_and_mirrored_by
     declared = variant_keywords()
     assert set(declared) == {"softcap", "alibi_slopes", "bias", "causal", "window", "mask", "sinks", "dropout_p",
                              "seed", "generator", "k_scale", "k_offset", "v_scale", "v_offset", "q_scale",
-                             "score_mod", "mask_mod", "block_mask"}
+                             "k_format", "v_format", "score_mod", "mask_mod", "block_mask"}
     public = inspect.signature(tileattn.flash_attention).parameters
     for name, default in declared.items():
         assert public[name].default == default and type(public[name].default) is type(default), name

@@ -38,6 +38,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .core.kvformat import FORMATS
 from .core.kvquant import INT4, INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, head_width, pack_int4
 from .core.modifiers import fail
 
@@ -52,8 +53,10 @@ def quantise(x: torch.Tensor, dtype, reduce: Sequence[int] = (-1,), symmetric: b
     ``scale`` given: that (fp32, broadcastable to x) is used instead of one computed over ``reduce``."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in QUANT_DTYPES:
         fail(TypeError, "x", getattr(x, "dtype", type(x).__name__), "a float tensor (the keys or values to store)")
+    if dtype in _BLOCKS:
+        return _ggml_blocks(x, FORMATS[dtype], reduce, symmetric, scale, group_size), None, None
     if dtype not in QUANT_DTYPES[:3] + (INT4,):
-        fail(TypeError, "dtype", dtype, "torch.int8, torch.float8_e4m3fn, torch.float8_e5m2 or 'int4'")
+        fail(TypeError, "dtype", dtype, "torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, 'int4', 'q8_0' or 'q4_0'")
     if not symmetric and dtype not in (torch.int8, INT4):
         fail(ValueError, "symmetric", False, "True for fp8 (only int8 and int4 take an offset)")
     if dtype == INT4 and (x.dim() == 0 or x.shape[-1] % 2):
@@ -98,6 +101,37 @@ def quantise(x: torch.Tensor, dtype, reduce: Sequence[int] = (-1,), symmetric: b
     else:
         stored = scaled.clamp(-top, top).to(dtype)
     return stored, scale, offset
+
+
+#: llama.cpp's block formats, which hold their scales (:mod:`tileattn.core.kvformat`).
+_BLOCKS = ("q8_0", "q4_0")
+
+
+def _ggml_blocks(x, fmt, reduce, symmetric, scale, group_size) -> torch.Tensor:
+    """x (..., D) as ggml's blocks of ``fmt`` (uint8 (..., D / 32 * block bytes)), rounded as llama.cpp's
+    reference quantisers do: q8_0 ``d = absmax / 127``, ``q = round(x / d)`` (half away from zero); q4_0
+    ``d = m / -8`` for the value m of largest magnitude, ``nibble = min(15, trunc(x / d + 8.5))``. The
+    scale d is stored in fp16; the values are divided by d before it is rounded."""
+    for name, value, default in (("reduce", reduce, (-1,)), ("symmetric", symmetric, True), ("scale", scale, None),
+                                 ("group_size", group_size, None)):
+        if (value is not None or default is not None) and (type(value) is not type(default) or value != default):
+            fail(ValueError, name, repr(value), f"{default!r} for '{fmt.name}' (a scale per block of "
+                 f"{fmt.block} values of the last dim, stored in the block)")
+    if x.dim() == 0 or x.shape[-1] % fmt.block:
+        fail(ValueError, "x", f"shape {tuple(x.shape)}", f"a last dim that is a multiple of {fmt.block} for "
+             f"'{fmt.name}' (its block)")
+    real = x.detach().float().unflatten(-1, (x.shape[-1] // fmt.block, fmt.block))
+    if fmt.name == "q8_0":
+        d = real.abs().amax(dim=-1, keepdim=True) / 127
+        scaled = real * torch.where(d == 0, 0.0, 1.0 / d)
+        body = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8).view(torch.uint8)
+    else:
+        peak = real.gather(-1, real.abs().argmax(dim=-1, keepdim=True))
+        d = peak / -8
+        nibbles = (real * torch.where(d == 0, 0.0, 1.0 / d) + 8.5).trunc().clamp(max=15).to(torch.uint8)
+        body = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+    head = d.to(torch.float16).view(torch.uint8)  # little-endian, as ggml stores it
+    return torch.cat((head, body), dim=-1).flatten(-2)
 
 
 def _reduced_dims(reduce, ndim):

@@ -32,8 +32,8 @@ def flash_attention(
     align="bottom_right", mask=None, bias=None, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
     generator=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
     seqused_k=None, block_table=None, return_lse=False, deterministic=False, backend="auto", modifiers=(),
-    k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, score_mod=None, mask_mod=None,
-    block_mask=None,
+    k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, k_format=None, v_format=None,
+    score_mod=None, mask_mod=None, block_mask=None,
 ):
     r"""Exact attention ``softmax(scale * q k^T + ...) v``, computed tile by tile (FlashAttention-2).
 
@@ -112,6 +112,9 @@ def flash_attention(
             float8_e5m2, or q's dtype with descales) read as ``(k + k_offset) * k_scale``, and
             ``q_scale`` (B|1, Hkv|1) multiplying the scores (FlashAttention-3's q_descale): fp32,
             shapes and granularities in :mod:`tileattn.core.kvquant`. Forward only.
+        k_format, v_format: the names of the cache's format (:mod:`tileattn.core.kvformat`), one for
+            both: "int8", "e4m3", "e5m2", "int4" (the defaults of k's dtype, None) or llama.cpp's blocks
+            "q8_0" / "q4_0" (uint8, D / 32 * 34 or D / 32 * 18 bytes a row, scales inside: no k_scale ...).
         return_lse: also return the log-sum-exp (natural log) of the masked scores, fp32 (fp64 for
             fp64 inputs), shape (B, Hq, Sq) or (Hq, Tq) for TND. Rows that see no key: -inf (or the
             sink). The LSE is differentiable.

@@ -51,7 +51,8 @@ class KernelArgs:
     ``per_call``, the per-call fields this call binds. Per call: ``alibi_slopes`` fp32 (Hq,) or
     (B, Hq); ``mask`` (bool) and ``bias`` (float), 4-d with size-1 dims where they broadcast against
     (B, Hq, Sq, Sk); the dropout ``seed``; the scales and offsets of a quantised cache and ``q_scale``
-    (:mod:`tileattn.core.kvquant`, in the shapes the caller gave); the user's ``score_mod`` and
+    (:mod:`tileattn.core.kvquant`, in the shapes the caller gave) and the name of its format
+    (``kv_format``, :mod:`tileattn.core.kvformat`; None: its dtype's default); the user's ``score_mod`` and
     ``mask_mod`` (:class:`tileattn.core.functions.UserFunction`: compiled and bound to this call's
     captures, or the reason not) and a block mask's ``block_states``
     (:class:`tileattn.programs.blocks.BlockStates`).
@@ -74,6 +75,7 @@ class KernelArgs:
     v_scale: Optional[torch.Tensor] = per_call_field("quant")
     v_offset: Optional[torch.Tensor] = per_call_field("quant")
     q_scale: Optional[torch.Tensor] = per_call_field("quant")
+    kv_format: Optional[str] = per_call_field("quant")
     score_mod: Optional[object] = per_call_field("user")
     mask_mod: Optional[object] = per_call_field("user")
     block_states: Optional[object] = per_call_field("user")

@@ -41,30 +41,24 @@ from typing import ClassVar, Mapping, Optional, Tuple
 
 import torch
 
+from .kvformat import DEFAULTS, KVFormat, check_cache, format_of, unpack_int4  # noqa: F401 (unpack_int4: public here)
 from .layouts import LAYOUT, to_canonical
 from .modifiers import OP_TENSOR, Modifier, fail
 
-#: The stored formats of a quantised cache (besides q's own dtype with descales).
 #: The name of the int4 format (:func:`tileattn.serving.quantise`'s ``dtype``) and the dtype that stores
 #: it: two values a byte, ``head_dim / 2`` bytes a row (see the module docstring).
 INT4, INT4_STORAGE = "int4", torch.uint8
-#: The stored formats of a quantised cache (besides q's own dtype with descales).
+#: The stored dtypes of a quantised cache (besides q's own dtype with descales).
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, INT4_STORAGE)
 #: How errors name them.
-QUANT_NAMES = "int8, float8_e4m3fn, float8_e5m2 or uint8 (int4, two values a byte)"
+QUANT_NAMES = "int8, float8_e4m3fn, float8_e5m2 or uint8 (int4, two values a byte; q8_0 / q4_0 blocks with k_format)"
 
 
-def head_width(t: torch.Tensor) -> int:
-    """The head dim a cache tensor holds: its last dim, twice that for int4 (two values a byte)."""
-    return t.shape[-1] * 2 if t.dtype is INT4_STORAGE else t.shape[-1]
-
-
-def unpack_int4(x: torch.Tensor) -> torch.Tensor:
-    """int4 values of a packed cache (..., W) as int8 (..., 2W): byte c holds channel 2c in its low
-    nibble and channel 2c + 1 in its high nibble, each a two's complement int4 in [-8, 7]."""
-    low = (x & 15).to(torch.int8)
-    high = (x >> 4).to(torch.int8)
-    return ((torch.stack((low, high), dim=-1) ^ 8) - 8).flatten(-2)
+def head_width(t: torch.Tensor, fmt: Optional[KVFormat] = None) -> int:
+    """The head dim a cache tensor of format ``fmt`` (default: its dtype's) holds: its last dim, twice that
+    for int4 (two values a byte), 32 values per block of q8_0 / q4_0."""
+    fmt = fmt or DEFAULTS.get(t.dtype)
+    return t.shape[-1] if fmt is None else fmt.width(t.shape[-1])
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -81,20 +75,40 @@ class KVQuant(Modifier):
     kind: ClassVar[str] = "kv_quant"
     stage: ClassVar[int] = -1  # acts on the inputs, before any score transform
     keywords: ClassVar[Mapping[str, object]] = {"k_scale": None, "k_offset": None, "v_scale": None,
-                                                "v_offset": None, "q_scale": None}
-    binds: ClassVar[Tuple[str, ...]] = ("k_scale", "k_offset", "v_scale", "v_offset", "q_scale")
+                                                "v_offset": None, "q_scale": None, "k_format": None,
+                                                "v_format": None}
+    binds: ClassVar[Tuple[str, ...]] = ("k_scale", "k_offset", "v_scale", "v_offset", "q_scale", "kv_format")
     forward_only: ClassVar[bool] = True
     k_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
     k_offset: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
     v_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
     v_offset: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
     q_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
+    #: The names of the cache's formats (:mod:`tileattn.core.kvformat`); None: the dtype's default.
+    k_format: Optional[str] = None
+    v_format: Optional[str] = None
 
     @classmethod
-    def from_args(cls, k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None):
-        if k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None:
+    def from_args(cls, k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, k_format=None,
+                  v_format=None):
+        if k_scale is None and k_offset is None and v_scale is None and v_offset is None and q_scale is None and \
+                k_format is None and v_format is None:
             return None
-        return cls(k_scale, k_offset, v_scale, v_offset, q_scale)
+        format_of(k_format, None, "k_format")  # a name that is no format is refused as the call is parsed
+        format_of(v_format, None, "v_format")
+        return cls(k_scale, k_offset, v_scale, v_offset, q_scale, k_format, v_format)
+
+    def formats(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[Optional[KVFormat], Optional[KVFormat]]:
+        """The formats of k and v: the named ones, checked against the tensors (dtype, whole blocks), one
+        format for both; or their dtypes' defaults (None: a float cache)."""
+        kf, vf = format_of(self.k_format, k.dtype, "k_format"), format_of(self.v_format, v.dtype, "v_format")
+        for arg, t, fmt, name in (("k", k, kf, "k_format"), ("v", v, vf, "v_format")):
+            if getattr(self, name) is not None:
+                check_cache(arg, t, fmt, name)
+        if kf is not vf:
+            fail(ValueError, "v_format", f"{vf.name if vf else None} ({v.dtype})",
+                 f"k's format {kf.name if kf else None} (one cache format for k and v)")
+        return kf, vf
 
     def check(self, spec) -> None:
         if LAYOUT[spec.layout].fused:
@@ -116,8 +130,12 @@ class KVQuant(Modifier):
                      "a tensor without gradients (detach it or use torch.no_grad()): quantised K/V are forward "
                      "only, no gradient reaches the scales")
         leading = spec.is_paged or spec.is_varlen
+        fmt = self.formats(k, v)[0]
         for name in _SCALE_NAMES:
             t = getattr(self, name)
+            if t is not None and fmt is not None and fmt.scales == "inside":
+                fail(ValueError, name, f"a tensor for a {fmt.name} cache",
+                     f"None ({fmt.name} blocks hold their own scales)")
             if t is not None:
                 _check_scale(name, t, k if name[0] == "k" else v, spec.batch, leading, spec.device)
         if self.q_scale is not None:
@@ -135,7 +153,7 @@ class KVQuant(Modifier):
 
     def bind(self):
         return {"k_scale": self.k_scale, "k_offset": self.k_offset, "v_scale": self.v_scale,
-                "v_offset": self.v_offset, "q_scale": self.q_scale}
+                "v_offset": self.v_offset, "q_scale": self.q_scale, "kv_format": self.k_format}
 
 
 def _check_fp32(t, name, device, shape_text):
@@ -182,15 +200,25 @@ def with_cache_scales(found: tuple, q_dtype, k_dtype) -> tuple:
     return tuple(sorted(found + (KVQuant(),), key=lambda m: m.stage))
 
 
+def cache_format(found: tuple, k: torch.Tensor, v: torch.Tensor) -> Optional[KVFormat]:
+    """The format of a call's cache (:meth:`KVQuant.formats`, checked) given its modifiers ``found``, or
+    None for a float cache read without scales."""
+    quant = next((m for m in found if isinstance(m, KVQuant)), None)
+    return None if quant is None else quant.formats(k, v)[0]
+
+
 def without_cache_scales(modifiers: tuple) -> tuple:
     """The modifiers of a call whose cache is dequantised already."""
     return tuple(m for m in modifiers if not isinstance(m, KVQuant))
 
 
-def dequantise(x: torch.Tensor, scale: Optional[torch.Tensor], offset: Optional[torch.Tensor], dtype) -> torch.Tensor:
+def dequantise(x: torch.Tensor, scale: Optional[torch.Tensor], offset: Optional[torch.Tensor], dtype,
+               fmt: Optional[KVFormat] = None) -> torch.Tensor:
     """``(x + offset) * scale`` in ``dtype``, scale and offset broadcast along x's shape, their last
-    dim (G channel groups) repeated over the groups' channels; an int4 cache unpacked first."""
-    y = (unpack_int4(x) if x.dtype is INT4_STORAGE else x).to(dtype)
+    dim (G channel groups) repeated over the groups' channels; x decoded by its format first (``fmt``,
+    default its dtype's: int4 unpacked, q8_0 / q4_0 blocks times their own scales)."""
+    fmt = fmt or DEFAULTS.get(x.dtype)
+    y = x.to(dtype) if fmt is None else fmt.decode(x, dtype)
     for t, op in ((offset, torch.add), (scale, torch.mul)):
         if t is not None:
             y = op(y, t.to(dtype).repeat_interleave(y.shape[-1] // t.shape[-1], dim=-1))

@@ -34,8 +34,8 @@ from .kernel_args import KernelArgs, lower
 from .layouts import (  # noqa: F401  (LAYOUTS, empty_in_layout, user_shape: importable from here as before)
     LAYOUT, LAYOUTS, empty_in_layout, from_canonical, to_canonical, user_shape,
 )
-from .kvquant import (INT4_STORAGE, QUANT_DTYPES, QUANT_NAMES, _has_batch_axis, _per_sequence, dequantise, head_width,
-                      quant_of, with_cache_scales, without_cache_scales)
+from .kvquant import (QUANT_DTYPES, QUANT_NAMES, _has_batch_axis, _per_sequence, cache_format, dequantise,
+                      head_width, quant_of, with_cache_scales, without_cache_scales)
 from .modifiers import Band, Modifier, check_keywords, fail, modifiers_from_keywords
 from .score_math import diagonal_offset
 
@@ -396,9 +396,9 @@ def spec_of(q, k, v, found: Tuple[Modifier, ...], *, layout="BNSD", num_heads=No
     (outside a trace) the sequence tensors' values."""
     layout, block_table = _layout_of(layout, k, cu_seqlens_q, cu_seqlens_k, block_table)
     paged = block_table is not None
-    found = _check_tensors(q, k, v, layout, paged, found)
+    found, fmt = _check_tensors(q, k, v, layout, paged, found)
     q_c, k_c, v_c, num_heads = _canonical_views(q, k, v, layout, num_heads, paged)
-    hq, hkv, d, dv = _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads)
+    hq, hkv, d, dv = _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads, fmt)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -441,7 +441,8 @@ def _layout_of(layout, k, cu_seqlens_q, cu_seqlens_k, block_table):
 
 def _check_tensors(q, k, v, layout, paged, found):
     """q, k and v: ranks, dtypes (a quantised cache's too) and one device. Returns the modifiers with a
-    quantised cache's scales (:func:`tileattn.core.kvquant.with_cache_scales`)."""
+    quantised cache's scales (:func:`tileattn.core.kvquant.with_cache_scales`) and the cache's format
+    (:class:`tileattn.core.kvformat.KVFormat`; None: a float cache)."""
     lay, pool = LAYOUT[layout], LAYOUT["paged"]
     _check_tensor("q", q, lay.rank, lay.shape_name, f" for layout='{layout}'")
     cache_dtypes = FLOAT_DTYPES + QUANT_DTYPES
@@ -456,7 +457,7 @@ def _check_tensors(q, k, v, layout, paged, found):
     found = with_cache_scales(found, q.dtype, k.dtype)
     if not (q.device == k.device == v.device):
         fail(ValueError, "k/v", f"devices q={q.device}, k={k.device}, v={v.device}", "one shared device")
-    return found
+    return found, cache_format(found, k, v)
 
 
 def _canonical_views(q, k, v, layout, num_heads, paged):
@@ -483,7 +484,7 @@ def _canonical_views(q, k, v, layout, num_heads, paged):
     return to_canonical(q, layout, None), k_c, v_c, num_heads
 
 
-def _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads):
+def _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads, fmt):
     """(query heads, kv heads, head dim, value head dim), checked against each other and the batch."""
     hq, hkv = q_c.shape[1], k_c.shape[1]
     batch = None if layout == "TND" else q_c.shape[0]
@@ -497,11 +498,15 @@ def _check_heads(q, k, v, q_c, k_c, v_c, layout, paged, num_heads):
         fail(ValueError, "q", "0 heads", "at least one query head")
     if hkv == 0 or hq % hkv:
         fail(ValueError, "k", f"{hkv} kv heads for {hq} query heads", "a number of kv heads dividing the query heads (GQA/MQA)")
-    d, dv = q_c.shape[-1], head_width(v_c)  # an int4 cache holds two channels a byte
-    if head_width(k_c) != d:
-        packed = k.dtype is INT4_STORAGE
-        fail(ValueError, "k", f"{k_c.shape[-1]} bytes of int4 a row" if packed else f"head dim {k_c.shape[-1]}",
-             f"the head dim of q, {d}" + (f" ({d // 2} bytes of int4, two values a byte)" if packed else ""))
+    d, dv = q_c.shape[-1], head_width(v_c, fmt)  # int4: two channels a byte; q8_0 / q4_0: 32 a block
+    if fmt is not None and fmt.scales == "inside" and d % fmt.block:
+        fail(ValueError, "k_format", f"'{fmt.name}' for head dim {d}",
+             f"a head dim that is a multiple of {fmt.block} ({fmt.name}'s block) or another format")
+    if head_width(k_c, fmt) != d:
+        packed = fmt is not None and fmt.block > 1
+        fail(ValueError, "k", f"{k_c.shape[-1]} bytes of {fmt.name} a row" if packed else f"head dim {k_c.shape[-1]}",
+             f"the head dim of q, {d}" + (f" ({fmt.row_size(d)} bytes of {fmt.name}, {fmt.block} values per "
+                                          f"{fmt.block_bytes} bytes)" if packed else ""))
     if d == 0 or dv == 0:
         fail(ValueError, "q/v", f"head dims {d}/{dv}", "positive head dims")
     if paged:
@@ -566,8 +571,9 @@ def dequantised_spec(spec, dtype):
     else:
         q = q.to(dtype)
     k, v, block_table = spec.k, spec.v, spec.block_table
+    fmt = m.formats(k, v)[0]
     if not _has_batch_axis(m, k):
-        kd, vd = dequantise(k, m.k_scale, m.k_offset, dtype), dequantise(v, m.v_scale, m.v_offset, dtype)
+        kd, vd = dequantise(k, m.k_scale, m.k_offset, dtype, fmt), dequantise(v, m.v_scale, m.v_offset, dtype, fmt)
     elif spec.is_paged:
         # Per-sequence scales over a shared pool: each sequence gets its own dequantised pages.
         b = spec.batch

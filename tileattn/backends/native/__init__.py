@@ -66,11 +66,13 @@ class NativeBackend(Backend):
             why.append("a paged cache without pages")
         if max(spec.q_c.shape[0] if spec.is_varlen else spec.seqlen_q, spec.seqlen_k) >= 2**31 - 1:
             why.append("a sequence of 2^31 tokens or more")
-        if quant_of(spec) is not None:
+        quant = quant_of(spec)
+        if quant is not None:
+            fmt = quant.formats(spec.k, spec.v)[0]
             if spec.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 why.append(f"a quantised or scaled cache with {spec.dtype} queries (fp32, bf16 or fp16)")
-            elif spec.k.dtype is not spec.dtype and spec.k.dtype not in kernels.CAPABILITIES["kv_formats"]:
-                why.append(f"a cache of dtype {spec.k.dtype}")
+            elif fmt is not None and fmt.name not in kernels.CAPABILITIES["kv_formats"]:
+                why.append(f"a cache of format {fmt.name}")
         return why
 
     def forward(self, spec: AttentionSpec, out, lse):

@@ -222,7 +222,7 @@ def _validate(q, k, v, out, lse, args, geometry, cancel, backward, kv_dtype=None
         _same("k", ks, (batch, hkv, sk, ks[3]))
         _same("v", vs, (batch, hkv, sk, vs[3]))
         tk = 0
-    dk, dv = _width(k), _width(v)
+    dk, dv = _width(k, args), _width(v, args)
     if dk != d:
         _fail("k", f"head dim {dk}", f"the head dim of q, {d}")
     if hkv == 0 or hq % hkv:

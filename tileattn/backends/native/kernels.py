@@ -53,14 +53,17 @@ import torch
 from ...core import kernel_args
 from ...core.engine import WITH_MEMORY, storage_problem
 from ...core.kernel_args import SCORE_AXES, broadcast_strides
+from ...core.kvformat import DEFAULTS, format_of
 from . import build as _build
 from . import prebuilt as _prebuilt
 from . import record as _record
 
 _F32, _F64, _BF16, _F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 _DTYPES = {_F32: 0, _F64: 1, _BF16: 2, _F16: 3}
-#: element formats of a quantised K/V cache (csrc/kv.h), besides q's own dtype
-_KV_FORMATS = {torch.int8: 4, torch.float8_e4m3fn: 5, torch.float8_e5m2: 6, torch.uint8: 7}  # uint8: int4, packed
+#: the kernels' code (csrc/ta.h, kv.h) of each K/V cache format (tileattn.core.kvformat), besides q's own dtype
+_KV_CODES = {"int8": 4, "e4m3": 5, "e5m2": 6, "int4": 7, "q8_0": 8, "q4_0": 9}
+#: the dtypes of a quantised cache (a uint8 one holds int4 unless the call names another format)
+_KV_FORMATS = frozenset(DEFAULTS)
 #: options bit that says the "quant" section is set; only forward() sets it
 _KV_QUANT = 128
 _ERR_LEN = 512
@@ -78,8 +81,9 @@ CAPABILITIES = {
                           "mask", "bias", "dropout", "decode"}),
     "backward": frozenset({"band", "shift", "gqa", "varlen", "seqused_k", "softcap", "alibi", "mask", "bias",
                            "dbias", "dropout"}),
-    #: K/V formats read natively by the forward pass (with k_scale/k_offset/v_scale/v_offset/q_scale)
-    "kv_formats": frozenset(_KV_FORMATS),
+    #: K/V formats (names, tileattn.core.kvformat) read natively by the forward pass (beside scales with
+    #: k_scale/k_offset/v_scale/v_offset; q_scale with any)
+    "kv_formats": frozenset(_KV_CODES),
 }
 
 class Unavailable(RuntimeError):
@@ -336,9 +340,11 @@ class Tiles(NamedTuple):
 DEFAULT_TILES = Tiles()
 
 
-def _width(t) -> int:
-    """The head dim a K/V tensor holds: its last dim, twice that for packed int4 (uint8, two values a byte)."""
-    return t.shape[-1] * 2 if t.dtype is torch.uint8 else t.shape[-1]
+def _width(t, args) -> int:
+    """The head dim a K/V tensor holds in the call's format (``args.kv_format``, default its dtype's): its
+    last dim, twice that for packed int4 (uint8, two values a byte), 32 values per q8_0 / q4_0 block."""
+    fmt = format_of(args.kv_format, t.dtype)
+    return t.shape[-1] if fmt is None else fmt.width(t.shape[-1])
 
 
 def _fail(arg, given, expected, exc=ValueError):
@@ -416,7 +422,7 @@ def pack(lib, buffer, q, k, v, out, lse, args, geometry=PADDED, tiles=DEFAULT_TI
     fields = dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
                   cu_q=ptr(cu_seqlens_q), cu_k=ptr(cu_seqlens_k), seqused_k=ptr(seqused_k),
                   block_table=ptr(block_table),
-                  B=batch, Hq=hq, Hkv=hkv, Sq=sq, Sk=sk, D=d, Dv=_width(v), Tq=tq, Tk=tk, q_st=q_st, k_st=k_st,
+                  B=batch, Hq=hq, Hkv=hkv, Sq=sq, Sk=sk, D=d, Dv=_width(v, args), Tq=tq, Tk=tk, q_st=q_st, k_st=k_st,
                   v_st=v_st, o_st=o_st, lse_st=l_st, dtype=_DTYPES[q.dtype], out_dtype=_DTYPES[out.dtype],
                   drop_threshold=args.dropout_threshold, seed=args.seed & (2**63 - 1), block_m=tiles.block_m,
                   block_n=tiles.block_n,
@@ -502,7 +508,8 @@ def _scale_strides(name, t, k, width, batch, leading):
 def _fill_quant(lib, buffer, q, k, v, args, geometry):
     """Check the scales of a quantised cache (in the cache's canonical order) and fill the "quant"
     section. k and v may be int8, float8_e4m3fn, float8_e5m2 or uint8 holding int4 (two values a
-    byte; csrc/kv.h), or q's dtype (descales of a bf16 cache). ``k_scale``, ``k_offset``, ``v_scale``,
+    byte; csrc/kv.h) or, when ``args.kv_format`` says so, llama.cpp's q8_0 / q4_0 blocks (scales inside,
+    none of the four below), or q's dtype (descales of a bf16 cache). ``k_scale``, ``k_offset``, ``v_scale``,
     ``v_offset`` are optional fp32 tensors broadcastable to the cache's own shape with its last dim
     replaced by G channel groups (1: no channel axis; D: per channel; a divisor of D: groups of D/G
     channels), and, for varlen or paged k, an optional leading batch axis of size B (per-sequence
@@ -517,10 +524,10 @@ def _fill_quant(lib, buffer, q, k, v, args, geometry):
     leading = "paged" if block_table is not None else "varlen" if cu_seqlens_q is not None else None
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else q.shape[0]
     none = (0, 0, 0, 0, 0, 0)
-    ks = none if k_scale is None else _scale_strides("k_scale", k_scale, k, _width(k), batch, leading)
-    ko = none if k_offset is None else _scale_strides("k_offset", k_offset, k, _width(k), batch, leading)
-    vs = none if v_scale is None else _scale_strides("v_scale", v_scale, v, _width(v), batch, leading)
-    vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, _width(v), batch, leading)
+    ks = none if k_scale is None else _scale_strides("k_scale", k_scale, k, _width(k, args), batch, leading)
+    ko = none if k_offset is None else _scale_strides("k_offset", k_offset, k, _width(k, args), batch, leading)
+    vs = none if v_scale is None else _scale_strides("v_scale", v_scale, v, _width(v, args), batch, leading)
+    vo = none if v_offset is None else _scale_strides("v_offset", v_offset, v, _width(v, args), batch, leading)
     q_st, q_ptr = (0, 0, 0), 0
     if q_scale is not None:
         _check_memory(q_scale=q_scale)
@@ -532,7 +539,8 @@ def _fill_quant(lib, buffer, q, k, v, args, geometry):
         q_st = tuple(q_scale.stride(d) if q_scale.shape[d] != 1 else 0 for d in range(2)) + (0,)
         q_ptr = q_scale.data_ptr()
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    lib.fill["quant"](buffer, kv_dtype=_KV_FORMATS.get(k.dtype, _DTYPES[q.dtype]), k_scale=ptr(k_scale),
+    fmt = format_of(args.kv_format, k.dtype)
+    lib.fill["quant"](buffer, kv_dtype=_DTYPES[q.dtype] if fmt is None else _KV_CODES[fmt.name], k_scale=ptr(k_scale),
                       k_offset=ptr(k_offset), v_scale=ptr(v_scale), v_offset=ptr(v_offset), q_scale=q_ptr,
                       k_scale_st=ks, k_offset_st=ko, v_scale_st=vs, v_offset_st=vo, q_scale_st=q_st)
 

@@ -131,8 +131,11 @@ static inline void dec_prefetch(const void *const *rows, int64_t j0, int64_t j1,
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch((const char *)rows[j] + b, 0, 3);
 }
 
-/* Bytes of a row of w elements of format kd (int4: two a byte). */
-static inline int64_t dec_row_bytes(int64_t kd, int64_t w) { return kd == TA_I4 ? w / 2 : w * ta_kv_elsize(kd); }
+/* Bytes of a row of w elements of format kd (int4: two a byte; q8_0 / q4_0: whole blocks of 32). */
+static inline int64_t dec_row_bytes(int64_t kd, int64_t w) {
+    if (kd == TA_Q8_0 || kd == TA_Q4_0) return (w + 31) / 32 * ta_block_bytes(kd);
+    return kd == TA_I4 ? w / 2 : w * ta_kv_elsize(kd);
+}
 
 /* Step 1 for rows [0, M) (q: M rows of Dp values): alpha * q.k of keys [0, n) into S (np per row). */
 TA_INLINE void dec_scores_kd(const int kd, const int grouped, const real *q, int64_t M, int64_t Dp,
@@ -204,7 +207,8 @@ TA_INLINE void dec_pv_kd(const int kd, const int gr, real *acc, int64_t Dvp, con
 /* One instance of steps 1 and 3 per format (kd is a constant inside each), and one with group scales
  * per quantised format (DEC_GROUPED: the formats dec_groups_fit lets take them). */
 #if TA_REAL_BITS == 32
-#define DEC_FORMATS(X) X(TA_BF16) X(TA_F16) X(TA_I8) X(TA_F8E4M3) X(TA_F8E4M3_FINITE) X(TA_F8E5M2) X(TA_I4)
+#define DEC_FORMATS(X) \
+    X(TA_BF16) X(TA_F16) X(TA_I8) X(TA_F8E4M3) X(TA_F8E4M3_FINITE) X(TA_F8E5M2) X(TA_I4) X(TA_Q8_0) X(TA_Q4_0)
 #define DEC_GROUPED(X) X(TA_I8) X(TA_F8E4M3) X(TA_F8E4M3_FINITE) X(TA_F8E5M2) X(TA_I4)
 #define DEC_NATIVE TA_F32
 #else

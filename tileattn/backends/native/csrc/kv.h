@@ -5,7 +5,11 @@
  * (torch.float8_e4m3fn: no infinities, 0x7f/0xff are NaN; torch.float8_e5m2: the top byte of an
  * fp16, infinities and NaN included) and int4 (two values a byte: byte c of a row holds channel 2c
  * in its low nibble, 2c + 1 in its high nibble, two's complement in [-8, 7]; a row of W channels is
- * W / 2 bytes, and strides count bytes). Every conversion is exact.
+ * W / 2 bytes, and strides count bytes) and llama.cpp's blocks q8_0 / q4_0 (per 32 values an fp16
+ * scale d, then 32 int8 q, value d q, or 16 bytes of nibbles, the low nibbles the block's first 16
+ * values, the high nibbles its last 16, value d (nibble - 8): value i of a row lives in block i / 32,
+ * 34 or 18 bytes a block; their scales are inside, so a row converts to its real values). Every
+ * conversion is exact (d q needs at most 19 significant bits).
  *
  * Dequantisation is x_deq = (x + offset) * scale, the Ascend antiquant convention (no offset =
  * symmetric). k_scale, k_offset, v_scale, v_offset are fp32 tensors (each optional), read through
@@ -36,7 +40,7 @@ static inline int64_t ta_kv_dtype(const ta_args *a) {
     return (a->options & TA_OPT_KV_QUANT) ? a->kv_dtype : a->dtype;
 }
 
-/* Bytes per element of the stored tensor (int4: per byte of two values): what strides count. */
+/* Bytes per element of the stored tensor (int4, q8_0, q4_0: per byte): what strides count. */
 static inline int64_t ta_kv_elsize(int64_t kd) {
     return kd == TA_F64 ? 8 : kd == TA_F32 ? 4 : kd >= TA_I8 ? 1 : 2;
 }
@@ -75,6 +79,15 @@ static inline float ta_e4m3_to_f32(uint8_t x) {
     return ta_f16_to_f32((uint16_t)(((x & 0x80) << 8) | ((x & 0x7f) << 7))) * 256.0f;
 }
 
+/* Bytes of a block of 32 values of q8_0 / q4_0, and its fp16 scale. */
+static inline int64_t ta_block_bytes(int64_t kd) { return kd == TA_Q8_0 ? 34 : 18; }
+
+static inline float ta_block_scale(const uint8_t *block) {
+    uint16_t d;
+    memcpy(&d, block, 2);
+    return ta_f16_to_f32(d);
+}
+
 /* Element i of a row of format kd. */
 static inline double ta_kv_load1(const void *row, int64_t i, int64_t kd) {
     switch (kd) {
@@ -84,6 +97,14 @@ static inline double ta_kv_load1(const void *row, int64_t i, int64_t kd) {
     case TA_F16: return ta_f16_to_f32(((const uint16_t *)row)[i]);
     case TA_I8: return ((const int8_t *)row)[i];
     case TA_I4: return (((((const uint8_t *)row)[i >> 1] >> (4 * (i & 1))) & 15) ^ 8) - 8;
+    case TA_Q8_0: {
+        const uint8_t *b = (const uint8_t *)row + (i >> 5) * 34;
+        return (double)ta_block_scale(b) * (int8_t)b[2 + (i & 31)];
+    }
+    case TA_Q4_0: {
+        const uint8_t *b = (const uint8_t *)row + (i >> 5) * 18;
+        return (double)ta_block_scale(b) * (((b[2 + (i & 15)] >> ((i & 16) >> 2)) & 15) - 8);
+    }
     case TA_F8E4M3:
     case TA_F8E4M3_FINITE: return ta_e4m3_to_f32(((const uint8_t *)row)[i]);
     default: return ta_e5m2_to_f32(((const uint8_t *)row)[i]);
@@ -108,7 +129,8 @@ static inline real ta_kv_unit(int64_t kd) {
 /* VW elements [i, i + VW) of a row of format kd as real lanes (times 1 / ta_kv_unit(kd)). kd is a
  * compile-time constant at every call, so each format gets its own instructions: simd.h's widening
  * loads where the ISA has them (one load and a shift or an int->float conversion for bf16, fp16,
- * int8 and e5m2; e4m3 adds a mask and a NaN check; int4 splits nibbles), else element by element. */
+ * int8 and e5m2; e4m3 adds a mask and a NaN check; int4 splits nibbles; q8_0 is int8 times its
+ * block's scale: VW divides 32, so a vector lies in one block), else element by element. */
 TA_INLINE vr ta_kv_vload(const void *row, int64_t i, const int kd) {
 #ifdef TA_VCVT_INT
     const char *p = (const char *)row;
@@ -120,6 +142,10 @@ TA_INLINE vr ta_kv_vload(const void *row, int64_t i, const int kd) {
 #endif
     case TA_I8: return vload_i8(p + i);
     case TA_I4: return vload_i4(p + i / 2);
+    case TA_Q8_0: {
+        const uint8_t *b = (const uint8_t *)p + (i >> 5) * 34;
+        return vload_i8(b + 2 + (i & 31)) * vset1(ta_block_scale(b));
+    }
 #ifdef TA_VCVT_F16
     case TA_F8E5M2: return vload_e5m2(p + i);
     case TA_F8E4M3:

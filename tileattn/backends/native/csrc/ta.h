@@ -21,8 +21,11 @@
 
 #define TA_ERR_LEN 512
 
-/* TA_I8 .. TA_I4: element formats of a quantised K/V cache (kv_dtype, see kv.h), never of q */
-enum ta_dtype { TA_F32 = 0, TA_F64 = 1, TA_BF16 = 2, TA_F16 = 3, TA_I8 = 4, TA_F8E4M3 = 5, TA_F8E5M2 = 6, TA_I4 = 7 };
+/* TA_I8 .. TA_Q4_0: formats of a quantised K/V cache (kv_dtype, see kv.h), never of q */
+enum ta_dtype {
+    TA_F32 = 0, TA_F64 = 1, TA_BF16 = 2, TA_F16 = 3, TA_I8 = 4, TA_F8E4M3 = 5, TA_F8E5M2 = 6, TA_I4 = 7,
+    TA_Q8_0 = 8, TA_Q4_0 = 9
+};
 
 enum ta_status { TA_OK = 0, TA_CANCELLED = 1, TA_EINVAL = -1, TA_ENOMEM = -2 };
 
