@@ -43,7 +43,7 @@ import torch
 
 from .kvformat import DEFAULTS, KVFormat, check_cache, format_of, unpack_int4  # noqa: F401 (unpack_int4: public here)
 from .layouts import LAYOUT, to_canonical
-from .modifiers import OP_TENSOR, Modifier, fail
+from .modifiers import OP_FORMAT, OP_TENSOR, Modifier, fail
 
 #: The name of the int4 format (:func:`tileattn.serving.quantise`'s ``dtype``) and the dtype that stores
 #: it: two values a byte, ``head_dim / 2`` bytes a row (see the module docstring).
@@ -85,8 +85,8 @@ class KVQuant(Modifier):
     v_offset: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
     q_scale: Optional[torch.Tensor] = field(default=None, metadata=OP_TENSOR)
     #: The names of the cache's formats (:mod:`tileattn.core.kvformat`); None: the dtype's default.
-    k_format: Optional[str] = None
-    v_format: Optional[str] = None
+    k_format: Optional[str] = field(default=None, metadata=OP_FORMAT)
+    v_format: Optional[str] = field(default=None, metadata=OP_FORMAT)
 
     @classmethod
     def from_args(cls, k_scale=None, k_offset=None, v_scale=None, v_offset=None, q_scale=None, k_format=None,

@@ -62,6 +62,7 @@ OP_TENSOR = {"op": "tensor"}
 OP_INT = {"op": "int"}
 OP_OPT_INT = {"op": "opt_int"}  # None travels as -1 (window sides are never negative once validated)
 OP_FLOAT = {"op": "float"}
+OP_FORMAT = {"op": "format"}  # a KV format's name travels as its index in kvformat.FORMATS (None as -1)
 
 #: Largest window side accepted: anything longer than any sequence is "unbounded" in effect, and the
 #: value must survive int64 arithmetic in every engine.

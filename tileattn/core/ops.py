@@ -67,6 +67,14 @@ def _flat_fields(cls) -> tuple:
 _flat_fields._dynamo_marked_constant = True
 
 
+def _format_names() -> tuple:
+    """The KV formats by index: a format's name travels through the op as an int (imported here, on
+    a quantised call only: kvformat sits above this module's imports)."""
+    from .kvformat import FORMATS
+
+    return tuple(FORMATS)
+
+
 def flatten(modifier: Modifier) -> Tuple[list, list, list]:
     """(tensors, ints, floats) of a modifier, in field order."""
     tensors, ints, floats = [], [], []
@@ -78,6 +86,8 @@ def flatten(modifier: Modifier) -> Tuple[list, list, list]:
             ints.append(value)
         elif op == "opt_int":
             ints.append(-1 if value is None else value)
+        elif op == "format":
+            ints.append(-1 if value is None else _format_names().index(value))
         else:
             floats.append(value)
     return tensors, ints, floats
@@ -95,6 +105,9 @@ def unflatten(kind: str, tensors, ints, floats) -> Modifier:
         elif op == "opt_int":
             value = next(ints)
             values[name] = None if value < 0 else value
+        elif op == "format":
+            value = next(ints)
+            values[name] = None if value < 0 else _format_names()[value]
         else:
             values[name] = next(floats)
     return cls(**values)

@@ -394,11 +394,9 @@ class PagedCache(Cache):
         if isinstance(implementation, str):
             from transformers import AttentionInterface
 
-            from .transformers import tileattn_attention_forward
-
+            # transformers' own implementations read K/V as tensors; tileattn's lives in tileattn's module
             function = AttentionInterface().get(implementation)
-            if function is not tileattn_attention_forward and (
-                    function is None or getattr(function, "__module__", "").startswith("transformers")):
+            if function is None or getattr(function, "__module__", "").startswith("transformers"):
                 fail(TypeError, "attn_implementation", f"'{implementation}' ({type(module).__name__}), which reads "
                      "keys and values as tensors: nothing was written to the cache",
                      "attn_implementation='tileattn' (tileattn.integrations.transformers.register()): a PagedCache is "
