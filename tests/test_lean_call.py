@@ -249,6 +249,8 @@ def test_the_dialects_decode_calls_take_the_lean_path(served):
 #: flash_attention that a plan does not key on joins lean.unserved, and the test fails until it has
 #: a value here.
 _UNSERVED_VALUES = {
+    "k_format": lambda: "q8_0",
+    "v_format": lambda: "q8_0",
     "mask": lambda: torch.arange(96) % 3 != 0,
     "bias": lambda: 0.01 * torch.arange(96.0),
     "alibi_slopes": lambda: torch.full((8,), 0.05),

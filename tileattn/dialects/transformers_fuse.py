@@ -127,7 +127,7 @@ class FusedAttention(nn.Module):
         if not self._halves_checked and not torch.compiler.is_compiling():
             if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
                 raise UnsupportedModelError(
-                    f"tileattn.fuse: layer {self.layer_idx}'s rotary tables are not cat(freqs, freqs); "
+                    f"tileattn.integrations.transformers.fuse: layer {self.layer_idx}'s rotary tables are not cat(freqs, freqs); "
                     "norm_qkv rotates halves (i, i + rot/2) with one frequency per pair")
             self._halves_checked = True
         return cos[..., :half], sin[..., :half]
@@ -159,13 +159,13 @@ def _layers(model: nn.Module, family: Family):
     """The decoder layers of ``model``, or UnsupportedModelError naming what is not as expected."""
     found = [m for m in model.modules() if type(m).__name__ == family.decoder_layer]
     if not found:
-        raise UnsupportedModelError(f"tileattn.fuse: no {family.decoder_layer} in this "
+        raise UnsupportedModelError(f"tileattn.integrations.transformers.fuse: no {family.decoder_layer} in this "
                                     f"{model.config.model_type} model; nothing to fuse")
     for layer in found:
         attention = getattr(layer, "self_attn", None)
         if type(attention).__name__ != family.attention or not hasattr(layer, "input_layernorm"):
             raise UnsupportedModelError(
-                f"tileattn.fuse: a {family.decoder_layer} has self_attn {type(attention).__name__}, expected "
+                f"tileattn.integrations.transformers.fuse: a {family.decoder_layer} has self_attn {type(attention).__name__}, expected "
                 f"{family.attention} after an input_layernorm; this variant is not covered")
     return found
 
@@ -179,7 +179,7 @@ def fuse(model: nn.Module, register: Callable, attend: Callable) -> nn.Module:
     family = FUSABLE.get(model_type)
     if family is None:
         raise UnsupportedModelError(
-            f"tileattn.fuse: architecture {model_type!r} ({type(model).__name__}) is not covered; fuse() covers "
+            f"tileattn.integrations.transformers.fuse: architecture {model_type!r} ({type(model).__name__}) is not covered; fuse() covers "
             f"{', '.join(sorted(FUSABLE))}. Its attention can still run on tileattn unfused: "
             "attn_implementation='tileattn'.")
     layers = _layers(model, family)

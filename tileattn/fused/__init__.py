@@ -12,7 +12,7 @@ GEMMs are the machine's (MKL/oneDNN through PyTorch). On the CPU the passes are 
 (:mod:`tileattn.fused.ops`, :mod:`tileattn.fused.native`); elsewhere, or with ``impl="composed"``,
 the operators run their exact PyTorch composition (:mod:`tileattn.fused.composed`), which is also
 what the tests compare against in fp64. Both are differentiable and ``torch.compile`` traces both
-with no graph break. Details and measurements: ``docs/fused.md``.
+with no graph break. Details and measurements: ``hub/tutorials/18_fused_neighbours.py`` and ``benchmarks/results/fused.csv``.
 """
 
 from __future__ import annotations
